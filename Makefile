@@ -1,0 +1,59 @@
+# rhymerl — the newcomer's commands: `make run` (whole system + a short RL loop)
+# and `make test` (the suite CI runs). Both install what they need first.
+
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+PYTHON    := $(BIN)/python
+STAMP     := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml | cksum | cut -d' ' -f1)
+TORCH     ?= torch==2.13.0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install proto system-deps run test test-fast bench bench-gpu train-tiny traces dashboards helm-test clean
+
+install: $(STAMP)
+
+$(STAMP):
+	$(MAKE) system-deps
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)" grpcio-tools
+	$(MAKE) proto
+	$(BIN)/pip install -q -e clients/python -e ".[worker,triton,dev]"
+	touch $@
+
+# Debian packages the tests and the local system use: a real redis-server, and
+# Go + sprig for the Helm chart renderer, Prometheus for the observability test.
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v go >/dev/null || missing="$$missing golang-go"; \
+	test -d /usr/share/gocode/src/github.com/Masterminds/sprig || missing="$$missing golang-github-masterminds-sprig-dev"; \
+	test -d /usr/share/gocode/src/sigs.k8s.io/yaml || missing="$$missing golang-k8s-sigs-yaml-dev"; \
+	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	if [ -n "$$missing" ]; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# Generated gRPC code goes into the SDK package (clients/python/src/rhymerl/v1), never edited.
+proto:
+	$(PYTHON) -c "import runpy; runpy.run_path('clients/python/setup.py', run_name='proto')['generate']()"
+
+run: install
+	$(PYTHON) -m services.cli local-run
+
+test: install
+	$(PYTHON) -m pytest -q -ra
+
+test-fast: install
+	$(PYTHON) -m pytest -q -x -m "not slow"
+
+bench: install
+	$(PYTHON) -m benchmarks.run_all --device cpu
+
+bench-gpu: install
+	$(PYTHON) -m benchmarks.run_all --device cuda
+
+clean:
+	rm -rf $(VENV) clients/python/src/rhymerl/v1 build dist *.egg-info

@@ -1,0 +1,8 @@
+"""rhymerl SDK: submit RL rollout steps to a rhymerl scheduler over gRPC (no torch needed)."""
+
+from rhymerl.aio import AsyncRolloutClient
+from rhymerl.client import RolloutClient
+from rhymerl.types import Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
+
+__all__ = ["AsyncRolloutClient", "Prompt", "RolloutClient", "Sample", "SamplingParams",
+           "ServiceStats", "StepResult", "StepSummary"]

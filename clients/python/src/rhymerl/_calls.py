@@ -1,0 +1,53 @@
+"""Request building and retry policy shared by the sync and asyncio clients."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from rhymerl.types import Prompt, SamplingParams
+from rhymerl.v1 import common_pb2, rollout_pb2
+
+# Safe to retry: the step id makes a re-submitted step idempotent, and a weight
+# push of a version already serving with the same checksum is acknowledged.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+WEIGHT_CHUNK_BYTES = 4 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+]
+
+
+def backoff_s(attempt: int, base_s: float = 0.2, cap_s: float = 5.0) -> float:
+    """Exponential backoff with full jitter."""
+    return random.uniform(0, min(cap_s, base_s * 2 ** attempt))
+
+
+def is_retryable(err: grpc.RpcError) -> bool:
+    return err.code() in RETRYABLE
+
+
+def step_request(step_id: str, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
+                 policy_version: int) -> rollout_pb2.SubmitStepRequest:
+    return rollout_pb2.SubmitStepRequest(
+        step_id=step_id, policy_version=policy_version, n=n, sampling=sampling.to_proto(),
+        prompts=[p.to_proto() for p in prompts])
+
+
+def rewards_request(step_id: str, rewards) -> rollout_pb2.ReportRewardsRequest:
+    return rollout_pb2.ReportRewardsRequest(step_id=step_id, rewards=[
+        rollout_pb2.SampleReward(prompt_id=p, sample_index=i, reward=float(r)) for p, i, r in rewards])
+
+
+def weight_chunks(version: int, data: bytes, chunk_bytes: int = WEIGHT_CHUNK_BYTES
+                  ) -> Iterator[common_pb2.WeightChunk]:
+    """A header (version, size, SHA-256) followed by the payload in chunks."""
+    yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+        version=version, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    view = memoryview(data)
+    for start in range(0, len(data), chunk_bytes):
+        yield common_pb2.WeightChunk(data=bytes(view[start:start + chunk_bytes]))

@@ -1,0 +1,96 @@
+"""The asyncio client: the same calls as :class:`rhymerl.RolloutClient`, awaitable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+import grpc
+
+from rhymerl import _calls
+from rhymerl.types import Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
+from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+
+class AsyncRolloutClient:
+    """asyncio twin of RolloutClient; create it inside a running event loop."""
+
+    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self._channel = grpc.aio.insecure_channel(address, options=_calls.CHANNEL_OPTIONS)
+        self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+        self.last_summary: StepSummary | None = None
+
+    async def submit_step(self, step_id: str, prompts: Sequence[Prompt], n: int,
+                          sampling: SamplingParams = SamplingParams(), policy_version: int = 0
+                          ) -> AsyncIterator[Sample]:
+        """Yields each sample once, in completion order; sets ``last_summary``."""
+        request = _calls.step_request(step_id, prompts, n, sampling, policy_version)
+        seen: set[tuple[str, int]] = set()
+        self.last_summary = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                async for event in self._stub.SubmitStep(request, timeout=self.timeout_s):
+                    if event.HasField("summary"):
+                        self.last_summary = StepSummary.from_proto(event.summary)
+                        continue
+                    sample = Sample.from_proto(event.sample)
+                    if sample.key not in seen:
+                        seen.add(sample.key)
+                        yield sample
+                return
+            except grpc.RpcError as err:
+                if attempt == self.max_retries or not _calls.is_retryable(err):
+                    raise
+                await asyncio.sleep(_calls.backoff_s(attempt))
+
+    async def rollout(self, step_id: str, prompts: Sequence[Prompt], n: int,
+                      sampling: SamplingParams = SamplingParams(), policy_version: int = 0) -> StepResult:
+        samples = [s async for s in self.submit_step(step_id, prompts, n, sampling, policy_version)]
+        return StepResult(samples=samples, summary=self.last_summary)
+
+    async def cancel_step(self, step_id: str) -> int:
+        response = await self._call(self._stub.CancelStep, rollout_pb2.CancelStepRequest(step_id=step_id))
+        return response.num_cancelled
+
+    async def report_rewards(self, step_id: str, rewards: Iterable[tuple[str, int, float]]) -> int:
+        return (await self._call(self._stub.ReportRewards, _calls.rewards_request(step_id, rewards))).num_recorded
+
+    async def push_weights(self, version: int, data: bytes) -> int:
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = await self._stub.PushWeights(_calls.weight_chunks(version, data), timeout=self.timeout_s)
+                return response.version
+            except grpc.RpcError as err:
+                if attempt == self.max_retries or not _calls.is_retryable(err):
+                    raise
+                await asyncio.sleep(_calls.backoff_s(attempt))
+        raise AssertionError("unreachable")
+
+    async def load_weights(self, version: int, path: str) -> int:
+        request = common_pb2.LoadWeightsRequest(version=version, path=path)
+        return (await self._call(self._stub.LoadWeights, request)).version
+
+    async def stats(self) -> ServiceStats:
+        return ServiceStats.from_proto(await self._call(self._stub.GetStats, rollout_pb2.GetStatsRequest()))
+
+    async def _call(self, method, request):
+        for attempt in range(self.max_retries + 1):
+            try:
+                return await method(request, timeout=self.timeout_s)
+            except grpc.RpcError as err:
+                if attempt == self.max_retries or not _calls.is_retryable(err):
+                    raise
+                await asyncio.sleep(_calls.backoff_s(attempt))
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncRolloutClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

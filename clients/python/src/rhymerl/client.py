@@ -1,0 +1,108 @@
+"""The synchronous client a trainer uses: submit steps, stream samples, push weights."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+import grpc
+
+from rhymerl import _calls
+from rhymerl.types import Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
+from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+
+class RolloutClient:
+    """Talks to the scheduler's RolloutService.
+
+    Args:
+        address: host:port of the scheduler.
+        timeout_s: deadline of each call (a whole step's stream included).
+        max_retries: re-sends after UNAVAILABLE / DEADLINE_EXCEEDED; safe because
+            step ids are idempotency keys (a re-submitted step replays its samples).
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self._channel = grpc.insecure_channel(address, options=_calls.CHANNEL_OPTIONS)
+        self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+        self.last_summary: StepSummary | None = None
+
+    def submit_step(self, step_id: str, prompts: Sequence[Prompt], n: int,
+                    sampling: SamplingParams = SamplingParams(), policy_version: int = 0
+                    ) -> Iterator[Sample]:
+        """Yields each sample as it finishes (completion order); sets ``last_summary``.
+
+        Each (prompt_id, sample_index) is yielded exactly once, also across retries.
+        """
+        request = _calls.step_request(step_id, prompts, n, sampling, policy_version)
+        seen: set[tuple[str, int]] = set()
+        self.last_summary = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                for event in self._stub.SubmitStep(request, timeout=self.timeout_s):
+                    if event.HasField("summary"):
+                        self.last_summary = StepSummary.from_proto(event.summary)
+                        continue
+                    sample = Sample.from_proto(event.sample)
+                    if sample.key not in seen:
+                        seen.add(sample.key)
+                        yield sample
+                return
+            except grpc.RpcError as err:
+                if attempt == self.max_retries or not _calls.is_retryable(err):
+                    raise
+                time.sleep(_calls.backoff_s(attempt))
+
+    def rollout(self, step_id: str, prompts: Sequence[Prompt], n: int,
+                sampling: SamplingParams = SamplingParams(), policy_version: int = 0) -> StepResult:
+        """Runs a whole step and returns every sample with the step's summary."""
+        samples = list(self.submit_step(step_id, prompts, n, sampling, policy_version))
+        return StepResult(samples=samples, summary=self.last_summary)
+
+    def cancel_step(self, step_id: str) -> int:
+        return self._call(self._stub.CancelStep, rollout_pb2.CancelStepRequest(step_id=step_id)).num_cancelled
+
+    def report_rewards(self, step_id: str, rewards: Iterable[tuple[str, int, float]]) -> int:
+        """Records (prompt_id, sample_index, reward) of finished samples."""
+        return self._call(self._stub.ReportRewards, _calls.rewards_request(step_id, rewards)).num_recorded
+
+    def push_weights(self, version: int, data: bytes) -> int:
+        """Streams a safetensors payload to every worker; returns the version serving."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._stub.PushWeights(_calls.weight_chunks(version, data), timeout=self.timeout_s).version
+            except grpc.RpcError as err:
+                if attempt == self.max_retries or not _calls.is_retryable(err):
+                    raise
+                time.sleep(_calls.backoff_s(attempt))
+        raise AssertionError("unreachable")
+
+    def load_weights(self, version: int, path: str) -> int:
+        """Makes every worker load a checkpoint from a path they can all read."""
+        request = common_pb2.LoadWeightsRequest(version=version, path=path)
+        return self._call(self._stub.LoadWeights, request).version
+
+    def stats(self) -> ServiceStats:
+        return ServiceStats.from_proto(self._call(self._stub.GetStats, rollout_pb2.GetStatsRequest()))
+
+    def _call(self, method, request):
+        for attempt in range(self.max_retries + 1):
+            try:
+                return method(request, timeout=self.timeout_s)
+            except grpc.RpcError as err:
+                if attempt == self.max_retries or not _calls.is_retryable(err):
+                    raise
+                time.sleep(_calls.backoff_s(attempt))
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "RolloutClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,161 @@
+"""Typed results of the SDK, and their conversion from/to the wire messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rhymerl.v1 import common_pb2, rollout_pb2
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: "unspecified",
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How each sample is drawn; temperature 0 is greedy. See common.proto."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    logprobs: bool = True
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids), seed=self.seed,
+            logprobs=self.logprobs, min_p=self.min_p, min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as token ids; prompt_id keys its history across epochs."""
+
+    prompt_id: str
+    token_ids: list[int]
+
+    def to_proto(self) -> common_pb2.Prompt:
+        return common_pb2.Prompt(prompt_id=self.prompt_id, token_ids=list(self.token_ids))
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One finished response of one prompt."""
+
+    step_id: str
+    prompt_id: str
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+    token_policy_versions: list[int]
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_verify_steps: int
+    num_migrations: int
+    seed: int
+
+    @classmethod
+    def from_proto(cls, m: rollout_pb2.SampleResult) -> "Sample":
+        return cls(
+            step_id=m.step_id, prompt_id=m.prompt_id, sample_index=m.sample_index,
+            token_ids=list(m.token_ids), logprobs=list(m.logprobs),
+            finish_reason=FINISH_REASONS.get(m.finish_reason, "unspecified"),
+            policy_version=m.policy_version, token_policy_versions=list(m.token_policy_versions),
+            num_draft_tokens=m.spec.num_draft_tokens, num_accepted_tokens=m.spec.num_accepted_tokens,
+            num_verify_steps=m.spec.num_verify_steps, num_migrations=m.num_migrations, seed=m.seed)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.prompt_id, self.sample_index)
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """Statistics of one step (the last event of a step's stream)."""
+
+    step_id: str
+    num_samples: int
+    num_generated_tokens: int
+    makespan_s: float
+    bubble_ratio: float
+    tail_time_s: float
+    num_verify_steps: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_migrations: int
+    worker_busy_s: dict[str, float]
+    history_hit_rate: float
+    policy: str
+
+    @classmethod
+    def from_proto(cls, m: rollout_pb2.StepSummary) -> "StepSummary":
+        return cls(
+            step_id=m.step_id, num_samples=m.num_samples, num_generated_tokens=m.num_generated_tokens,
+            makespan_s=m.makespan_s, bubble_ratio=m.bubble_ratio, tail_time_s=m.tail_time_s,
+            num_verify_steps=m.spec.num_verify_steps, num_draft_tokens=m.spec.num_draft_tokens,
+            num_accepted_tokens=m.spec.num_accepted_tokens, num_migrations=m.num_migrations,
+            worker_busy_s=dict(m.worker_busy_s), history_hit_rate=m.history_hit_rate, policy=m.policy)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Generated tokens per verify step (1.0 without speculation)."""
+        return self.num_generated_tokens / self.num_verify_steps if self.num_verify_steps else 0.0
+
+
+@dataclass
+class StepResult:
+    """All samples of a step, sorted by (prompt order, sample index), and its summary."""
+
+    samples: list[Sample]
+    summary: StepSummary | None = None
+    by_prompt: dict[str, list[Sample]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for s in self.samples:
+            self.by_prompt.setdefault(s.prompt_id, []).append(s)
+        for group in self.by_prompt.values():
+            group.sort(key=lambda s: s.sample_index)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    address: str
+    healthy: bool
+    policy_version: int
+    num_running: int
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    policy_version: int
+    workers: list[WorkerInfo]
+    num_steps_running: int
+    num_requests_queued: int
+    num_generated_tokens: int
+
+    @classmethod
+    def from_proto(cls, m: rollout_pb2.ServiceStats) -> "ServiceStats":
+        return cls(
+            policy_version=m.policy_version,
+            workers=[WorkerInfo(w.worker_id, w.address, w.healthy, w.policy_version, w.num_running)
+                     for w in m.workers],
+            num_steps_running=m.num_steps_running, num_requests_queued=m.num_requests_queued,
+            num_generated_tokens=m.num_generated_tokens)

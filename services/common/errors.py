@@ -1,0 +1,90 @@
+"""Precise exceptions inside; gRPC status codes at the edge, in one place.
+
+Servicer methods are wrapped with :func:`grpc_errors`: a :class:`RhymerlError`
+becomes its status code and message (which names the offending field), any
+other exception becomes INTERNAL with a one-line message while the traceback
+goes to the log. A client never sees a stack trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class RhymerlError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, field: str | None = None):
+        self.field = field
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class InvalidArgument(RhymerlError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(RhymerlError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(RhymerlError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ResourceExhausted(RhymerlError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(RhymerlError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Aborted(RhymerlError):
+    code = grpc.StatusCode.ABORTED
+
+
+class DataLoss(RhymerlError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+def _status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, RhymerlError):
+        return exc.code, str(exc)
+    log.exception("unexpected error in %s", method)
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}".splitlines()[0]
+
+
+def grpc_errors(method):
+    """Maps exceptions raised by an asyncio servicer method to gRPC statuses.
+
+    Works for unary (``async def``) and server-streaming (``async def`` with
+    ``yield``) methods; ``context`` is the method's last positional argument.
+    """
+    name = method.__qualname__
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream_wrapper(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (grpc.aio.AbortError, GeneratorExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status, never leaked
+                await context.abort(*_status_of(exc, name))
+        return stream_wrapper
+
+    @functools.wraps(method)
+    async def unary_wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await context.abort(*_status_of(exc, name))
+    return unary_wrapper

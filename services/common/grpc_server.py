@@ -1,0 +1,71 @@
+"""Building, health-checking and gracefully stopping an asyncio gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class Server:
+    """An aio server with the standard health service (grpc.health.v1).
+
+    Args:
+        servicers: pairs of (``add_XServicer_to_server`` function, servicer).
+        service_names: full names reported SERVING by the health service.
+    """
+
+    def __init__(self, servicers: Iterable[tuple[Callable, object]], service_names: Iterable[str]):
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        for add, servicer in servicers:
+            add(servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = ["", *service_names]
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {host}:{port}")
+        await self.server.start()
+        await self.set_serving(True)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.service_names:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.set_serving(False)
+        await self.server.stop(grace)
+
+
+async def run_until_signal(stop: Callable[[], Awaitable[None]]) -> None:
+    """Waits for SIGTERM or SIGINT, then awaits ``stop`` (drain, deregister, close)."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    log.info("shutting down")
+    await stop()
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)

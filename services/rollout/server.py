@@ -1,0 +1,314 @@
+"""The rollout worker process: WorkerService over an engine running in its own thread.
+
+Thin transport: Run validates and unpacks work items, loads the prompts'
+history into the drafter, hands the items to the engine loop and streams each
+chunk's result back; weight updates are verified, then applied while idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+import grpc
+from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+from services.common import metrics
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
+from services.common.grpc_server import Server, channel, run_until_signal
+from services.common.validation import check_sampling, check_token_ids
+from services.rollout import weights
+from services.rollout.engine_loop import Aborted, EngineLoop
+from services.rollout.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+          "abort": common_pb2.FINISH_REASON_ABORT, None: common_pb2.FINISH_REASON_UNSPECIFIED}
+MAX_PROMPTS_IN_DRAFTER = 10_000
+MAX_WEIGHT_BYTES = 1 << 40
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, loop: EngineLoop, worker_id: str, model_name: str, version: int, history=None,
+                 history_epochs: int = 4, max_num_seqs: int = 256):
+        self.loop = loop
+        self.engine = loop.engine
+        self.config = loop.engine.model.config
+        self.worker_id = worker_id
+        self.model_name = model_name
+        self.version = version
+        self.sha256 = ""
+        self.history = history
+        self.history_epochs = history_epochs
+        self.max_num_seqs = max_num_seqs
+        self.accepting = True
+        self.num_runs = 0
+        self.num_generated_tokens = 0
+        self.spec = common_pb2.SpecCounters()
+        self._loaded: OrderedDict[str, str] = OrderedDict()  # prompt_id -> step_id whose history is loaded
+        self._weights_lock = asyncio.Lock()
+        metrics.weight_version.labels(component=worker_id).set(version)
+
+    # --- Run ---------------------------------------------------------------------
+    @grpc_errors
+    async def Run(self, request, context):
+        if not self.accepting:
+            raise Unavailable("worker is draining")
+        if request.policy_version and request.policy_version != self.version:
+            raise FailedPrecondition(f"this worker serves version {self.version}, not {request.policy_version}",
+                                     "policy_version")
+        engine_requests = [self._engine_request(item, f"items[{i}]") for i, item in enumerate(request.items)]
+        await self._load_histories(request.items)
+        sink: asyncio.Queue = asyncio.Queue()
+        pending = {r.request_id for r in engine_requests}
+        self.num_runs += 1
+        try:
+            for r in engine_requests:
+                self.loop.submit(r, sink)
+            while pending:
+                out = await sink.get()
+                if isinstance(out, ValueError):
+                    raise InvalidArgument(str(out))
+                if isinstance(out, Exception):
+                    raise out
+                pending.discard(out.request_id)
+                yield self._chunk_result(out)
+        finally:
+            self.num_runs -= 1
+            for rid in pending:
+                self.loop.abort(rid)
+
+    def _engine_request(self, item: worker_pb2.WorkItem, field: str):
+        from services.rollout.engine import EngineRequest
+
+        if not item.request_id:
+            raise InvalidArgument("must be non-empty", f"{field}.request_id")
+        vocab = self.config.vocab_size
+        check_token_ids(item.prompt_token_ids, f"{field}.prompt_token_ids", vocab)
+        check_token_ids(item.generated_token_ids, f"{field}.generated_token_ids", vocab, allow_empty=True)
+        check_sampling(item.sampling, f"{field}.sampling", vocab)
+        remaining = item.sampling.max_tokens - len(item.generated_token_ids)
+        if not 1 <= item.max_new_tokens <= remaining:
+            raise InvalidArgument(f"must be in [1, {remaining}] (max_tokens minus generated tokens)",
+                                  f"{field}.max_new_tokens")
+        total = len(item.prompt_token_ids) + item.sampling.max_tokens
+        if total > self.config.max_position_embeddings:
+            raise InvalidArgument(f"prompt + max_tokens = {total} exceeds the model's maximum length "
+                                  f"{self.config.max_position_embeddings}", f"{field}.sampling.max_tokens")
+        p = item.sampling
+        return EngineRequest(
+            request_id=item.request_id, prompt_id=item.prompt_id, step_id=item.step_id,
+            sample_index=item.sample_index, prompt_token_ids=list(item.prompt_token_ids),
+            generated_token_ids=list(item.generated_token_ids), temperature=p.temperature,
+            top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p, seed=p.seed, max_tokens=p.max_tokens,
+            max_new_tokens=item.max_new_tokens, stop_token_ids=frozenset(p.stop_token_ids),
+            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+
+    def _chunk_result(self, out) -> worker_pb2.ChunkResult:
+        if isinstance(out, Aborted):
+            return worker_pb2.ChunkResult(request_id=out.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT,
+                                          policy_version=self.version)
+        spec = common_pb2.SpecCounters(num_verify_steps=out.num_verify_steps, num_draft_tokens=out.num_draft_tokens,
+                                       num_accepted_tokens=out.num_accepted_tokens)
+        self.num_generated_tokens += len(out.token_ids)
+        for name in ("num_verify_steps", "num_draft_tokens", "num_accepted_tokens"):
+            setattr(self.spec, name, getattr(self.spec, name) + getattr(spec, name))
+        return worker_pb2.ChunkResult(
+            request_id=out.request_id, token_ids=out.token_ids, logprobs=out.logprobs,
+            finish_reason=FINISH[out.finish_reason], policy_version=self.version, spec=spec, busy_s=out.busy_s)
+
+    async def _load_histories(self, items) -> None:
+        """Loads earlier epochs of prompts new to this step into the drafter (one round trip)."""
+        drafter = self.engine.drafter
+        if drafter is None or self.history is None:
+            return
+        wanted = {(it.prompt_id, it.step_id) for it in items if self._loaded.get(it.prompt_id) != it.step_id}
+        if not wanted:
+            return
+        prompt_ids = sorted({p for p, _ in wanted})
+        try:
+            found = await self.history.get_history(prompt_ids, max_epochs=self.history_epochs, include_tokens=True)
+        except Exception as exc:  # noqa: BLE001 - drafting from siblings still works
+            log.warning("history lookup failed: %s", exc)
+            return
+
+        def load() -> None:
+            for pid, step_id in wanted:
+                epochs = [e for e in found.get(pid, []) if e.step_id != step_id]
+                responses, ages, rewards = [], [], []
+                for age, e in enumerate(epochs):
+                    responses += e.responses
+                    ages += [age] * len(e.responses)
+                    rewards += list(e.rewards) if len(e.rewards) == len(e.responses) else [float("nan")] * len(
+                        e.responses)
+                drafter.load_history(pid, responses, epoch_ages=ages, rewards=rewards)
+                self._loaded[pid] = step_id
+                self._loaded.move_to_end(pid)
+            while len(self._loaded) > MAX_PROMPTS_IN_DRAFTER:
+                old, _ = self._loaded.popitem(last=False)
+                drafter.release_prompt(old)
+
+        await self.loop.call(load)
+
+    # --- control -----------------------------------------------------------------
+    @grpc_errors
+    async def Abort(self, request, context):
+        for rid in request.request_ids:
+            self.loop.abort(rid)
+        return worker_pb2.AbortResponse(num_aborted=len(request.request_ids))
+
+    @grpc_errors
+    async def PushWeights(self, request_iterator, context):
+        async with self._weights_lock:
+            payload = await weights.receive(request_iterator, MAX_WEIGHT_BYTES)
+            if weights.check_version(payload.version, self.version, payload.sha256, self.sha256):
+                await self._apply(payload.version, lambda: self._read(payload.data))
+                self.sha256 = payload.sha256
+            return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
+
+    @grpc_errors
+    async def LoadWeights(self, request, context):
+        async with self._weights_lock:
+            weights.check_version(request.version, self.version)
+            files = weights.safetensors_files(request.path)
+
+            def read_all():
+                state = {}
+                for f in files:
+                    state.update(self._read(str(f)))
+                return state
+
+            await self._apply(request.version, read_all)
+            self.sha256 = ""
+            return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
+
+    @staticmethod
+    def _read(source):
+        from services.rollout.loader import read_safetensors
+
+        try:
+            return read_safetensors(source)
+        except Exception as exc:  # noqa: BLE001 - a corrupt payload is the caller's input
+            raise InvalidArgument(f"not a readable safetensors payload: {exc}", "data") from exc
+
+    async def _apply(self, version: int, read) -> None:
+        started = time.monotonic()
+        state = await asyncio.to_thread(read)
+
+        def load() -> None:
+            try:
+                self.engine.load_weights(state)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc), "data") from exc
+
+        await self.loop.call_when_idle(load)
+        self.version = version
+        metrics.weight_version.labels(component=self.worker_id).set(version)
+        metrics.weight_update_seconds.labels(component=self.worker_id).observe(time.monotonic() - started)
+        log.info("now serving version %d", version)
+
+    @grpc_errors
+    async def GetWorkerStats(self, request, context):
+        e = self.engine
+        return worker_pb2.WorkerStats(
+            worker_id=self.worker_id, policy_version=self.version, num_running=e.num_running(),
+            num_waiting=e.num_waiting(), num_generated_tokens=self.num_generated_tokens, spec=self.spec,
+            kv_cache_free=1.0 - e.kv_cache_usage(), model=self.model_name, vocab_size=self.config.vocab_size,
+            max_model_len=self.config.max_position_embeddings, max_num_seqs=self.max_num_seqs,
+            accepting=self.accepting)
+
+
+async def _register(settings: WorkerSettings, servicer: WorkerServicer, address: str) -> None:
+    """Registers with the scheduler, retrying until it answers."""
+    request = worker_pb2.RegisterRequest(
+        worker_id=servicer.worker_id, address=address, policy_version=servicer.version,
+        max_num_seqs=settings.max_num_seqs, vocab_size=servicer.config.vocab_size,
+        max_model_len=servicer.config.max_position_embeddings)
+    ch = channel(settings.scheduler_address)
+    try:
+        for attempt in range(10_000):
+            try:
+                await worker_pb2_grpc.RegistryServiceStub(ch).Register(request, timeout=5)
+                log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
+                return
+            except grpc.RpcError as err:
+                if attempt % 10 == 0:
+                    log.info("scheduler not reachable yet (%s); retrying", err.code())
+                await asyncio.sleep(1.0)
+    finally:
+        await ch.close()
+
+
+def build_engine(settings: WorkerSettings, worker_id: str):
+    from services.rollout.drafter import HistoDrafter
+    from services.rollout.engine import LLMEngine
+
+    dtype = None if settings.dtype == "auto" else settings.dtype
+    return LLMEngine.from_path(
+        settings.model_path, device=settings.device, dtype=dtype, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
+        block_size=settings.block_size, drafter=HistoDrafter(max_draft_len=settings.max_draft_len),
+        speculative=settings.speculative, max_draft_len=settings.max_draft_len, worker_id=worker_id)
+
+
+async def start_worker(settings: WorkerSettings, engine=None):
+    """Starts a worker in this event loop; returns (server, port, stop coroutine fn)."""
+    if not settings.model_path and engine is None:
+        raise ValueError("RHYMERL_WORKER_MODEL_PATH is required")
+    worker_id = settings.worker_id(settings.port)
+    engine = engine or await asyncio.to_thread(build_engine, settings, worker_id)
+    history = None
+    if settings.history_address:
+        from services.history.client import HistoryClient
+
+        history = HistoryClient(settings.history_address)
+    loop = EngineLoop(engine, worker_id, asyncio.get_running_loop())
+    loop.start()
+    servicer = WorkerServicer(loop, worker_id, settings.model_path, settings.initial_version, history,
+                              settings.history_epochs, settings.max_num_seqs)
+    server = Server([(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
+                    ["rhymerl.v1.WorkerService"])
+    port = await server.start(settings.host, settings.port)
+    if not settings.id:
+        servicer.worker_id = settings.worker_id(port)
+    registration = None
+    if settings.scheduler_address:
+        registration = asyncio.create_task(_register(settings, servicer, settings.address(port)))
+    log.info("worker %s listening on port %d", servicer.worker_id, port)
+
+    async def stop() -> None:
+        """Drains: stop taking work, leave the scheduler, finish what runs, then exit."""
+        servicer.accepting = False
+        await server.set_serving(False)
+        if registration is not None:
+            registration.cancel()
+            await _deregister(settings.scheduler_address, servicer.worker_id)
+        deadline = time.monotonic() + settings.drain_timeout_s
+        while servicer.num_runs and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await server.stop(grace=1.0)
+        loop.stop()
+        if history is not None:
+            await history.close()
+
+    server.servicer = servicer
+    return server, port, stop
+
+
+async def _deregister(address: str, worker_id: str) -> None:
+    ch = channel(address)
+    try:
+        await worker_pb2_grpc.RegistryServiceStub(ch).Deregister(
+            worker_pb2.DeregisterRequest(worker_id=worker_id), timeout=5)
+    except grpc.RpcError as err:
+        log.warning("deregistration failed: %s", err.code())
+    finally:
+        await ch.close()
+
+
+async def serve(settings: WorkerSettings) -> None:
+    metrics.serve_metrics(settings.metrics_port)
+    _, _, stop = await start_worker(settings)
+    await run_until_signal(stop)

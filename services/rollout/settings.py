@@ -1,0 +1,42 @@
+"""Rollout worker settings (environment variables prefixed RHYMERL_WORKER_)."""
+
+import socket
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RHYMERL_WORKER_", protected_namespaces=())
+
+    host: str = "0.0.0.0"
+    port: int = 50061
+    metrics_port: int = 9161
+    # Defaults to the host name; must be unique in the fleet.
+    id: str = ""
+    # Where the scheduler reaches this worker; defaults to <hostname>:<port>.
+    advertise_address: str = ""
+    # A Hugging Face-format checkpoint directory (config.json + *.safetensors).
+    model_path: str = ""
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    # KV-cache blocks; 0 sizes the cache from free memory.
+    num_kv_blocks: int = 0
+    block_size: int = 16
+    speculative: bool = True
+    max_draft_len: int = 16
+    # Registers with this scheduler on start and leaves on SIGTERM; empty = static config.
+    scheduler_address: str = ""
+    # HistoryService for drafts from earlier epochs; empty = siblings and prompt only.
+    history_address: str = ""
+    history_epochs: int = 4
+    drain_timeout_s: float = 60.0
+    # Policy version of the checkpoint at model_path.
+    initial_version: int = 0
+
+    def worker_id(self, port: int) -> str:
+        return self.id or f"{socket.gethostname()}:{port}"
+
+    def address(self, port: int) -> str:
+        return self.advertise_address or f"{socket.gethostname()}:{port}"

@@ -1,0 +1,73 @@
+"""Receiving new weights on a worker: a checked stream or a path, applied between samples.
+
+The payload is complete and verified (size, SHA-256, tensor names and shapes)
+before the engine sees any of it; only then is it copied into the model, while
+the engine is idle. Anything short of that leaves the current version serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from rhymerl.v1 import common_pb2
+
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
+
+
+@dataclass(frozen=True)
+class Payload:
+    version: int
+    sha256: str
+    data: bytes
+
+
+async def receive(chunks: AsyncIterator[common_pb2.WeightChunk], max_bytes: int) -> Payload:
+    """Reads a header and the data chunks; raises a precise error for a bad stream."""
+    first = await anext(aiter(chunks), None)
+    if first is None or not first.HasField("header"):
+        raise InvalidArgument("the first message must be a header", "header")
+    header = first.header
+    if header.total_bytes <= 0 or header.total_bytes > max_bytes:
+        raise InvalidArgument(f"must be in [1, {max_bytes}], got {header.total_bytes}", "header.total_bytes")
+    if len(header.sha256) != 64:
+        raise InvalidArgument("must be a hex SHA-256 (64 characters)", "header.sha256")
+    buf = bytearray()
+    async for chunk in chunks:
+        if chunk.HasField("header"):
+            raise InvalidArgument("only the first message may be a header", "header")
+        buf += chunk.data
+        if len(buf) > header.total_bytes:
+            raise InvalidArgument(f"more than total_bytes ({header.total_bytes}) received", "data")
+    if len(buf) != header.total_bytes:
+        raise DataLoss(f"push of version {header.version} interrupted: {len(buf)} of {header.total_bytes} bytes "
+                       "arrived; the previous version keeps serving")
+    digest = hashlib.sha256(buf).hexdigest()
+    if digest != header.sha256.lower():
+        raise DataLoss(f"checksum mismatch for version {header.version} (got {digest}); "
+                       "the previous version keeps serving", "header.sha256")
+    return Payload(header.version, digest, bytes(buf))
+
+
+def check_version(new: int, current: int, new_sha: str = "", current_sha: str = "") -> bool:
+    """True when the update must be applied, False when it is a re-send of the current one."""
+    if new == current and new_sha and new_sha == current_sha:
+        return False
+    if new <= current:
+        raise FailedPrecondition(f"must be greater than the version serving ({current}), got {new}", "version")
+    return True
+
+
+def safetensors_files(path: str) -> list[Path]:
+    """The .safetensors files of a checkpoint directory, or the single file given."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".safetensors":
+        return [p]
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if files:
+            return files
+        raise NotFound(f"no .safetensors file in {path}", "path")
+    raise NotFound(f"{path} does not exist or is not a .safetensors file / checkpoint directory", "path")

@@ -1,0 +1,30 @@
+"""Scheduler settings (environment variables prefixed RHYMERL_SCHEDULER_)."""
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class SchedulerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RHYMERL_SCHEDULER_")
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 9091
+    # HistoryService address; empty disables history (no length prediction, no drafts from history).
+    history_address: str = "localhost:50052"
+    # Static workers, comma-separated host:port (workers may also register themselves).
+    workers: str = ""
+    # Placement policy: static | seer | histopipe | rhymerl.
+    policy: str = "static"
+    # Divided rollout: a request runs at most this many tokens per chunk; 0 = whole requests.
+    chunk_tokens: int = 0
+    # A worker that fails health checks this long is dropped and its work re-queued.
+    worker_timeout_s: float = 30.0
+    # Finished steps kept for idempotent re-submission.
+    max_steps_retained: int = 64
+    # Most samples queued over all running steps (RESOURCE_EXHAUSTED beyond).
+    max_queued_samples: int = 1_000_000
+    # Epochs of history used for length prediction.
+    history_epochs: int = 4
+
+    def static_workers(self) -> list[str]:
+        return [w.strip() for w in self.workers.split(",") if w.strip()]

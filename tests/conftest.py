@@ -1,0 +1,44 @@
+"""Fixtures shared by the whole suite: a real redis-server, and CPU-friendly torch."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from services.common.redis_server import EmbeddedRedis  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A real redis-server on a free loopback port, for the whole session."""
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def clean_redis(redis_url):
+    """The session's Redis, flushed before the test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    client.close()
+    return redis_url
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -58,6 +58,7 @@ class Dispatcher:
         self.max_steps_retained = max_steps_retained
         self.max_queued_samples = max_queued_samples
         self.no_worker_timeout_s = no_worker_timeout_s
+        self.lengths = LengthModel()
         self.policy_version = 0
         self.steps: OrderedDict[str, StepRun] = OrderedDict()
         self.timelines: dict[str, StepTimeline] = {}
@@ -101,9 +102,9 @@ class Dispatcher:
         for s in samples:
             self.unfinished[s.request.request_id] = (run, s)
         self._idle.clear()
-        lengths = await self._length_model(run, req)
+        await self._load_lengths(run)
         self.timelines[run.step_id] = StepTimeline(run.step_id, list(self.workers.workers))
-        self.policy.add_step([s.request for s in samples], lengths, time.monotonic())
+        self.policy.add_step([s.request for s in samples], self.lengths, time.monotonic())
         metrics.steps_total.labels(status="submitted").inc()
         self._export_queue()
         self.wake()
@@ -151,7 +152,8 @@ class Dispatcher:
                 samples.append(SampleProgress(r, tokens, sample_seed(req.sampling.seed, pid, k)))
         return samples
 
-    async def _length_model(self, run: StepRun, req: rollout_pb2.SubmitStepRequest) -> LengthModel:
+    async def _load_lengths(self, run: StepRun) -> None:
+        """Loads the step's prompts' earlier lengths into the length model (one round trip)."""
         prompt_ids = sorted({s.request.prompt_id for s in run.samples.values()})
         lengths: dict[str, list[list[int]]] = {}
         if self.history is not None:
@@ -162,7 +164,7 @@ class Dispatcher:
             except Exception as exc:  # noqa: BLE001 - history is an optimisation, never a failure
                 log.warning("history lookup failed for step %s: %s", run.step_id, exc)
         run.history_hit_rate = len(lengths) / len(prompt_ids)
-        return LengthModel(history=lengths)
+        self.lengths.load_history(lengths)
 
     def _evict_finished_steps(self) -> None:
         while len(self.steps) > self.max_steps_retained:
@@ -195,16 +197,13 @@ class Dispatcher:
             worker = self.workers.workers[worker_id]
             for a in assignments:
                 self._mark_running(worker, a, now)
-            task = asyncio.create_task(self._run_on(worker, assignments))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._run_on(worker, assignments))
         self._export_queue()
 
     def _mark_running(self, worker: WorkerHandle, a: Assignment, now: float) -> None:
         r = a.request
         timeline = self.timelines[r.step_id]
-        if r.last_worker is not None and r.last_worker != worker.worker_id:
-            r.num_migrations += 1
+        if a.is_migration:
             timeline.on_migration()
             metrics.migrations_total.inc()
         if not worker.state.running:
@@ -266,12 +265,14 @@ class Dispatcher:
         prog.num_verify_steps += result.spec.num_verify_steps
         prog.num_draft_tokens += result.spec.num_draft_tokens
         prog.num_accepted_tokens += result.spec.num_accepted_tokens
-        r.num_generated = len(prog.token_ids)
-        r.num_chunks += 1
-        r.last_worker = worker.worker_id
-        finished = result.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or r.num_generated >= r.max_tokens
+        finished = (result.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    or len(prog.token_ids) >= r.max_tokens)
         prog.finish_reason = result.finish_reason or (common_pb2.FINISH_REASON_LENGTH if finished else 0)
-        self.policy.on_chunk_done(r, worker.worker_id, len(result.token_ids), finished, now)
+        if run.cancelled:
+            # The policy already forgot the step: the sample ends here, as aborted.
+            prog.finish_reason, finished = common_pb2.FINISH_REASON_ABORT, True
+        else:
+            self.policy.on_chunk_done(r, worker.worker_id, len(result.token_ids), finished, now)
         if finished:
             await self._finish_sample(run, prog, now)
         self.wake()
@@ -286,6 +287,11 @@ class Dispatcher:
         for r in requests:
             self._release(worker, r, now)
         live = [r for r in requests if r.request_id in self.unfinished]
+        for r in [r for r in live if self.steps[r.step_id].cancelled]:
+            live.remove(r)
+            run, prog = self.unfinished[r.request_id]
+            prog.finish_reason = common_pb2.FINISH_REASON_ABORT
+            self._spawn(self._finish_sample(run, prog, now))
         if live:
             log.info("re-queueing %d requests from worker %s", len(live), worker.worker_id)
             self.policy.on_worker_lost(worker.worker_id, live, now)
@@ -358,6 +364,7 @@ class Dispatcher:
         if run is None:
             raise NotFound(f"no step {step_id!r}", "step_id")
         now = time.monotonic()
+        run.cancelled = True
         queued = self.policy.cancel_step(step_id)
         for r in queued:
             _, prog = self.unfinished[r.request_id]
@@ -402,9 +409,17 @@ class Dispatcher:
             for r in self.policy.cancel_step(run.step_id):
                 _, p = self.unfinished[r.request_id]
                 p.finish_reason = common_pb2.FINISH_REASON_ABORT
-                task = asyncio.create_task(self._finish_sample(run, p, now))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._finish_sample(run, p, now))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("dispatcher task failed", exc_info=task.exception())
 
     def _export_queue(self) -> None:
         metrics.queue_depth.set(self.policy.num_queued())

@@ -147,7 +147,8 @@ async def start_scheduler(settings: SchedulerSettings):
         from services.history.client import HistoryClient
 
         history = HistoryClient(settings.history_address)
-    policy = make_policy(settings.policy, chunk_tokens=settings.chunk_tokens or None)
+    policy_kwargs = {"chunk_size": settings.chunk_tokens} if settings.chunk_tokens and settings.policy != "static" else {}
+    policy = make_policy(settings.policy, **policy_kwargs)
     table = WorkerTable(settings.worker_timeout_s)
     dispatcher = Dispatcher(policy, table, history, history_epochs=settings.history_epochs,
                             max_steps_retained=settings.max_steps_retained,

@@ -53,6 +53,7 @@ class StepRun:
         self.finished = asyncio.Event()
         self._changed = asyncio.Condition()
         self.history_hit_rate = 0.0
+        self.cancelled = False
 
     fingerprint_of = staticmethod(fingerprint)
 

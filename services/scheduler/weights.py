@@ -43,7 +43,7 @@ class WeightFanout:
                 while (item := await q.get()) is not _END:
                     yield item
 
-            calls = [asyncio.create_task(w.stub.PushWeights(forward(q))) for w, q in zip(workers, queues)]
+            calls = [asyncio.ensure_future(w.stub.PushWeights(forward(q))) for w, q in zip(workers, queues)]
             try:
                 async for chunk in chunks:
                     if chunk.HasField("header"):
@@ -66,7 +66,7 @@ class WeightFanout:
             raise InvalidArgument("must be non-empty", "path")
         async with self._lock:
             workers = await self._prepare(request.version)
-            calls = [asyncio.create_task(w.stub.LoadWeights(request)) for w in workers]
+            calls = [asyncio.ensure_future(w.stub.LoadWeights(request)) for w in workers]
             return await self._finish(request.version, workers, calls)
 
     async def _prepare(self, version: int) -> list[WorkerHandle]:

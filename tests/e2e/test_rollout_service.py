@@ -212,3 +212,30 @@ def test_a_lost_worker_loses_no_sample(model_dir, redis_url):
         assert {s.key: s.token_ids for s in got} == {s.key: s.token_ids for s in reference.samples}
     finally:
         c.stop()
+
+
+def test_sdk_retries_after_deadline_join_the_same_step(cluster):
+    """Deadlines shorter than the step: each retry re-joins the step by its id, so the
+    trainer gets every sample once and the service generates them once."""
+    params = SamplingParams(temperature=1.0, max_tokens=120, seed=21, ignore_eos=True)
+    before = cluster.scheduler.dispatcher.num_generated_tokens
+    with RolloutClient(cluster.address, timeout_s=0.4, max_retries=200) as impatient:
+        got = list(impatient.submit_step("retried", prompts(3, offset=400), n=4, sampling=params))
+    assert sorted(s.key for s in got) == sorted((f"p{400 + i}", k) for i in range(3) for k in range(4))
+    assert cluster.scheduler.dispatcher.num_generated_tokens - before == sum(len(s.token_ids) for s in got)
+
+
+def test_async_client_streams_and_reports(cluster):
+    import asyncio
+
+    from rhymerl import AsyncRolloutClient
+
+    async def main():
+        async with AsyncRolloutClient(cluster.address, timeout_s=60) as client:
+            seen = [s async for s in client.submit_step("async", prompts(2, offset=500), n=2, sampling=GREEDY)]
+            stats = await client.stats()
+            return seen, client.last_summary, stats
+
+    seen, summary, stats = asyncio.run(main())
+    assert len(seen) == 4 and summary.num_samples == 4
+    assert len(stats.workers) == 2 and all(w.healthy for w in stats.workers)

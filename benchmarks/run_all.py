@@ -1,0 +1,35 @@
+"""Runs every benchmark for one device kind: `make bench` (cpu) or `make bench-gpu` (cuda)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+CPU = [
+    ["benchmarks.drafter_bench"],
+    ["benchmarks.scheduler_bench"],
+    ["benchmarks.engine_bench", "--device", "cpu"],
+]
+GPU = [
+    ["benchmarks.kernels_bench"],
+    ["benchmarks.engine_bench", "--device", "cuda"],
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parser.parse_args()
+    failed = []
+    for module in CPU if args.device == "cpu" else GPU:
+        print(f"\n=== {' '.join(module)} ===", flush=True)
+        if subprocess.run([sys.executable, "-m", *module]).returncode != 0:
+            failed.append(module[0])
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

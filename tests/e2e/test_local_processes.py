@@ -1,0 +1,58 @@
+"""The real processes, as `make run` and a deployment start them: CLI, env settings,
+health, registration, /metrics, and a worker that drains on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import urllib.request
+
+import pytest
+from rhymerl import Prompt, RolloutClient, SamplingParams
+
+from services.local import LocalCluster
+from tests.e2e.cluster import save_tiny_model
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def test_processes_serve_a_step_export_metrics_and_drain(tmp_path):
+    model = save_tiny_model(tmp_path / "model")
+    cluster = LocalCluster(model_dir=str(model), num_workers=2, policy="seer", chunk_tokens=16,
+                           log_dir=tmp_path / "logs")
+    with cluster:
+        with RolloutClient(cluster.scheduler_address, timeout_s=120) as client:
+            params = SamplingParams(temperature=0.0, max_tokens=32, seed=0, ignore_eos=True)
+            ps = [Prompt(f"q{i}", [3 + i, 5, 7, 9]) for i in range(4)]
+            first = client.rollout("s1", ps, n=2, sampling=params)
+            second = client.rollout("s2", ps, n=2, sampling=params)
+            assert len(first.samples) == len(second.samples) == 8
+            assert second.summary.history_hit_rate == 1.0
+
+            workers = [f"worker-{i}" for i in range(2)]
+            generated = sum(metric(scrape(cluster.metrics_ports[w]), "rhymerl:generation_tokens_total")
+                            for w in workers)
+            assert generated == first.summary.num_generated_tokens + second.summary.num_generated_tokens
+            accepted = sum(metric(scrape(cluster.metrics_ports[w]), "rhymerl:spec_decode_num_accepted_tokens_total")
+                           for w in workers)
+            assert accepted == second.summary.num_accepted_tokens + first.summary.num_accepted_tokens
+            sched = scrape(cluster.metrics_ports["scheduler"])
+            assert metric(sched, 'rhymerl:samples_total{finish_reason="length"}') == 16
+            assert "rhymerl:step_bubble_ratio" in sched
+            assert metric(scrape(cluster.metrics_ports["history"]), "rhymerl:history_rollouts_written_total") == 16
+
+            # SIGTERM: the worker leaves the fleet, and the next step runs on the other one.
+            cluster.procs["worker-1"].send_signal(signal.SIGTERM)
+            assert cluster.procs["worker-1"].wait(30) == 0
+            third = client.rollout("s3", ps, n=2, sampling=params)
+            assert {s.key: s.token_ids for s in third.samples} == {s.key: s.token_ids for s in first.samples}
+            assert [w.worker_id for w in client.stats().workers] == ["worker-0"]

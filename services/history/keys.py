@@ -1,0 +1,52 @@
+"""Every Redis key and TTL of the history store, in one place.
+
+Per prompt (hash tag ``{<prompt_id>}``, so a prompt's keys share one Redis
+Cluster slot and one Lua script may touch all of them):
+
+    <prefix>:{<prompt_id>}:epochs         sorted set: step_id scored by arrival
+                                          (1, 2, 3, ...; newest = highest)
+    <prefix>:{<prompt_id>}:epoch:<step>   hash, one per kept epoch:
+        version       policy version of the step (decimal)
+        lengths       packed little-endian int32 pairs (sample_index, length),
+                      one pair appended per newly stored sample
+        tok:<i>       sample i's token ids, packed little-endian int32
+        rew:<i>       sample i's reward, packed little-endian float32
+
+Every key of a prompt expires ``ttl_seconds`` after the prompt's last write.
+The hash fields are read and written only by the Lua scripts in store.py.
+This module knows nothing about Redis connections or the wire format of RPCs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "rhymerl"
+DEFAULT_TTL_SECONDS = 7 * 24 * 3600
+
+@dataclass(frozen=True)
+class HistoryKeys:
+    """Names the keys of one prompt; ``prefix`` must not contain braces."""
+
+    prefix: str = DEFAULT_PREFIX
+    ttl_seconds: int = DEFAULT_TTL_SECONDS
+
+    def __post_init__(self):
+        if not self.prefix or "{" in self.prefix or "}" in self.prefix:
+            raise ValueError(f"key prefix must be non-empty and brace-free, got {self.prefix!r}")
+        if self.ttl_seconds < 1:
+            raise ValueError(f"ttl_seconds must be >= 1, got {self.ttl_seconds}")
+
+    def prompt(self, prompt_id: str) -> str:
+        """The hash-tagged stem every key of ``prompt_id`` starts with."""
+        return f"{self.prefix}:{{{prompt_id}}}"
+
+    def epochs(self, prompt_id: str) -> str:
+        return f"{self.prompt(prompt_id)}:epochs"
+
+    def epoch_stem(self, prompt_id: str) -> str:
+        """The epoch key without its step id (the Lua scripts append the step id)."""
+        return f"{self.prompt(prompt_id)}:epoch:"
+
+    def epoch(self, prompt_id: str, step_id: str) -> str:
+        return self.epoch_stem(prompt_id) + step_id

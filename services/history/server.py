@@ -1,0 +1,130 @@
+"""The history service process: a thin gRPC servicer over HistoryStore.
+
+Each RPC unpacks its request into plain records, calls the store and packs
+the answer; validation and Redis errors are raised by the store and mapped to
+gRPC statuses by ``grpc_errors``.
+
+Run it with ``python -m services.history.server`` (settings from RHYMERL_HISTORY_*).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+from rhymerl.v1 import history_pb2, history_pb2_grpc
+
+from services.common import metrics
+from services.common.errors import grpc_errors
+from services.common.grpc_server import Server, run_until_signal
+from services.common.redis_server import EmbeddedRedis
+from services.history.settings import HistorySettings
+from services.history.store import Epoch, HistoryStore, Reward, Rollout
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = history_pb2.DESCRIPTOR.services_by_name["HistoryService"].full_name
+
+
+class HistoryServicer(history_pb2_grpc.HistoryServiceServicer):
+    def __init__(self, store: HistoryStore):
+        self.store = store
+
+    @grpc_errors
+    async def PutRollouts(self, request, context):
+        metrics.history_requests.labels(method="PutRollouts").inc()
+        rollouts = [Rollout(r.prompt_id, r.step_id, r.sample_index, r.policy_version, np.array(r.token_ids, "<i4"))
+                    for r in request.rollouts]
+        num_written = await self.store.put_rollouts(rollouts)
+        metrics.history_rollouts_written.inc(num_written)
+        return history_pb2.PutRolloutsResponse(num_written=num_written)
+
+    @grpc_errors
+    async def PutRewards(self, request, context):
+        metrics.history_requests.labels(method="PutRewards").inc()
+        rewards = [Reward(r.prompt_id, r.step_id, r.sample_index, r.reward) for r in request.rewards]
+        return history_pb2.PutRewardsResponse(num_written=await self.store.put_rewards(rewards))
+
+    @grpc_errors
+    async def GetHistory(self, request, context):
+        metrics.history_requests.labels(method="GetHistory").inc()
+        prompt_ids = list(request.prompt_ids)
+        histories = await self.store.get_history(prompt_ids, request.max_epochs, request.include_tokens)
+        metrics.history_prompts_looked_up.inc(len(prompt_ids))
+        metrics.history_prompts_hit.inc(sum(1 for epochs in histories if epochs))
+        # Filled in place: building sub-messages first and passing them to a
+        # parent's constructor copies every token again at each level.
+        response = history_pb2.GetHistoryResponse()
+        for prompt_id, epochs in zip(prompt_ids, histories):
+            prompt = response.prompts.add(prompt_id=prompt_id)
+            for epoch in epochs:
+                _fill_epoch(prompt.epochs.add(), epoch)
+        return response
+
+
+def _fill_epoch(message: history_pb2.EpochRollouts, epoch: Epoch) -> None:
+    message.step_id = epoch.step_id
+    message.policy_version = epoch.policy_version
+    message.sample_indices.extend(epoch.sample_indices.tolist())
+    message.lengths.extend(epoch.lengths.tolist())
+    if not np.isnan(epoch.rewards).all():
+        message.rewards.extend(epoch.rewards.tolist())
+    for tokens in epoch.responses:
+        message.responses.add().token_ids.extend(tokens.tolist())
+
+
+async def start_history(settings: HistorySettings) -> tuple[Server, int, Callable[[], Awaitable[None]]]:
+    """Starts the service in this process (and a private redis-server if no URL is set).
+
+    Returns:
+        The server, its bound port, and ``cleanup``: stops the server, closes
+        the store and stops the private redis-server.
+
+    Raises:
+        Unavailable: the configured Redis does not answer.
+    """
+    embedded = None
+    url = settings.redis_url
+    if not url:
+        embedded = await asyncio.to_thread(EmbeddedRedis().start)
+        url = embedded.url
+    store = HistoryStore.from_url(url, settings.keys(), settings.num_epochs, settings.redis_timeout_s)
+
+    async def close_store() -> None:
+        await store.close()
+        if embedded:
+            embedded.stop()
+
+    try:
+        await store.ping()
+        server = Server([(history_pb2_grpc.add_HistoryServiceServicer_to_server, HistoryServicer(store))],
+                        [SERVICE_NAME])
+        port = await server.start(settings.host, settings.port)
+    except BaseException:
+        await close_store()
+        raise
+
+    async def cleanup() -> None:
+        await server.stop()
+        await close_store()
+
+    log.info("history service on %s:%d (%s, K=%d)", settings.host, port, store.where, settings.num_epochs)
+    return server, port, cleanup
+
+
+async def serve(settings: HistorySettings) -> None:
+    """Runs the service until SIGTERM/SIGINT, then drains and cleans up."""
+    _, _, cleanup = await start_history(settings)
+    try:
+        metrics.serve_metrics(settings.metrics_port)
+    except BaseException:
+        await cleanup()
+        raise
+    await run_until_signal(cleanup)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(HistorySettings()))

@@ -1,0 +1,189 @@
+"""The history service over real gRPC on loopback, backed by a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
+from rhymerl.v1 import history_pb2, history_pb2_grpc
+
+from services.common.grpc_server import channel
+from services.common.redis_server import EmbeddedRedis, free_port
+from services.history.client import HistoryClient
+from services.history.server import SERVICE_NAME, start_history
+from services.history.settings import HistorySettings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_async(test):
+    """Runs an ``async def`` test on a fresh event loop (no pytest plugin needed)."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+    return wrapper
+
+
+@contextlib.asynccontextmanager
+async def history_service(redis_url: str, **overrides):
+    """Yields the address of an in-process history service on a free loopback port."""
+    settings = HistorySettings(host="127.0.0.1", port=0, metrics_port=0, redis_url=redis_url, **overrides)
+    _, port, cleanup = await start_history(settings)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await cleanup()
+
+
+def counter(name: str) -> float:
+    return REGISTRY.get_sample_value(f"rhymerl:{name}_total") or 0.0
+
+
+@run_async
+async def test_client_round_trip_over_grpc(clean_redis):
+    """Breaks if the scheduler's and workers' view of history differs from what was written."""
+    async with history_service(clean_redis, num_epochs=2) as address, HistoryClient(address) as client:
+        step1 = [("p", "s1", i, 3, np.arange(i + 2, dtype=np.int32)) for i in (1, 0)]
+        step1.append(("q", "s1", 0, 3, [5, 6, 7]))
+        assert await client.put_rollouts(step1) == 3
+        assert await client.put_rollouts(step1) == 0
+        assert await client.put_rewards([("p", "s1", 1, 0.5)]) == 1
+        for n in (2, 3):
+            await client.put_rollouts([("p", f"s{n}", 0, n + 2, [n] * n)])
+
+        history = await client.get_history(["q", "p", "new"])
+        assert list(history) == ["q", "p", "new"]
+        assert history["new"] == []
+        [q_epoch] = history["q"]
+        assert q_epoch.responses[0].tolist() == [5, 6, 7] and np.isnan(q_epoch.rewards).all()
+        assert [(e.step_id, e.policy_version) for e in history["p"]] == [("s3", 5), ("s2", 4)]
+
+        await client.put_rollouts([("r", "s1", i, 1, [1] * (i + 1)) for i in range(3)])
+        await client.put_rewards([("r", "s1", 2, -1.0)])
+        [epoch] = (await client.get_history(["r"], include_tokens=False))["r"]
+        assert epoch.sample_indices.tolist() == [0, 1, 2] and epoch.lengths.tolist() == [1, 2, 3]
+        np.testing.assert_array_equal(epoch.rewards, [np.nan, np.nan, -1.0])
+        assert epoch.responses == []
+        [epoch] = (await client.get_history(["r"], max_epochs=1))["r"]
+        assert [r.tolist() for r in epoch.responses] == [[1], [1, 1], [1, 1, 1]]
+
+
+@run_async
+async def test_metrics_count_requests_hits_and_new_rollouts(clean_redis):
+    """Breaks if the dashboards' history hit rate or write rate is wrong."""
+    before = {name: counter(name) for name in ("history_prompts_looked_up", "history_prompts_hit",
+                                               "history_rollouts_written")}
+    requests_before = REGISTRY.get_sample_value("rhymerl:history_requests_total", {"method": "GetHistory"}) or 0
+    async with history_service(clean_redis) as address, HistoryClient(address) as client:
+        await client.put_rollouts([("p", "s1", i, 0, [1]) for i in range(3)])
+        await client.put_rollouts([("p", "s1", i, 0, [1]) for i in range(4)])
+        await client.get_history(["p", "q", "r"])
+    assert counter("history_rollouts_written") - before["history_rollouts_written"] == 4
+    assert counter("history_prompts_looked_up") - before["history_prompts_looked_up"] == 3
+    assert counter("history_prompts_hit") - before["history_prompts_hit"] == 1
+    assert REGISTRY.get_sample_value("rhymerl:history_requests_total", {"method": "GetHistory"}) == requests_before + 1
+
+
+@pytest.mark.parametrize("method, request_, field", [
+    ("PutRollouts", history_pb2.PutRolloutsRequest(rollouts=[
+        history_pb2.Rollout(prompt_id="p", step_id="s", token_ids=[1]),
+        history_pb2.Rollout(prompt_id="p", step_id="", token_ids=[1])]), "rollouts[1].step_id"),
+    ("PutRollouts", history_pb2.PutRolloutsRequest(rollouts=[
+        history_pb2.Rollout(prompt_id="p", step_id="s", sample_index=-2)]), "rollouts[0].sample_index"),
+    ("PutRewards", history_pb2.PutRewardsRequest(rewards=[
+        history_pb2.RolloutReward(step_id="s")]), "rewards[0].prompt_id"),
+    ("GetHistory", history_pb2.GetHistoryRequest(prompt_ids=["p"], max_epochs=-1), "max_epochs"),
+    ("GetHistory", history_pb2.GetHistoryRequest(prompt_ids=["p", ""]), "prompt_ids[1]"),
+])
+@run_async
+async def test_invalid_requests_get_invalid_argument_naming_the_field(clean_redis, method, request_, field):
+    """Breaks if a caller's mistake comes back as INTERNAL or without the offending field."""
+    async with history_service(clean_redis) as address, channel(address) as chan:
+        stub = history_pb2_grpc.HistoryServiceStub(chan)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await getattr(stub, method)(request_, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(field + ": ")
+
+
+@run_async
+async def test_health_reports_serving(clean_redis):
+    """Breaks if Kubernetes probes or the scheduler's readiness wait never see the service up."""
+    async with history_service(clean_redis) as address, channel(address) as chan:
+        health = health_pb2_grpc.HealthStub(chan)
+        for service in ("", SERVICE_NAME):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert SERVICE_NAME == "rhymerl.v1.HistoryService"
+
+
+@run_async
+async def test_dead_redis_gives_unavailable_quickly():
+    """Breaks if a Redis outage hangs the scheduler's calls instead of failing them."""
+    with EmbeddedRedis() as redis_server:
+        async with history_service(redis_server.url, redis_timeout_s=1.0) as address, HistoryClient(address) as client:
+            await client.put_rollouts([("p", "s1", 0, 0, [1])])
+            redis_server.stop()
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.get_history(["p"])
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "unreachable" in err.value.details()
+            assert time.monotonic() - start < 5
+
+
+def redis_children() -> set[int]:
+    """Pids of redis-server processes whose parent is this test process."""
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().split()
+            if fields[1] == "(redis-server)" and int(fields[3]) == os.getpid():
+                pids.add(int(fields[0]))
+    return pids
+
+
+@run_async
+async def test_empty_redis_url_starts_and_stops_a_private_redis():
+    """Breaks if `rhymerl history` without a Redis URL does not work, or leaks a redis-server."""
+    before = redis_children()
+    async with history_service("") as address, HistoryClient(address) as client:
+        assert len(redis_children() - before) == 1
+        assert await client.put_rollouts([("p", "s1", 0, 0, [1, 2])]) == 1
+        assert [e.lengths.tolist() for e in (await client.get_history(["p"]))["p"]] == [[2]]
+    assert redis_children() == before
+
+
+def test_server_process_serves_until_sigterm(redis_url):
+    """Breaks if `python -m services.history.server` does not come up, export metrics, or stop cleanly."""
+    port, metrics_port = free_port(), free_port()
+    env = {**os.environ, "RHYMERL_HISTORY_HOST": "127.0.0.1", "RHYMERL_HISTORY_PORT": str(port),
+           "RHYMERL_HISTORY_METRICS_PORT": str(metrics_port), "RHYMERL_HISTORY_REDIS_URL": redis_url}
+    proc = subprocess.Popen([sys.executable, "-m", "services.history.server"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as chan:
+            reply = health_pb2_grpc.HealthStub(chan).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), wait_for_ready=True, timeout=20)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+            assert b"rhymerl:history_prompts_looked_up_total" in response.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0, proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -9,7 +9,7 @@ STAMP     := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproj
 TORCH     ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install proto system-deps run test test-fast bench bench-gpu train-tiny traces dashboards helm-test clean
+.PHONY: install proto system-deps run test test-fast bench bench-gpu dashboards helm-test lint clean
 
 install: $(STAMP)
 
@@ -54,6 +54,15 @@ bench: install
 
 bench-gpu: install
 	$(PYTHON) -m benchmarks.run_all --device cuda
+
+dashboards: install
+	$(PYTHON) deploy/grafana/generate_dashboards.py
+
+helm-test: install
+	$(PYTHON) -m pytest -q helm/tests tests/deploy
+
+lint: install
+	$(BIN)/ruff check --select F,E9 .
 
 clean:
 	rm -rf $(VENV) clients/python/src/rhymerl/v1 build dist *.egg-info

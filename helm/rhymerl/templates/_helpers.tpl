@@ -1,0 +1,153 @@
+{{/* Names, labels and the pieces every component shares. */}}
+
+{{- define "rhymerl.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rhymerl.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component>": call with (list $ "history"). */}}
+{{- define "rhymerl.componentName" -}}
+{{- $root := index . 0 }}
+{{- printf "%s-%s" (include "rhymerl.fullname" $root | trunc 50 | trimSuffix "-") (index . 1) }}
+{{- end }}
+
+{{- define "rhymerl.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "rhymerl.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "rhymerl.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "rhymerl.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+app.kubernetes.io/part-of: rhymerl
+{{- with $root.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* An image reference: call with (list $ .Values.image.service). */}}
+{{- define "rhymerl.image" -}}
+{{- $root := index . 0 }}
+{{- $image := index . 1 }}
+{{- printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) }}
+{{- end }}
+
+{{- define "rhymerl.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rhymerl.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "rhymerl.historyAddress" -}}
+{{- printf "%s:%d" (include "rhymerl.componentName" (list . "history")) (int .Values.history.port) }}
+{{- end }}
+
+{{- define "rhymerl.schedulerAddress" -}}
+{{- printf "%s:%d" (include "rhymerl.componentName" (list . "scheduler")) (int .Values.scheduler.port) }}
+{{- end }}
+
+{{/* Pod-spec fields every component shares. */}}
+{{- define "rhymerl.podCommon" -}}
+serviceAccountName: {{ include "rhymerl.serviceAccountName" . }}
+automountServiceAccountToken: false
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* nodeSelector, tolerations and affinity of one component's values. */}}
+{{- define "rhymerl.placement" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Writable scratch space: root filesystems are read-only. */}}
+{{- define "rhymerl.tmpEnv" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+{{- end }}
+
+{{/* grpc probes of a server on `port` for `service`: (dict "port" 1 "service" "x"). */}}
+{{- define "rhymerl.grpcProbes" -}}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+    service: {{ .service }}
+  periodSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end }}
+
+{{/* A NetworkPolicy peer: the pods of one component, (list $ "worker"). */}}
+{{- define "rhymerl.peer" -}}
+- podSelector:
+    matchLabels:
+      {{- include "rhymerl.selectorLabels" . | nindent 6 }}
+{{- end }}
+
+{{/* The ingress rule that lets Prometheus scrape: (list $). */}}
+{{- define "rhymerl.metricsRule" -}}
+{{- $root := index . 0 -}}
+- ports:
+    - port: metrics
+  {{- with $root.Values.networkPolicy.metricsFrom }}
+  from:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+
+{{/* Which pods Prometheus Operator scrapes. */}}
+{{- define "rhymerl.monitorSelector" -}}
+matchLabels:
+  app.kubernetes.io/name: {{ include "rhymerl.name" . }}
+  app.kubernetes.io/instance: {{ .Release.Name }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values: [history, scheduler, worker]
+{{- end }}
+
+{{- define "rhymerl.componentRelabel" -}}
+# the `component` label the dashboards and rules select on (as in docker-compose)
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_component]
+  targetLabel: component
+{{- end }}

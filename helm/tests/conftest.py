@@ -1,0 +1,20 @@
+"""Fixtures of the chart tests: a renderer and a validator built once per session."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # chart_render sits next to the tests
+
+from chart_render import make_renderer, make_validator  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def render():
+    return make_renderer()
+
+
+@pytest.fixture(scope="session")
+def validate():
+    return make_validator()

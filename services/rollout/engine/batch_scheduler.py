@@ -1,0 +1,140 @@
+"""Which sequences run in the next forward, and how many of their tokens.
+
+Every step mixes three kinds of work under one token budget
+(``max_num_batched_tokens``):
+  1. decoding sequences: 1 token each (their draft, if any, is added by the engine
+     later from what budget is left);
+  2. sequences part-way through a chunked prefill: their next chunk;
+  3. waiting sequences admitted in arrival order while the budget, ``max_num_seqs`` and
+     free KV blocks allow.
+So a long prompt is prefilled a chunk at a time beside the running decodes instead of
+stalling them. A waiting sample whose sibling (same prompt) is still prefilling waits
+one more step, then takes the sibling's full prompt blocks by reference: a group of n
+samples prefills its prompt once.
+
+When a decoding sequence needs a new block and none is free, the most recently admitted
+sequence is preempted: its blocks are freed and it goes back to the front of the queue
+to be recomputed later (its tokens are kept; sampling is keyed on (seed, position), so
+the recomputed run continues identically).
+
+This module knows nothing about models, drafts or sampling.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.rollout.engine.block_manager import BlockManager
+from services.rollout.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)  # decodes first, then prefill chunks
+    num_decodes: int = 0
+    num_tokens: int = 0  # scheduled tokens, drafts excluded
+    num_preempted: int = 0
+
+    @property
+    def decode_seqs(self) -> list[Sequence]:
+        return self.seqs[:self.num_decodes]
+
+
+class BatchScheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out (finished or aborted) and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        # 1. decodes, each needing a slot for its last token's KV
+        for seq in [s for s in self.running if s.num_uncomputed == 1]:
+            if seq.status != SequenceStatus.RUNNING or budget == 0:
+                continue  # preempted below while making room, or out of budget
+            while not self.block_manager.ensure_slots(seq, seq.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                seq.num_scheduled_tokens = 1
+                batch.seqs.append(seq)
+                budget -= 1
+        batch.num_decodes = len(batch.seqs)
+        # 2. chunks of prefills already under way
+        prefilling_keys = set()
+        for seq in self.running:
+            if seq.num_uncomputed > 1:
+                if self._computes_shareable_blocks(seq):
+                    prefilling_keys.add(seq.prompt_key)
+                if budget > 0:
+                    budget -= self._schedule_chunk(seq, budget, batch)
+        # 3. admissions
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.prompt_key in prefilling_keys:
+                skipped.append(self.waiting.popleft())  # a sibling is computing the shared prompt
+                continue
+            cached = self.block_manager.cached_prefix(seq)
+            if self.block_manager.num_new_blocks_to_admit(seq, cached) > self.block_manager.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.block_manager.admit(seq, cached)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if self._computes_shareable_blocks(seq):
+                prefilling_keys.add(seq.prompt_key)
+            budget -= self._schedule_chunk(seq, budget, batch)
+        self.waiting.extendleft(reversed(skipped))
+        batch.num_tokens = self.max_num_batched_tokens - budget
+        return batch
+
+    def budget_left(self, batch: ScheduledBatch) -> int:
+        return self.max_num_batched_tokens - batch.num_tokens
+
+    def _computes_shareable_blocks(self, seq: Sequence) -> bool:
+        """Whether seq has full prompt blocks still to compute (that its siblings could share)."""
+        return seq.num_computed_tokens + self.block_manager.block_size <= seq.num_prompt_tokens
+
+    def _schedule_chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        seq.num_scheduled_tokens = min(seq.num_uncomputed, budget)
+        batch.seqs.append(seq)
+        return seq.num_scheduled_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        self.waiting.appendleft(seq)

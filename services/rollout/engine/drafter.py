@@ -1,0 +1,30 @@
+"""What the engine needs from a drafter (services/rollout/drafter.HistoDrafter fits it).
+
+The engine calls, from its one thread:
+  start_request   when a request is added (its prompt and any tokens of earlier chunks);
+  propose         once per step for the decoding requests, with each one's maximum draft
+                  length and the step's total draft-token budget from the cost model;
+  add_tokens      after each step with the tokens a request committed;
+  record_acceptance after each verify that carried a draft;
+  stop_request    when the request's chunk ends or it is aborted.
+The server, not the engine, calls load_history before adding a prompt's requests.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    def start_request(self, request_id: str, prompt_id: str, prompt_token_ids: Sequence[int],
+                      generated_token_ids: Sequence[int] = ()) -> None: ...
+
+    def add_tokens(self, request_id: str, token_ids: Sequence[int]) -> None: ...
+
+    def propose(self, request_ids: list[str], max_lens: list[int], stop_token_ids=None,
+                budget: int | None = None) -> list[list[int]]: ...
+
+    def record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
+
+    def stop_request(self, request_id: str) -> None: ...

@@ -1,0 +1,231 @@
+"""LLMEngine: continuous batching with a paged KV cache and batched lossless speculation.
+
+The worker server calls ``add_request``/``abort`` and runs ``step()`` in a loop, in one
+thread. One step:
+  1. schedule: decodes, prefill chunks and admissions under the token budget;
+  2. draft: the drafter proposes a draft for each decoding sequence, within the budget
+     the cost model allows at this batch size;
+  3. forward: one pass over every scheduled token and draft token (paged attention);
+  4. verify: sample the policy's token at every sampling row, accept the longest
+     matching draft prefix, plus the recovered/bonus token;
+  5. commit: append tokens (stop tokens, max_tokens and the chunk budget applied one
+     token at a time), roll back rejected drafts' KV, share newly full blocks;
+  6. finish: return a RequestOutput for each request whose chunk ended.
+The engine knows nothing about gRPC, history storage or other workers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBatch
+from services.rollout.engine.block_manager import BlockManager
+from services.rollout.engine.cost_model import CostModel
+from services.rollout.engine.drafter import Drafter
+from services.rollout.engine.metrics import EngineMetrics
+from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
+from services.rollout.engine.request import EngineRequest, RequestOutput
+from services.rollout.engine.sequence import Sequence
+from services.rollout.engine.verifier import Verdict, verify
+
+
+class LLMEngine:
+    def __init__(self, model, *, device="auto", max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 num_kv_blocks: int | None = None, block_size: int = 16, kv_cache_memory_fraction: float = 0.8,
+                 drafter: Drafter | None = None, speculative: bool = True, max_draft_len: int = 16,
+                 cost_model: CostModel | None = None, use_cuda_graphs: bool = True, worker_id: str = "local",
+                 max_model_len: int | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_draft_len < 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_draft_len >= 0")
+        self.device = _resolve_device(device, model)
+        self.model = model.to(self.device).eval()
+        cfg = model.config
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_draft_len = max_draft_len
+        self.speculative = speculative
+        self._drafter = drafter
+        self.cost_model = cost_model or CostModel.for_num_params(sum(p.numel() for p in model.parameters()))
+        if num_kv_blocks is None:
+            num_kv_blocks = default_num_kv_blocks(self.model, self.device, block_size, max_num_batched_tokens,
+                                                  kv_cache_memory_fraction)
+        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.scheduler = BatchScheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.device, num_kv_blocks=num_kv_blocks, block_size=block_size,
+                                  max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                                  max_draft_len=max_draft_len, use_cuda_graphs=use_cuda_graphs)
+        self.metrics = EngineMetrics(worker_id)
+        self.seqs: dict[str, Sequence] = {}
+        self._aborted: list[RequestOutput] = []
+
+    @classmethod
+    def from_path(cls, model_path, device="auto", dtype=None, **kw) -> "LLMEngine":
+        from services.rollout.loader import load_model
+
+        dev = _resolve_device(device, None)
+        if dtype is None and dev.type == "cpu":
+            dtype = torch.float32  # bf16 matmuls are slow on CPU
+        return cls(load_model(model_path, dev, dtype), device=dev, **kw)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self._drafter
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: EngineRequest) -> None:
+        """Queue one sample's chunk. Raises ValueError naming the offending field."""
+        self._validate(req)
+        seq = Sequence(req, self.model.config.eos_token_ids, self.max_model_len)
+        if self._drafter is not None and self.speculative:
+            self._drafter.start_request(req.request_id, req.prompt_id, req.prompt_token_ids, req.generated_token_ids)
+        self.seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its partial chunk comes back from the next step() as 'abort'."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        self._aborted.append(seq.to_output("abort"))
+        self._remove(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.usage()
+
+    def load_weights(self, state_dict) -> None:
+        """In-place weight update between steps, while idle; cached prefixes become stale."""
+        self.model.load_weights(state_dict)
+        self.block_manager.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + forward + verify iteration; returns the chunks that ended."""
+        start = time.perf_counter()
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()                                      # 1. schedule
+        if not batch.seqs:
+            return outputs
+        self._propose_drafts(batch)                                            # 2. draft
+        logits = self.runner.run(batch.seqs)                                   # 3. forward
+        sampling = [s for s in batch.seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens]
+        verdicts = verify(logits, sampling)                                    # 4. verify
+        elapsed = time.perf_counter() - start
+        num_prompt_tokens = sum(s.num_scheduled_tokens for s in batch.seqs[batch.num_decodes:])
+        num_draft_tokens = sum(len(s.draft_token_ids) for s in sampling)
+        for seq in batch.seqs:
+            seq.busy_s += elapsed
+            if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                seq.num_computed_tokens += seq.num_scheduled_tokens              # a prefill chunk
+                self.block_manager.commit(seq)
+        num_generated = 0
+        for seq, verdict in zip(sampling, verdicts):
+            emitted = self._commit(seq, verdict)                               # 5. commit
+            num_generated += emitted
+            if seq.chunk_done:
+                outputs.append(seq.to_output(seq.finish_reason))               # 6. finish
+                self._remove(seq)
+        kind = "prefill" if num_prompt_tokens else ("verify" if num_draft_tokens else "decode")
+        step_s = time.perf_counter() - start
+        self.cost_model.observe(batch.num_tokens + num_draft_tokens, step_s * 1e3)
+        self.metrics.counters.num_preemptions += batch.num_preempted
+        self.metrics.on_step(kind, step_s, num_prompt_tokens, num_generated, self.num_running(),
+                             self.num_waiting(), self.kv_cache_usage())
+        return outputs
+
+    # ------------------------------------------------------------------ step parts
+    def _propose_drafts(self, batch: ScheduledBatch) -> None:
+        """Give each decoding sequence a draft within the cost model's budget and free KV."""
+        decodes = batch.decode_seqs
+        if not (self.speculative and self._drafter is not None and decodes and self.max_draft_len > 0):
+            return
+        budget = min(self.cost_model.draft_budget(batch.num_tokens), self.scheduler.budget_left(batch))
+        max_lens = [max(0, min(self.max_draft_len, s.max_new_tokens_left() - 1)) for s in decodes]
+        if budget <= 0 or not any(max_lens):
+            return
+        drafts = self._drafter.propose([s.request_id for s in decodes], max_lens,
+                                       stop_token_ids=[s.stop_token_ids for s in decodes], budget=budget)
+        vocab = self.model.config.vocab_size
+        for seq, draft, max_len in zip(decodes, drafts, max_lens):
+            draft = [int(t) for t in draft[:min(max_len, budget)]]
+            if any(not 0 <= t < vocab for t in draft):
+                draft = []  # a drafter bug must not crash the step
+            if draft and not self.block_manager.ensure_slots(seq, seq.num_tokens + len(draft)):
+                draft = []  # no free KV for the draft: decode plainly this step
+            seq.draft_token_ids = draft
+            budget -= len(draft)
+
+    def _commit(self, seq: Sequence, verdict: Verdict) -> int:
+        """Append the verdict's tokens up to the first that ends the chunk; returns how many."""
+        seq.record_verify(verdict.num_draft, verdict.num_accepted)
+        self.metrics.on_verify(verdict.num_draft, verdict.num_accepted)
+        if self._drafter is not None and verdict.num_draft:
+            self._drafter.record_acceptance(seq.request_id, verdict.num_draft, verdict.num_accepted)
+        # KV is now valid for the fed tokens and the accepted drafts
+        seq.num_computed_tokens += seq.num_scheduled_tokens + verdict.num_accepted
+        seq.num_scheduled_tokens = 0
+        seq.draft_token_ids = []
+        emitted = []
+        for token, logprob in zip(verdict.token_ids, verdict.logprobs):
+            emitted.append(token)
+            if seq.append_token(token, logprob):
+                break
+        if not seq.chunk_done:
+            self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
+            self.block_manager.commit(seq)
+            if self._drafter is not None and self.speculative:
+                self._drafter.add_tokens(seq.request_id, emitted)
+        return len(emitted)
+
+    def _remove(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        del self.seqs[seq.request_id]
+        if self._drafter is not None and self.speculative:
+            self._drafter.stop_request(seq.request_id)
+
+    def _validate(self, req: EngineRequest) -> None:
+        vocab = self.model.config.vocab_size
+        num_tokens = len(req.prompt_token_ids) + len(req.generated_token_ids)
+        if req.request_id in self.seqs:
+            raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
+        if not req.prompt_token_ids:
+            raise ValueError("prompt_token_ids: empty prompt")
+        if any(not 0 <= t < vocab for t in [*req.prompt_token_ids, *req.generated_token_ids]):
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab})")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids: {num_tokens} prompt + generated tokens leave no room below "
+                             f"max_position_embeddings={self.max_model_len}")
+        if req.max_tokens <= len(req.generated_token_ids):
+            raise ValueError(f"max_tokens: {req.max_tokens} <= {len(req.generated_token_ids)} tokens already generated")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: {req.max_new_tokens} < 1")
+        if not -2**63 <= req.seed < 2**63:
+            raise ValueError(f"seed: {req.seed} does not fit in int64")
+        if req.temperature < 0 or not 0 <= req.top_p <= 1 or not 0 <= req.min_p <= 1 or req.min_tokens < 0:
+            raise ValueError("temperature/top_p/min_p/min_tokens: out of range")
+        bm = self.block_manager
+        if bm.num_blocks_for(num_tokens + 1) > bm.num_blocks:
+            raise ValueError(f"prompt_token_ids: needs {bm.num_blocks_for(num_tokens + 1)} KV blocks, "
+                             f"the cache has {bm.num_blocks}")
+        chunk_tokens = min(num_tokens + req.max_new_tokens, len(req.prompt_token_ids) + req.max_tokens,
+                           self.max_model_len)
+        if bm.num_blocks_for(chunk_tokens) > bm.num_blocks:
+            raise ValueError(f"max_new_tokens: the chunk needs up to {bm.num_blocks_for(chunk_tokens)} KV blocks, "
+                             f"the cache has {bm.num_blocks}")
+
+
+def _resolve_device(device, model) -> torch.device:
+    """'auto': CUDA when there is one, else CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)

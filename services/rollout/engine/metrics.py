@@ -1,0 +1,67 @@
+"""The engine's Prometheus series (defined in services/common/metrics.py), bound to one
+worker label, plus plain counters that tests and benchmarks read without Prometheus."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common import metrics as m
+
+
+@dataclass
+class EngineCounters:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # tokens fed by prefill chunks (re-prefills included)
+    num_generation_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class EngineMetrics:
+    def __init__(self, worker_id: str):
+        w = worker_id
+        self.counters = EngineCounters()
+        self._drafts = m.spec_num_drafts.labels(w)
+        self._draft_tokens = m.spec_num_draft_tokens.labels(w)
+        self._accepted = m.spec_num_accepted_tokens.labels(w)
+        self._per_pos = m.spec_num_accepted_tokens_per_pos
+        self._worker = w
+        self._generation = m.generation_tokens.labels(w)
+        self._prompt = m.prompt_tokens.labels(w)
+        self._running = m.num_requests_running.labels(w)
+        self._waiting = m.num_requests_waiting.labels(w)
+        self._kv = m.kv_cache_usage.labels(w)
+        self._step = {kind: m.engine_step_seconds.labels(w, kind) for kind in ("prefill", "decode", "verify")}
+        self._busy = m.worker_busy_seconds.labels(w)
+
+    def on_verify(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        c = self.counters
+        c.num_drafts += 1
+        c.num_draft_tokens += num_draft
+        c.num_accepted_tokens += num_accepted
+        self._drafts.inc()
+        self._draft_tokens.inc(num_draft)
+        if num_accepted:
+            self._accepted.inc(num_accepted)
+        for pos in range(num_accepted):
+            self._per_pos.labels(self._worker, str(pos)).inc()
+
+    def on_step(self, kind: str, seconds: float, num_prompt_tokens: int, num_generation_tokens: int,
+                num_running: int, num_waiting: int, kv_usage: float) -> None:
+        c = self.counters
+        c.num_steps += 1
+        c.num_prompt_tokens += num_prompt_tokens
+        c.num_generation_tokens += num_generation_tokens
+        if num_prompt_tokens:
+            self._prompt.inc(num_prompt_tokens)
+        if num_generation_tokens:
+            self._generation.inc(num_generation_tokens)
+        self._step[kind].observe(seconds)
+        self._busy.inc(seconds)
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv.set(kv_usage)

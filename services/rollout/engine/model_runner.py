@@ -1,0 +1,259 @@
+"""Runs one forward over a step's flat batch of tokens and returns the logits to sample.
+
+Given the scheduled sequences (each with ``num_scheduled_tokens`` of its tokens to feed
+and, when it samples, a draft to verify), the runner
+  1. lays their tokens out flat, one sequence after another, with positions, KV slots,
+     block tables, context and query lengths (``prepare``);
+  2. runs the model with the paged attention backend (on CUDA, decode/verify-only steps
+     replay a CUDA graph captured for the step's (num_seqs, num_tokens) bucket; prefill
+     steps and the CPU run eagerly);
+  3. returns the logits of the rows that sample: the last fed token of each sequence
+     that has fed all its tokens, plus one row per draft token.
+It knows nothing about scheduling, stop conditions or acceptance.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
+from services.rollout.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+# CUDA graph buckets: padded sequence counts and padded token counts of a decode/verify step.
+GRAPH_SEQ_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+GRAPH_TOKEN_BUCKETS = GRAPH_SEQ_BUCKETS + (288, 320, 384, 448, 512)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sample_rows] int64, rows of the flat batch whose logits are needed
+    num_seqs: int
+    num_tokens: int
+    is_prefill: bool  # any sequence fed more than its last token
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device, *, num_kv_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_draft_len: int, use_cuda_graphs: bool):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        dtype = next(model.parameters()).dtype
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
+                                cfg.head_dim, dtype, device)
+        self.attn = PagedAttention(self.kv_cache, scale=cfg.head_dim ** -0.5)
+        self.graphs: CUDAGraphs | None = None
+        if use_cuda_graphs and device.type == "cuda":
+            self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype)
+            with torch.inference_mode():
+                self.graphs.capture_decode()
+
+    # ------------------------------------------------------------------ 1. layout
+    def prepare(self, seqs: list[Sequence]) -> StepInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu_q = [0]
+        sample_rows: list[int] = []
+        is_prefill = False
+        for seq in seqs:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            tokens = seq.token_ids[start:start + n]
+            samples = start + n == seq.num_tokens
+            if samples:
+                tokens = tokens + seq.draft_token_ids
+                sample_rows.extend(range(cu_q[-1] + n - 1, cu_q[-1] + len(tokens)))
+            is_prefill |= n > 1
+            table = seq.block_table
+            for p in range(start, start + len(tokens)):
+                slots.append(table[p // bs] * bs + p % bs)
+            input_ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            cu_q.append(cu_q[-1] + len(tokens))
+            seq_lens.append(start + len(tokens))
+        width = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            max_query_len=max(b - a for a, b in zip(cu_q, cu_q[1:])))
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            metadata=md, sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            num_seqs=len(seqs), num_tokens=len(input_ids), is_prefill=is_prefill)
+
+    # ------------------------------------------------------------------ 2-3. forward + logits
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:  # [num_sample_rows, vocab] float32
+        inputs = self.prepare(seqs)
+        hidden = None
+        if self.graphs is not None and not inputs.is_prefill:
+            hidden = self.graphs.replay(inputs)
+        if hidden is None:
+            self.attn.metadata = inputs.metadata
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.attn)  # [num_tokens, hidden]
+        if inputs.sample_rows.numel() == 0:
+            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        return self.model.compute_logits(hidden[inputs.sample_rows]).float()
+
+
+class CUDAGraphs:
+    """Decode/verify forwards captured as CUDA graphs, one per (seq bucket, token bucket,
+    query-length class), captured lazily the first time a bucket is needed.
+
+    A graph reads static buffers: the step's tokens are copied in packed at the front,
+    the padding rows get slot -1 (no KV write) and belong to no sequence, and padding
+    sequences get query length 0 (skipped by the kernel). Pure decode steps use a graph
+    launched for query length 1; verify steps one launched for 1 + max_draft_len.
+    """
+
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_draft_len: int, hidden_size: int,
+                 dtype: torch.dtype):
+        self.runner = runner
+        self.seq_buckets = [b for b in GRAPH_SEQ_BUCKETS if b < max_num_seqs] + [min(max_num_seqs, 256)]
+        self.token_buckets = sorted(set(GRAPH_TOKEN_BUCKETS) | set(self.seq_buckets))
+        self.max_verify_query_len = max_draft_len + 1
+        max_seqs, max_tokens, dev = self.seq_buckets[-1], self.token_buckets[-1], runner.device
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(max_seqs, runner.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
+        self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=dev)
+        self.graphs: dict[tuple[int, int, int], Callable[[], None]] = {}  # bucket -> replay
+        self._keep_alive: list = []  # the captured torch.cuda.CUDAGraph objects
+        self.pool = None
+        self.failed = False
+        self.num_replays = 0
+
+    def bucket(self, num_seqs: int, num_tokens: int, max_query_len: int) -> tuple[int, int, int] | None:
+        if num_seqs > self.seq_buckets[-1] or num_tokens > self.token_buckets[-1]:
+            return None
+        if max_query_len > self.max_verify_query_len:
+            return None
+        seqs = self.seq_buckets[bisect.bisect_left(self.seq_buckets, num_seqs)]
+        tokens = self.token_buckets[bisect.bisect_left(self.token_buckets, max(num_tokens, seqs))]
+        return seqs, tokens, 1 if max_query_len == 1 else self.max_verify_query_len
+
+    def replay(self, inputs: StepInputs) -> torch.Tensor | None:  # [num_tokens, hidden] or None: run eagerly
+        md = inputs.metadata
+        key = self.bucket(inputs.num_seqs, inputs.num_tokens, md.max_query_len)
+        if key is None or self.failed:
+            return None
+        if key not in self.graphs and not self._capture(*key):
+            return None
+        num_seqs, num_tokens = inputs.num_seqs, inputs.num_tokens
+        seq_bucket, token_bucket, _ = key
+        self.input_ids[:num_tokens].copy_(inputs.input_ids)
+        self.positions[:num_tokens].copy_(inputs.positions)
+        self.slot_mapping[:token_bucket].fill_(-1)
+        self.slot_mapping[:num_tokens].copy_(md.slot_mapping)
+        width = md.block_tables.shape[1]
+        self.block_tables[:num_seqs, :width].copy_(md.block_tables)
+        self.seq_lens[:seq_bucket].zero_()
+        self.seq_lens[:num_seqs].copy_(md.seq_lens)
+        self.query_start_loc[num_seqs + 1:seq_bucket + 1].fill_(num_tokens)
+        self.query_start_loc[:num_seqs + 1].copy_(md.query_start_loc)
+        self.graphs[key]()
+        self.num_replays += 1
+        return self.hidden[:num_tokens]
+
+    def _capture(self, seq_bucket: int, token_bucket: int, max_query_len: int) -> bool:
+        runner = self.runner
+        md = AttentionMetadata(self.slot_mapping[:token_bucket], self.block_tables[:seq_bucket],
+                               self.seq_lens[:seq_bucket], self.query_start_loc[:seq_bucket + 1], max_query_len)
+        # Warm-up and capture over an empty batch: nothing is written to or read from the cache.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        self.query_start_loc.zero_()
+        ids, positions = self.input_ids[:token_bucket], self.positions[:token_bucket]
+
+        def forward() -> None:
+            runner.attn.metadata = md
+            self.hidden[:token_bucket] = runner.model.forward(ids, positions, runner.attn)
+
+        try:
+            replay = self._record(forward)
+        except Exception:  # a model op that cannot be captured: keep serving, eagerly
+            log.exception("CUDA graph capture failed for %s; running eagerly", (seq_bucket, token_bucket))
+            self.failed = True
+            return False
+        self.graphs[(seq_bucket, token_bucket, max_query_len)] = replay
+        return True
+
+    def _record(self, forward: Callable[[], None]) -> Callable[[], None]:
+        """Capture forward as a CUDA graph (after a warm-up run that compiles the Triton
+        kernels outside the capture); returns its replay."""
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            forward()
+        torch.cuda.synchronize()
+        if self.pool is None:
+            self.pool = graph.pool()
+        self._keep_alive.append(graph)
+        return graph.replay
+
+    def capture_decode(self) -> None:
+        """Capture every decode bucket up front (largest first, so the pool is sized once);
+        verify buckets are captured the first time a step needs them."""
+        for seq_bucket in reversed(self.seq_buckets):
+            if not self.failed and (seq_bucket, seq_bucket, 1) not in self.graphs:
+                self._capture(seq_bucket, seq_bucket, 1)
+
+def default_num_kv_blocks(model, device: torch.device, block_size: int, max_num_batched_tokens: int,
+                          memory_fraction: float, cpu_bytes: int = 512 << 20) -> int:
+    """KV blocks that fit: on CUDA, memory_fraction of the GPU minus the weights and the
+    activations of the largest step (measured by running it); on CPU, cpu_bytes of cache."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    per_block = KVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                                        dtype)
+    if device.type != "cuda":
+        return max(64, min(1 << 16, cpu_bytes // per_block))
+    num_tokens = min(max_num_batched_tokens, cfg.max_position_embeddings)
+    num_blocks = -(-num_tokens // block_size)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    scratch = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                      device)
+    attn = PagedAttention(scratch, cfg.head_dim ** -0.5)
+    attn.metadata = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        max_query_len=num_tokens)
+    with torch.inference_mode():
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        hidden = model.forward(ids, torch.arange(num_tokens, device=device), attn)
+        model.compute_logits(hidden)  # every row may sample (verify steps)
+    torch.cuda.synchronize(device)
+    del scratch, attn, hidden
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+    available = int(total * memory_fraction) - (total - free) - activations
+    if available < per_block:
+        raise RuntimeError(f"kv_cache_memory_fraction={memory_fraction}: no GPU memory left for the KV cache")
+    return available // per_block

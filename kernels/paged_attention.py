@@ -1,0 +1,368 @@
+"""Paged attention over a block-table KV cache: KV write and causal ragged attention.
+
+One call serves decode (1 query token per sequence), speculative verify (1 + K tokens,
+K different per sequence) and chunked prefill: sequence s owns the query rows
+``query_start_loc[s]:query_start_loc[s + 1]``, which are its newest tokens, and their
+KV is already in the cache (``write_kv`` runs first). Query row i of sequence s sits at
+position ``seq_lens[s] - query_len_s + i`` and sees cache positions up to its own.
+
+This module knows nothing about sequences, schedulers or models: it sees tensors.
+Each op has a Triton kernel, a checked wrapper (``*_triton``), a PyTorch reference
+(``*_reference``, the ground truth) and a dispatcher that picks between them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference path needs no Triton
+    triton = None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Triton on CUDA tensors; on CPU only when asked (RHYMERL_TRITON=1, run it with
+    TRITON_INTERPRET=1), because the interpreter is orders of magnitude slower."""
+    if triton is None:
+        return False
+    return t.is_cuda or os.environ.get("RHYMERL_TRITON") == "1"
+
+
+# ---------------------------------------------------------------------------- write_kv
+
+
+def write_kv_reference(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, < 0 = skip
+) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    keep = slot_mapping >= 0  # [num_tokens]
+    slots = slot_mapping[keep]  # [num_kept]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep].to(v_cache.dtype)
+
+
+def write_kv_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _check_kv_args(k, v, k_cache, v_cache, slot_mapping)
+    if num_tokens == 0:
+        return
+    row_size = num_kv_heads * head_dim
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), v.stride(0),
+        ROW_SIZE=row_size, BLOCK=triton.next_power_of_2(row_size),
+    )
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Store the new tokens' K and V at their cache slots (slot = block_id * block_size
+    + offset); slots < 0 are padding and are skipped."""
+    if use_triton(k):
+        write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _check_kv_args(k, v, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape, (v.shape, k.shape)
+    assert k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim), k_cache.shape
+    assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    # Each token's [num_kv_heads, head_dim] must be one contiguous row of memory.
+    for t in (k, v):
+        assert t.stride(2) == 1 and t.stride(1) == head_dim, t.stride()
+    assert k.dtype == v.dtype and k_cache.dtype == v_cache.dtype
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
+    assert k.device == k_cache.device == slot_mapping.device
+
+
+# ---------------------------------------------------------------------- paged_attention
+
+
+def paged_attention_reference(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
+    """Gather each sequence's context from its blocks and attend in float32."""
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    cu_q = query_start_loc.tolist()
+    for s, context_len in enumerate(seq_lens.tolist()):
+        start, end = cu_q[s], cu_q[s + 1]
+        query_len = end - start
+        if query_len == 0:
+            continue
+        num_blocks = -(-context_len // block_size)
+        blocks = block_tables[s, :num_blocks].long()  # [num_blocks]
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [ctx, kvh, d]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [ctx, kvh, d]
+        k = k.float().repeat_interleave(group, dim=1)  # [ctx, num_heads, d]
+        v = v.float().repeat_interleave(group, dim=1)  # [ctx, num_heads, d]
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [h, qlen, ctx]
+        q_pos = torch.arange(query_len, device=q.device) + (context_len - query_len)  # [qlen]
+        visible = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [qlen, ctx]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [h, qlen, ctx]
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def paged_attention_triton(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+    max_query_len: int | None = None, num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """The Triton path; ``num_kv_splits`` overrides the split-KV heuristic (tests)."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    num_seqs = seq_lens.shape[0]
+    assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1
+    assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
+    assert query_start_loc.shape == (num_seqs + 1,)
+    assert q.device == k_cache.device == block_tables.device == seq_lens.device == query_start_loc.device
+    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    group = num_heads // num_kv_heads
+    # A tile's rows are (query token, head of the group) pairs sharing one KV head, so
+    # decode with GQA fills the tile with the group's heads instead of padding.
+    block_m = max(16, min(64, triton.next_power_of_2(max_query_len * group)))
+    num_m_tiles = triton.cdiv(max_query_len * group, block_m)
+    if num_kv_splits is None:
+        num_kv_splits = _num_kv_splits(q.device, num_seqs * num_kv_heads * num_m_tiles)
+    block_d = triton.next_power_of_2(head_dim)
+    # With several splits each program leaves a normalised partial output and its
+    # log2-sum-exp; _merge_splits_kernel combines them (flash-decoding).
+    part_out = torch.empty(num_kv_splits if num_kv_splits > 1 else 0, num_tokens, num_heads, block_d,
+                           dtype=torch.float32, device=q.device)  # [splits, num_tokens, num_heads, block_d]
+    part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device)  # [splits, num_tokens, num_heads]
+    # Rows past query_start_loc[-1] (CUDA-graph padding) belong to no sequence: the extra
+    # program after the last sequence (or the merge) writes 0 there, without a memset.
+    grid = (num_seqs + 1, num_kv_heads, num_m_tiles * num_kv_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
+        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        num_tokens * num_heads, num_heads, num_seqs, num_tokens,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32,
+        NUM_KV_SPLITS=num_kv_splits,
+        # Triton's CPU interpreter multiplies bf16 dot operands as their raw uint16 bits.
+        DOT_F32=not q.is_cuda,
+        # float32 caches (tests, debugging) get exact products, not TF32.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if num_kv_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
+            num_tokens * num_heads, num_heads, num_seqs,
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            NUM_KV_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        )
+    return out
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_kv_splits(device: torch.device, num_programs: int) -> int:
+    """Split each context across programs when the batch alone cannot fill the GPU
+    (small-batch decode). Depends only on shapes, so CUDA graph replays stay valid."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(16, 2 * _SM_COUNT[index] // num_programs))
+
+
+def paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the ragged query rows over their sequences' paged KV.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]; rows query_start_loc[s]:query_start_loc[s+1]
+            are sequence s's newest tokens.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], already holding
+            the new tokens' KV.
+        block_tables: [num_seqs, max_blocks_per_seq] int32.
+        seq_lens: [num_seqs] int32, context length including the new tokens.
+        query_start_loc: [num_seqs + 1] int32.
+        scale: softmax scale, usually head_dim ** -0.5.
+        max_query_len: the largest query_len, if the caller knows it (saves a device sync).
+
+    Returns:
+        [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
+    if use_triton(q):
+        return paged_attention_triton(*args)
+    return paged_attention_reference(*args)
+
+
+# ------------------------------------------------------------------------ Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kv_kernel(
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+        stride_k_tok, stride_v_tok,
+        ROW_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        slot = tl.load(slot_ptr + token)
+        if slot >= 0:
+            cols = tl.arange(0, BLOCK)
+            mask = cols < ROW_SIZE
+            k = tl.load(k_ptr + token * stride_k_tok + cols, mask=mask)
+            v = tl.load(v_ptr + token * stride_v_tok + cols, mask=mask)
+            dst = slot * ROW_SIZE + cols
+            tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        block_tables_ptr, seq_lens_ptr, cu_q_ptr,
+        scale_log2,
+        stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+        stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
+        rows_per_split, num_heads, num_seqs, num_tokens,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_KV_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        tile = tl.program_id(2) // NUM_KV_SPLITS
+        split = tl.program_id(2) % NUM_KV_SPLITS
+        q_start = tl.load(cu_q_ptr + seq)
+        # The program after the last sequence (seq == num_seqs) has query_len 0: it only
+        # zeroes the padding rows (unless the merge kernel writes them).
+        query_len = tl.load(cu_q_ptr + tl.minimum(seq + 1, num_seqs)) - q_start
+        if NUM_KV_SPLITS == 1:
+            if (seq == num_seqs) & (tl.program_id(2) == 0):
+                _zero_rows(out_ptr, q_start, num_tokens, kv_head * GROUP, stride_o_tok, stride_o_head,
+                           GROUP, HEAD_DIM, BLOCK_D, BLOCK_M)
+        if tile * BLOCK_M < query_len * GROUP:
+            context_len = tl.load(seq_lens_ptr + seq)
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+            token = rows // GROUP  # [BLOCK_M], index within the sequence's query
+            head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
+            row_ok = token < query_len
+            q_pos = context_len - query_len + token  # [BLOCK_M]
+            dims = tl.arange(0, BLOCK_D)
+            dim_ok = dims < HEAD_DIM
+            q_off = (q_start + token)[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
+            q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            if DOT_F32:
+                q = q.to(tl.float32)
+
+            # Keys past the tile's last query position are masked for every row; the
+            # remaining key tiles are cut into NUM_KV_SPLITS contiguous runs, one per program.
+            last_pos = tl.minimum(context_len - query_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP, context_len - 1)
+            tiles_per_split = tl.cdiv(tl.cdiv(last_pos + 1, BLOCK_N), NUM_KV_SPLITS)
+            n_begin = split * tiles_per_split * BLOCK_N
+            n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, last_pos + 1)
+
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for start_n in range(n_begin, n_end, BLOCK_N):
+                k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+                k_ok = k_pos < n_end
+                block = tl.load(block_tables_ptr + seq * stride_bt_seq + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+                kv_off = (block.to(tl.int64) * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot
+                          + kv_head * stride_c_head)  # [BLOCK_N]
+                kv_mask = k_ok[:, None] & dim_ok[None, :]
+                kv_ptrs = kv_off[:, None] + dims[None, :]  # [BLOCK_N, BLOCK_D]
+                k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+                v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+                if DOT_F32:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+                s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                # A row may have seen no visible key yet (causal mask): keep exp2 finite.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                m_i = m_new
+            # Every row sees position 0, so l_i > 0 except in later splits with no visible key.
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # [BLOCK_M, BLOCK_D]
+            if NUM_KV_SPLITS == 1:
+                o_off = (q_start + token)[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
+                tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+            else:
+                part_row = split * rows_per_split + (q_start + token) * num_heads + head  # [BLOCK_M]
+                tl.store(part_out_ptr + part_row[:, None] * BLOCK_D + dims[None, :], out, mask=row_ok[:, None])
+                seen = l_i > 0.0
+                lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # [BLOCK_M]
+                tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
+
+    @triton.jit
+    def _zero_rows(out_ptr, row_begin, row_end, first_head, stride_o_tok, stride_o_head,
+                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """out[row_begin:row_end, first_head:first_head + NUM_HEADS] = 0."""
+        dims = tl.arange(0, BLOCK_D)
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty)
+        for start in range(row_begin, row_end, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+            mask = (rows < row_end)[:, None] & (dims < HEAD_DIM)[None, :]
+            for h in tl.static_range(NUM_HEADS):
+                off = rows[:, None] * stride_o_tok + (first_head + h) * stride_o_head + dims[None, :]
+                tl.store(out_ptr + off, zeros, mask=mask)
+
+    @triton.jit
+    def _merge_splits_kernel(
+        part_out_ptr, part_lse_ptr, out_ptr, cu_q_ptr, stride_o_tok, stride_o_head,
+        rows_per_split, num_heads, num_seqs,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        token = tl.program_id(0)
+        head = tl.program_id(1)
+        splits = tl.arange(0, BLOCK_S)
+        # Padding rows (past the last sequence) read nothing and come out as 0.
+        num_real_splits = tl.where(token < tl.load(cu_q_ptr + num_seqs), NUM_KV_SPLITS, 0)
+        split_ok = splits < num_real_splits
+        part_row = splits * rows_per_split + token * num_heads + head  # [BLOCK_S]
+        lse = tl.load(part_lse_ptr + part_row, mask=split_ok, other=float("-inf"))  # [BLOCK_S]
+        # Split 0 holds position 0, so the max is finite for every real query row.
+        lse_max = tl.max(lse, axis=0)
+        weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # [BLOCK_S]
+        dims = tl.arange(0, BLOCK_D)
+        part = tl.load(part_out_ptr + part_row[:, None] * BLOCK_D + dims[None, :],
+                       mask=split_ok[:, None] & (weight > 0)[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+        weight_sum = tl.sum(weight, axis=0)
+        out = tl.sum(part * weight[:, None], axis=0) / tl.where(weight_sum == 0.0, 1.0, weight_sum)  # [BLOCK_D]
+        tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dims < HEAD_DIM)

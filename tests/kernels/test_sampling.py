@@ -1,0 +1,254 @@
+"""Gumbel-max sampling: greedy, reproducibility, truncation, distribution, Triton == reference.
+
+If these fail, speculative decoding is no longer lossless (a draft is accepted exactly
+when it equals the sampled token, so the sample must be a pure function of the row) or
+the trainer's logprobs disagree with the policy's."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import sampling as sp
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton: GPU, else the interpreter
+
+
+def params(n, temperature=1.0, top_k=0, top_p=0.0, min_p=0.0, seed0=1234, position0=0):
+    """Per-row sampling parameters: scalars are broadcast, lists are taken as is."""
+    def col(x, dtype):
+        return torch.tensor(x if isinstance(x, list) else [x] * n, dtype=dtype)
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 + seed0  # [n]
+    positions = torch.arange(n, dtype=torch.int64) + position0  # [n]
+    return (col(temperature, torch.float32), col(top_k, torch.int32), col(top_p, torch.float32),
+            col(min_p, torch.float32), seeds, positions)
+
+
+def both(logits, args):
+    """(reference, triton) results; the Triton one computed on DEVICE."""
+    ref = sp.sample_reference(logits, *args)
+    tri = sp.sample_triton(logits.to(DEVICE), *(a.to(DEVICE) for a in args))
+    return ref, tuple(t.cpu() for t in tri)
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id():
+    """T == 0 returns the argmax, the lowest id among equal maxima, even across vocab blocks."""
+    logits = torch.randn(3, 5000)
+    logits[0, [10, 4000]] = 50.0  # tie spanning two Triton vocab blocks
+    logits[1, [2047, 2048]] = 50.0  # tie across the block boundary
+    args = params(3, temperature=0.0, top_k=[0, 5, 0], top_p=[0.0, 0.5, 0.0], min_p=[0.0, 0.0, 0.3])
+    (ref_tokens, ref_lp), (tri_tokens, tri_lp) = both(logits, args)
+    expected = torch.tensor([10, 2047, int(logits[2].argmax())])
+    assert torch.equal(ref_tokens, expected) and torch.equal(tri_tokens, expected)
+    expected_lp = torch.log_softmax(logits, -1).gather(1, expected[:, None]).squeeze(1)  # T' = 1
+    torch.testing.assert_close(ref_lp, expected_lp)
+    torch.testing.assert_close(tri_lp, expected_lp)
+
+
+def test_token_is_independent_of_batch_order_and_size():
+    """A row's token depends only on its logits, params, seed and position."""
+    n = 8
+    logits = torch.randn(n, 700)
+    args = params(n, temperature=[0.5, 1.0, 1.5, 1.0, 0.8, 1.0, 1.2, 0.0], top_k=[0, 20, 0, 0, 5, 0, 0, 0],
+                  top_p=[0.0, 0.0, 0.9, 0.0, 0.7, 0.0, 0.0, 0.0], min_p=[0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.2, 0.0])
+    for sample in (sp.sample_reference, sp.sample_triton):
+        full, _ = sample(logits.to(DEVICE), *(a.to(DEVICE) for a in args))
+        perm = torch.randperm(n)
+        shuffled, _ = sample(logits[perm].to(DEVICE), *(a[perm].to(DEVICE) for a in args))
+        assert torch.equal(shuffled.cpu(), full.cpu()[perm])
+        for i in (0, 3, 6):
+            alone, _ = sample(logits[i:i + 1].to(DEVICE), *(a[i:i + 1].to(DEVICE) for a in args))
+            assert int(alone) == int(full[i])
+
+
+def test_different_seeds_and_positions_give_different_samples():
+    """Over a flat distribution, 64 seeds (or 64 positions) must not collapse to a few tokens."""
+    logits = torch.zeros(64, 1000)
+    by_seed, _ = sp.sample_reference(logits, *params(64))
+    seeds = torch.full((64,), 99, dtype=torch.int64)
+    by_position, _ = sp.sample_reference(logits, *params(64)[:4], seeds, torch.arange(64, dtype=torch.int64))
+    assert len(set(by_seed.tolist())) > 50 and len(set(by_position.tolist())) > 50
+    noise = sp.uniform_noise(torch.tensor([1, 2, 1]), torch.tensor([5, 5, 6]), 100)  # [3, 100]
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_triton_tokens_equal_reference(dtype):
+    """Same hash, same Gumbel-max: identical tokens on tie-free random logits, all params mixed."""
+    n = 24
+    logits = (torch.randn(n, 3000) * 3).to(dtype)
+    gen = torch.Generator().manual_seed(5)
+    temperature = torch.rand(n, generator=gen) * 1.5 + 0.1
+    temperature[::7] = 0.0
+    args = params(n, temperature=temperature.tolist(),
+                  top_k=torch.randint(0, 100, (n,), generator=gen).tolist(),
+                  top_p=(torch.rand(n, generator=gen) * (torch.rand(n, generator=gen) < 0.5)).tolist(),
+                  min_p=(torch.rand(n, generator=gen) * 0.2 * (torch.rand(n, generator=gen) < 0.5)).tolist(),
+                  seed0=-(2 ** 40), position0=2 ** 33 - 10)
+    (ref_tokens, ref_lp), (tri_tokens, tri_lp) = both(logits, args)
+    assert torch.equal(tri_tokens, ref_tokens)
+    torch.testing.assert_close(tri_lp, ref_lp, atol=1e-4, rtol=1e-5)
+
+
+def test_minus_inf_logits_are_never_sampled():
+    """Callers mask tokens with -inf (stop tokens before min_tokens), even whole vocab blocks."""
+    n = 4
+    logits = torch.randn(n, 2500)
+    logits[:, :2100] = float("-inf")  # more than one Triton vocab block
+    logits[1, 2200:] = float("-inf")
+    args = params(n, temperature=[1.0, 0.0, 0.7, 1.0], top_p=[0.0, 0.0, 0.9, 0.0], min_p=[0.0, 0.0, 0.0, 0.1])
+    for tokens, logprobs in both(logits, args):
+        assert bool((tokens >= 2100).all()) and bool((tokens[1] < 2200).all())
+        assert bool(torch.isfinite(logprobs).all())
+    (ref_tokens, ref_lp), (tri_tokens, tri_lp) = both(logits, args)
+    assert torch.equal(ref_tokens, tri_tokens)
+    torch.testing.assert_close(tri_lp, ref_lp, atol=1e-5, rtol=1e-5)
+
+
+def test_logprobs_are_untruncated_log_softmax():
+    """Logprobs are log_softmax(logits / T)[token] over the whole vocabulary, truncation ignored."""
+    n = 6
+    logits = torch.randn(n, 400, dtype=torch.float64).float()
+    args = params(n, temperature=[0.7, 1.0, 1.3, 0.0, 2.0, 1.0], top_k=[3, 0, 0, 0, 0, 1],
+                  top_p=[0.0, 0.5, 0.0, 0.0, 0.0, 0.0], min_p=[0.0, 0.0, 0.3, 0.0, 0.0, 0.0])
+    t_eff = torch.where(args[0] == 0, 1.0, args[0])  # [n]
+    for tokens, logprobs in both(logits, args):
+        expected = torch.log_softmax(logits.double() / t_eff[:, None].double(), -1)  # [n, vocab]
+        torch.testing.assert_close(logprobs.double(), expected.gather(1, tokens[:, None]).squeeze(1),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def brute_force_allowed(logits_row, temperature, top_k, top_p, min_p, margin=1e-4):
+    """(surely allowed, surely truncated) id sets in float64, leaving out ids within
+    `margin` of a top-p or min-p boundary, where float32 rounding may decide either way."""
+    scaled = np.asarray(logits_row, dtype=np.float64) / (temperature or 1.0)
+    order = sorted(range(len(scaled)), key=lambda v: (-scaled[v], v))
+    kept = order[:top_k] if 0 < top_k < len(order) else order
+    probs = np.exp(scaled[kept] - scaled[kept].max())
+    probs /= probs.sum()
+    allowed, truncated = set(), set(order) - set(kept)
+    mass_before = 0.0
+    for v, p in zip(kept, probs):
+        ratio = p / probs[0]
+        p_in = not (0 < top_p < 1) or mass_before < top_p - margin
+        p_out = 0 < top_p < 1 and mass_before > top_p + margin
+        m_in, m_out = ratio >= min_p + margin or min_p == 0, ratio < min_p - margin
+        if p_in and m_in:
+            allowed.add(v)
+        elif p_out or m_out:
+            truncated.add(v)
+        mass_before += p
+    return allowed, truncated
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_truncation_mask_matches_brute_force(data):
+    """top_k, then top_p on the renormalised top-k, then min_p: the mask equals a float64 brute force."""
+    vocab = data.draw(st.integers(2, 30))
+    logits = data.draw(st.lists(st.floats(-5, 5), min_size=vocab, max_size=vocab))
+    temperature = data.draw(st.sampled_from([0.5, 1.0, 2.0]))
+    top_k = data.draw(st.integers(0, vocab + 2))
+    top_p = data.draw(st.sampled_from([0.0, 0.3, 0.8, 0.95, 1.0]))
+    min_p = data.draw(st.sampled_from([0.0, 0.05, 0.5]))
+    scaled = torch.tensor([logits], dtype=torch.float32) / temperature
+    mask = sp.allowed_mask(scaled, torch.ones(1), torch.tensor([top_k], dtype=torch.int32),
+                           torch.tensor([top_p]), torch.tensor([min_p]))
+    mask = torch.ones_like(scaled, dtype=torch.bool) if mask is None else mask
+    allowed, truncated = brute_force_allowed(scaled[0].tolist(), 1.0, top_k, top_p, min_p)
+    assert all(mask[0, v] for v in allowed) and not any(mask[0, v] for v in truncated)
+    assert mask[0, int(scaled.argmax())]
+
+
+def test_truncated_tokens_are_never_sampled():
+    """Over many seeds, every sampled token is inside the top-k / top-p / min-p set."""
+    logits = torch.randn(4, 50) * 2
+    configs = [(1.0, 5, 0.0, 0.0), (1.0, 0, 0.6, 0.0), (0.8, 0, 0.0, 0.2), (1.5, 10, 0.8, 0.1)]
+    num_seeds = 500
+    for row, (temperature, top_k, top_p, min_p) in enumerate(configs):
+        rows = logits[row].expand(num_seeds, -1)  # [num_seeds, vocab]
+        args = params(num_seeds, temperature, top_k, top_p, min_p, seed0=row)
+        tokens, _ = sp.sample_reference(rows, *args)
+        allowed, _ = brute_force_allowed(logits[row].tolist(), temperature, top_k, top_p, min_p)
+        assert set(tokens.tolist()) <= allowed, (row, set(tokens.tolist()) - allowed)
+    rows = logits[3].expand(40, -1)
+    tokens, _ = sp.sample_triton(rows.to(DEVICE), *(a.to(DEVICE) for a in params(40, *configs[3])))
+    assert set(tokens.cpu().tolist()) <= brute_force_allowed(logits[3].tolist(), *configs[3])[0]
+
+
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, 0, 0.0, 0.0), (0.7, 0, 0.0, 0.0), (1.3, 6, 0.0, 0.0), (1.0, 0, 0.85, 0.0), (1.0, 8, 0.9, 0.05),
+])
+def test_sampled_frequencies_match_truncated_softmax(temperature, top_k, top_p, min_p):
+    """Chi-square (p = 0.001, fixed seeds: deterministic) of 20,000 samples against
+    softmax(logits / T) restricted to the allowed set and renormalised."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.7, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0])
+    num_samples = 20_000
+    args = params(num_samples, temperature, top_k, top_p, min_p, seed0=42)
+    tokens, _ = sp.sample_reference(logits.expand(num_samples, -1), *args)
+    allowed, _ = brute_force_allowed(logits.tolist(), temperature, top_k, top_p, min_p)
+    probs = torch.softmax(logits.double() / temperature, -1)
+    expected = {v: float(probs[v]) for v in allowed}
+    total = sum(expected.values())
+    counts = torch.bincount(tokens, minlength=len(logits))
+    assert int(counts.sum()) == int(sum(counts[v] for v in allowed)), "a truncated token was sampled"
+    chi2 = sum((int(counts[v]) - num_samples * p / total) ** 2 / (num_samples * p / total)
+               for v, p in expected.items())
+    assert chi2 < CHI2_999[len(expected) - 1], (chi2, counts.tolist())
+
+
+def test_uniform_noise_is_uniform_in_open_interval():
+    """u stays strictly inside (0, 1) (finite Gumbel) and its deciles are balanced."""
+    u = sp.uniform_noise(torch.arange(50, dtype=torch.int64), torch.zeros(50, dtype=torch.int64), 2000)
+    assert u.dtype == torch.float32 and u.shape == (50, 2000)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    expected = u.numel() / 10
+    assert float(((counts - expected) ** 2 / expected).sum()) < 27.88  # chi2, 9 dof, p = 0.001
+    assert math.isfinite(float((-torch.log(-torch.log(u))).abs().max()))
+
+
+if sp.triton is not None:
+    import triton
+    import triton.language as tl
+
+    from kernels.sampling import _row_key_tl, _uniform_tl
+
+    @triton.jit
+    def _noise_kernel(seeds_ptr, positions_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr):
+        row = tl.program_id(0)
+        key = _row_key_tl(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+        ids = tl.arange(0, BLOCK_V)
+        tl.store(out_ptr + row * vocab + ids, _uniform_tl(key, ids), mask=ids < vocab)
+
+
+@pytest.mark.skipif(sp.triton is None, reason="needs Triton")
+def test_triton_rng_is_bit_identical_to_reference():
+    """The uint32 hash in Triton equals the int64-masked hash in PyTorch bit for bit,
+    for negative seeds and positions past 2**32 too."""
+    seeds = torch.tensor([0, 1, -1, 2 ** 62 + 3, -(2 ** 40), 123456789], dtype=torch.int64)
+    positions = torch.tensor([0, 1, 2 ** 32 + 5, 7, 2 ** 40, 99], dtype=torch.int64)
+    vocab = 300
+    out = torch.empty(len(seeds), vocab, device=DEVICE)
+    _noise_kernel[(len(seeds),)](seeds.to(DEVICE), positions.to(DEVICE), out, vocab, BLOCK_V=512)
+    assert torch.equal(out.cpu(), sp.uniform_noise(seeds, positions, vocab))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_large_vocab_matches_reference():
+    """Qwen-sized vocabulary (151,936) on the GPU: tokens equal the reference."""
+    n = 64
+    logits = (torch.randn(n, 151_936, device="cuda") * 4).bfloat16()
+    args = params(n, temperature=0.9, top_k=[0, 50] * (n // 2), top_p=0.95, min_p=0.0)
+    args = tuple(a.cuda() for a in args)
+    ref_tokens, ref_lp = sp.sample_reference(logits, *args)
+    tokens, lp = sp.sample(logits, *args)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-3, rtol=1e-4)

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 
-from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grpc
+from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
 from services.common.errors import InvalidArgument, NotFound, grpc_errors

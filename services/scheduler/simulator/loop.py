@@ -61,7 +61,7 @@ class Simulator:
     """
 
     def __init__(self, policy: Policy, cost: CostModel, num_workers: int, capacity: int,
-                 spec: SpecConfig | None = None, quantum_s: float = 0.05, overlap: bool = False) -> None:
+                 spec: SpecConfig | None = None, quantum_s: float = 0.1, overlap: bool = False) -> None:
         self.policy, self.quantum_s, self.overlap = policy, quantum_s, overlap
         speed = SpeedCurve(cost, spec)
         self.workers = [SimWorker(WorkerState(f"w{i}", capacity), speed) for i in range(num_workers)]

@@ -42,8 +42,13 @@ class Workload:
         return {p: [epochs[e] for e in range(min(epoch, len(epochs)) - 1, max(-1, epoch - 1 - depth), -1)]
                 for p, epochs in self.lengths.items() if epoch > 0 and len(epochs) >= 1}
 
-    def step(self, epoch: int, step_id: str | None = None, history_depth: int = 4) -> SimStep:
-        """Fresh requests for every prompt that has this epoch; first epoch: no history."""
+    def step(self, epoch: int, step_id: str | None = None, history_depth: int = 4,
+             history_lag: int = 0) -> SimStep:
+        """Fresh requests for every prompt that has this epoch; first epoch: no history.
+
+        ``history_lag=1`` leaves out the previous epoch (still running when a cross-step
+        scheduler starts this one, so not yet in the history store).
+        """
         step_id = step_id or f"e{epoch}"
         requests, true_len = [], {}
         for prompt_id, epochs in self.lengths.items():
@@ -54,7 +59,8 @@ class Workload:
                                   self.prompt_lens[prompt_id], self.max_tokens)
                 requests.append(request)
                 true_len[request.request_id] = int(length)
-        return SimStep(step_id, requests, true_len, self.history_before(epoch, history_depth))
+        return SimStep(step_id, requests, true_len,
+                       self.history_before(max(0, epoch - history_lag), history_depth))
 
     def take(self, num_prompts: int) -> Workload:
         """The first ``num_prompts`` prompts, tiled with renamed copies when there are fewer."""

@@ -1,0 +1,75 @@
+"""Time of one forward pass as a function of the tokens it carries.
+
+Piecewise-linear through measured points; beyond the last point it keeps the last
+segment's slope (compute-bound: time grows linearly with tokens). The default curves
+are the H100 bf16 measurements in DESIGN.md (weight matrices only: attention over the
+KV cache is not in them). Knows nothing about requests or workers.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+# tokens per forward -> ms, one H100, bf16, CUDA graphs (DESIGN.md)
+DEFAULT_CURVES: dict[str, tuple[tuple[int, float], ...]] = {
+    "0.5B": ((1, 0.66), (32, 0.70), (128, 0.82), (256, 0.93), (512, 1.12)),
+    "1.5B": ((1, 1.44), (32, 1.49), (128, 1.59), (256, 1.95), (512, 2.94)),
+    "7B": ((1, 5.13), (32, 5.20), (128, 5.59), (256, 6.62), (512, 11.9)),
+}
+HBM_FLOOR_MS = {"0.5B": 0.34, "1.5B": 1.06, "7B": 4.84}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    num_tokens: tuple[float, ...]  # increasing
+    ms: tuple[float, ...]  # forward time at each point, non-decreasing
+
+    def __post_init__(self) -> None:
+        if len(self.num_tokens) < 2 or len(self.num_tokens) != len(self.ms):
+            raise ValueError("a cost curve needs at least two (tokens, ms) points")
+        if any(b <= a for a, b in zip(self.num_tokens, self.num_tokens[1:])):
+            raise ValueError(f"token counts must increase: {self.num_tokens}")
+
+    @classmethod
+    def default(cls, shape: str = "7B") -> CostModel:
+        """The DESIGN.md curve of a model shape: "0.5B", "1.5B" or "7B"."""
+        try:
+            points = DEFAULT_CURVES[shape]
+        except KeyError:
+            raise ValueError(f"unknown model shape {shape!r}; known: {sorted(DEFAULT_CURVES)}") from None
+        return cls(tuple(float(m) for m, _ in points), tuple(ms for _, ms in points))
+
+    @classmethod
+    def from_measurements(cls, samples: Iterable[tuple[int, float]]) -> CostModel:
+        """Fit a curve to (tokens per forward, ms) samples: the median per token count,
+        made non-decreasing (a bigger forward is never cheaper; noise otherwise bends
+        the curve the wrong way)."""
+        by_tokens: dict[int, list[float]] = defaultdict(list)
+        for num_tokens, ms in samples:
+            if num_tokens <= 0 or ms <= 0:
+                raise ValueError(f"bad measurement ({num_tokens} tokens, {ms} ms)")
+            by_tokens[int(num_tokens)].append(float(ms))
+        if len(by_tokens) < 2:
+            raise ValueError("need measurements at two or more token counts")
+        tokens = sorted(by_tokens)
+        medians = np.maximum.accumulate([float(np.median(by_tokens[m])) for m in tokens])
+        return cls(tuple(float(m) for m in tokens), tuple(float(x) for x in medians))
+
+    def forward_ms(self, num_tokens: float) -> float:
+        """Milliseconds of one forward over ``num_tokens`` tokens (0 tokens: no forward)."""
+        if num_tokens <= 0:
+            return 0.0
+        xs, ys = self.num_tokens, self.ms
+        i = min(max(bisect.bisect_right(xs, num_tokens), 1), len(xs) - 1)  # segment [i-1, i]
+        if num_tokens < xs[0]:
+            return ys[0]
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + slope * (num_tokens - xs[i - 1])
+
+    def forward_s(self, num_tokens: float) -> float:
+        return self.forward_ms(num_tokens) / 1000.0

@@ -1,0 +1,137 @@
+"""The placement-policy interface shared by the live scheduler and the simulator.
+
+A policy decides which queued request runs next, on which worker, and for how many
+tokens (its chunk budget). It knows nothing about gRPC, clocks or engines: the caller
+(the live scheduler in ``services/scheduler``, or ``services.scheduler.simulator``)
+feeds it events and applies the assignments it returns.
+
+Who writes what: the policy updates the ``Request`` fields (``num_generated``,
+``predicted_len``, ``last_worker``, ``num_chunks``, ``num_migrations``, ``is_probe``);
+the caller updates ``WorkerState.running`` and ``healthy``. The caller's contract:
+  1. ``add_step(requests, lengths, now)`` when a step's requests arrive;
+  2. ``schedule(workers, now)`` after every event; the caller puts each returned
+     assignment's request into ``workers[...].running`` and sends the chunk;
+  3. ``on_chunk_done(request, worker_id, num_new_tokens, finished, now)`` when a chunk
+     ends, after the caller removed the request from ``worker.running``; the policy adds
+     ``num_new_tokens`` to ``num_generated``; unfinished requests go back to its pool;
+  4. ``on_worker_lost(worker_id, requests, now)`` with the requests that were running
+     there, after the caller marked the worker unhealthy and emptied its ``running``;
+     their partial chunk is discarded (the engine regenerates it identically from the
+     seed), so ``num_generated`` keeps the count of the last completed chunk;
+  5. ``cancel_step(step_id)`` removes that step's queued requests and returns them;
+     its running requests are the caller's to abort (their chunk results are ignored).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from services.scheduler.length_model import LengthModel
+
+
+@dataclass(eq=False)
+class Request:
+    """One sample of a step; mutable bookkeeping owned by the scheduler."""
+
+    request_id: str
+    step_id: str
+    prompt_id: str
+    sample_index: int
+    prompt_len: int
+    max_tokens: int
+    num_generated: int = 0  # tokens generated so far, all chunks together
+    predicted_len: float | None = None  # predicted total response length (tokens)
+    last_worker: str | None = None  # where its previous chunk ran
+    num_chunks: int = 0
+    num_migrations: int = 0
+    is_probe: bool = False
+
+    @property
+    def group_id(self) -> tuple[str, str]:
+        return (self.step_id, self.prompt_id)
+
+    @property
+    def num_remaining(self) -> int:
+        """Most tokens it may still generate."""
+        return self.max_tokens - self.num_generated
+
+
+@dataclass
+class WorkerState:
+    """The scheduler's view of one worker."""
+
+    worker_id: str
+    capacity: int  # most requests it runs at once
+    running: dict[str, Request] = field(default_factory=dict)
+    healthy: bool = True
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - len(self.running)) if self.healthy else 0
+
+
+@dataclass(frozen=True)
+class Assignment:
+    request: Request
+    worker_id: str
+    max_new_tokens: int  # this chunk's budget, 1 <= budget <= max_tokens - num_generated
+    is_migration: bool = False  # resumes on another worker than its previous chunk's
+
+
+def chunk_budget(request: Request, chunk_size: int | None) -> int:
+    """Tokens the next chunk may generate: the chunk size, capped by what is left."""
+    if chunk_size is None:
+        return request.num_remaining
+    return min(chunk_size, request.num_remaining)
+
+
+class Policy(ABC):
+    """Decides what runs where. One instance serves every step of a scheduler."""
+
+    name: ClassVar[str]
+
+    @staticmethod
+    def _assign(request: Request, worker: WorkerState, budget: int) -> Assignment:
+        """Book a chunk of ``budget`` tokens on ``worker``; the one place chunks and
+        migrations are counted."""
+        migrated = request.last_worker is not None and request.last_worker != worker.worker_id
+        request.num_chunks += 1
+        request.num_migrations += int(migrated)
+        request.last_worker = worker.worker_id
+        return Assignment(request, worker.worker_id, budget, migrated)
+
+    @staticmethod
+    def _record_chunk(request: Request, num_new_tokens: int) -> None:
+        if num_new_tokens < 0 or request.num_generated + num_new_tokens > request.max_tokens:
+            raise ValueError(f"{request.request_id}: {num_new_tokens} new tokens overflow "
+                             f"{request.num_generated}/{request.max_tokens}")
+        request.num_generated += num_new_tokens
+
+    @abstractmethod
+    def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
+        """A step's requests arrive; the policy sets ``predicted_len`` via ``lengths``."""
+
+    @abstractmethod
+    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
+        """Fill free capacity. Called after every event; never over-fills a worker."""
+
+    @abstractmethod
+    def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,
+                      finished: bool, now: float) -> None:
+        """A chunk ended: unfinished requests return to the pool; finished ones are
+        reported to the length model (they predict their siblings)."""
+
+    @abstractmethod
+    def on_worker_lost(self, worker_id: str, requests: list[Request], now: float) -> None:
+        """``requests`` were running on a worker that is gone: queue them again."""
+
+    @abstractmethod
+    def cancel_step(self, step_id: str) -> list[Request]:
+        """Remove and return the step's queued requests."""
+
+    @abstractmethod
+    def num_queued(self) -> int:
+        """Requests waiting for a worker."""

@@ -1,0 +1,152 @@
+"""``rhymerl``: ours. Seer's divided rollout driven by history, placed by the cost model.
+
+1. Prediction: a prompt with history is predicted from its earlier epochs plus its
+   finished siblings (no probe needed); a prompt without history sends a probe (Seer).
+   Predictions are conditioned on the tokens generated so far, so a request that
+   outgrows its prompt's history jumps to ``max_tokens`` and to the head of the queue.
+2. Order: older steps first, then longest predicted first -- unless the history says
+   the step hides runaways: samples that run to ``max_tokens`` although predicted
+   under ``runaway_share`` of it (expected count >= ``runaway_guard``). A runaway looks
+   like its siblings until it outgrows its prompt's history, and longest-first starts
+   the short groups (and their runaways) last. Such a step, and one whose prompts
+   mostly have no history (``share_unknown``: nothing to rank by), runs in sharing
+   mode: only requests predicted past ``long_share`` of ``max_tokens`` (known long, or
+   outgrown) go longest first; the rest share the fleet fewest-generated-tokens first,
+   so every request starts early and a runaway is exposed within a few chunks. With
+   ``cross_step=True`` (bounded staleness 1: the caller lets the next step in while
+   this one's tail runs) steps alternate long-to-short and short-to-long (HistoPipe's
+   complementary order).
+3. Chunks of at most ``chunk_size`` tokens; every chunk returns to the global pool, so
+   an idle worker takes queued work first (work stealing needs no extra mechanism).
+4. Placement: a request resumes on its previous worker (prefix cache, no re-prefill)
+   unless moving it to the least-loaded worker saves more decode time than its
+   re-prefill costs, both from the cost model; when that worker is full it waits for
+   it (``wait_for_home``) while other queued requests can fill the free slots, and
+   moves only to keep a slot from idling. A new request goes to the least loaded.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.cost_model import CostModel
+from services.scheduler.length_model import LengthModel
+from services.scheduler.policies.base import Assignment, Request, WorkerState
+from services.scheduler.policies.placement import LeastLoaded
+from services.scheduler.policies.seer import SeerPolicy
+
+
+class RhymeRLPolicy(SeerPolicy):
+    name = "rhymerl"
+    use_history = True
+
+    def __init__(self, chunk_size: int = 1024, cross_step: bool = False, runaway_guard: float = 1.0,
+                 long_share: float = 0.5, runaway_share: float = 0.125, share_unknown: bool = True,
+                 wait_for_home: bool = True, cost: CostModel | None = None, model_shape: str = "7B") -> None:
+        super().__init__(chunk_size=chunk_size, affinity_slack=1 << 30)
+        self.cross_step = cross_step
+        self.runaway_guard = runaway_guard
+        self.long_share = long_share
+        self.runaway_share = runaway_share
+        self.share_unknown = share_unknown
+        self.wait_for_home = wait_for_home
+        self.cost = cost or CostModel.default(model_shape)
+        self._sharing: dict[str, bool] = {}  # live step -> whether it runs in sharing mode
+        self._step_seq: dict[str, int] = {}  # live step -> arrival order of steps
+        self._num_steps = 0
+
+    def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
+        for request in requests:
+            if request.step_id not in self._step_seq:
+                self._step_seq[request.step_id] = self._num_steps
+                self._num_steps += 1
+        for request in requests:
+            request.predicted_len = lengths.predict(request)
+        for step_id in {r.step_id for r in requests}:
+            in_step = [r for r in requests if r.step_id == step_id]
+            unknown = sum(not lengths.has_history(r.prompt_id) for r in in_step)
+            self._sharing[step_id] = (self._expected_runaways(in_step, lengths) >= self.runaway_guard
+                                      or (self.share_unknown and 2 * unknown > len(in_step)))
+        super().add_step(requests, lengths, now)
+
+    def cancel_step(self, step_id: str) -> list[Request]:
+        removed = super().cancel_step(step_id)
+        self._step_seq.pop(step_id, None)
+        self._sharing.pop(step_id, None)
+        return removed
+
+    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
+        if not self.num_queued():
+            return []
+        free = LeastLoaded(workers, affinity_slack=1 << 30)
+        busy_homes = {w.worker_id for w in workers if w.healthy and w.running}
+        num_slots = free.num_free()
+        chosen, waiting = [], []  # 1. what runs: the queue's head, as many as there are slots
+        while len(chosen) < num_slots and len(waiting) < 4 * num_slots:  # bounded scan
+            request = self._pop()
+            if request is None:
+                break
+            if (self.wait_for_home and request.last_worker in busy_homes
+                    and free.load_of(request.last_worker) is None):
+                waiting.append(request)  # its worker is full: let it keep its prefix cache
+            else:
+                chosen.append(request)
+        spare = num_slots - len(chosen)  # never leave a slot idle to save a move
+        chosen += waiting[:spare]
+        for request in waiting[spare:]:
+            self._enqueue(request)
+        assignments, movers = [], []
+        for request in chosen:  # 2. where: returning requests keep their worker first
+            worker = None
+            if request.last_worker is not None and not self._pays_to_move(request, free):
+                worker = free.take_worker(request.last_worker)
+            if worker is None:
+                movers.append(request)
+            else:
+                assignments.append(self._assign(request, worker, self._budget(request)))
+        for request in movers:  # 3. the rest fill the least-loaded workers
+            assignments.append(self._assign(request, free.take(), self._budget(request)))
+        return assignments
+
+    def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,
+                      finished: bool, now: float) -> None:
+        super().on_chunk_done(request, worker_id, num_new_tokens, finished, now)
+        if finished and request.step_id not in self._steps.live_steps():
+            self._step_seq.pop(request.step_id, None)
+            self._sharing.pop(request.step_id, None)
+
+    # --- hooks ----------------------------------------------------------------------
+    def _wants_probe(self, request: Request) -> bool:
+        return not self._lengths.has_history(request.prompt_id)
+
+    def _priority(self, request: Request) -> tuple:
+        seq, arrival = self._step_seq[request.step_id], self._arrival[request.request_id]
+        predicted = request.predicted_len
+        if self._sharing[request.step_id] and (predicted < self.long_share * request.max_tokens
+                                               or not self._informed(request)):
+            return (seq, 1, request.num_generated, -predicted, arrival)
+        longest_first = not (self.cross_step and seq % 2)
+        return (seq, 0, -predicted if longest_first else predicted, -request.num_generated, arrival)
+
+    def _informed(self, request: Request) -> bool:
+        """Whether its prediction rests on data (history or a finished sibling)."""
+        return (self._lengths.has_history(request.prompt_id)
+                or self._lengths.num_finished_siblings(request.group_id) > 0)
+
+    def _expected_runaways(self, requests: list[Request], lengths: LengthModel) -> float:
+        """Samples expected to hit ``max_tokens`` although predicted short: the cap-hit
+        rate of their prompt's history (the step's mean rate for prompts without one)."""
+        short = [r for r in requests if r.predicted_len < self.runaway_share * r.max_tokens]
+        rates = [lengths.cap_hit_rate(r.prompt_id, r.max_tokens) for r in short]
+        known = [rate for rate in rates if rate is not None]
+        default = sum(known) / len(known) if known else 0.0
+        return sum(default if rate is None else rate for rate in rates)
+
+    def _pays_to_move(self, request: Request, free: LeastLoaded) -> bool:
+        """Moving saves (remaining tokens) x (step time here - step time there); it costs
+        a prefill of prompt + generated tokens on the destination."""
+        min_load = free.min_load()
+        here = free.load_of(request.last_worker)
+        if here is None or min_load is None:
+            return True  # the previous worker has no free slot (or is gone)
+        remaining = max(0.0, request.predicted_len - request.num_generated)
+        saving = remaining * (self.cost.forward_s(here + 1) - self.cost.forward_s(min_load + 1))
+        return saving > self.cost.forward_s(request.prompt_len + request.num_generated)

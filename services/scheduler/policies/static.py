@@ -1,0 +1,94 @@
+"""``static``: the RL-framework baseline (veRL-style even split, no chunks).
+
+Each request is pinned round-robin to a worker when first seen and runs there whole
+(``max_new_tokens`` = everything it has left), in arrival order. An idle worker never
+takes another worker's queue: this is the placement whose long tail the other
+policies remove. Only a lost worker's requests are pinned again, to the survivors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from services.scheduler.length_model import LengthModel
+from services.scheduler.policies.base import Assignment, Policy, Request, WorkerState
+from services.scheduler.policies.steps import StepBook
+
+
+class StaticPolicy(Policy):
+    name = "static"
+
+    def __init__(self) -> None:
+        self._unpinned: deque[Request] = deque()  # arrived, no worker chosen yet
+        self._pinned: dict[str, deque[Request]] = {}  # worker_id -> its FIFO queue
+        self._cursor = 0  # round-robin position
+        self._lengths: LengthModel | None = None
+        self._steps = StepBook()
+        self._running: set[str] = set()  # dispatched, no result yet
+
+    def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
+        self._lengths = lengths
+        self._steps.add(requests)
+        for request in requests:
+            request.predicted_len = lengths.predict(request)
+        self._unpinned.extend(requests)
+
+    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
+        for worker in workers:
+            if not worker.healthy and worker.worker_id in self._pinned:
+                self._unpinned.extendleft(reversed(self._pinned.pop(worker.worker_id)))
+        if self._unpinned:
+            self._pin([w for w in workers if w.healthy])
+        assignments = []
+        for worker in workers:  # inlined WorkerState.free: this loop is hot
+            num_free = worker.capacity - len(worker.running)
+            if num_free <= 0 or not worker.healthy:
+                continue
+            queue = self._pinned.get(worker.worker_id)
+            for _ in range(min(num_free, len(queue) if queue else 0)):
+                request = queue.popleft()
+                self._running.add(request.request_id)
+                assignments.append(self._assign(request, worker, request.num_remaining))
+        return assignments
+
+    def _pin(self, healthy: list[WorkerState]) -> None:
+        if not healthy:
+            return
+        while self._unpinned:
+            worker = healthy[self._cursor % len(healthy)]
+            self._cursor += 1
+            self._pinned.setdefault(worker.worker_id, deque()).append(self._unpinned.popleft())
+
+    def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,
+                      finished: bool, now: float) -> None:
+        if request.request_id not in self._running or not self._steps.is_live(request):
+            self._running.discard(request.request_id)  # a cancelled step, or a repeated result
+            return
+        self._running.discard(request.request_id)
+        self._record_chunk(request, num_new_tokens)
+        if finished:
+            self._lengths.observe(request, request.num_generated)
+            if self._steps.finish(request):
+                self._lengths.forget_step(request.step_id)
+        else:  # the engine stopped it early (e.g. preemption): resume where it ran
+            self._pinned.setdefault(worker_id, deque()).appendleft(request)
+
+    def on_worker_lost(self, worker_id: str, requests: list[Request], now: float) -> None:
+        self._unpinned.extendleft(reversed(self._pinned.pop(worker_id, deque())))
+        live = [r for r in requests if r.request_id in self._running and self._steps.is_live(r)]
+        self._running.difference_update(r.request_id for r in requests)
+        self._unpinned.extendleft(reversed(live))  # the interrupted ones first
+
+    def cancel_step(self, step_id: str) -> list[Request]:
+        removed = [r for r in self._unpinned if r.step_id == step_id]
+        self._unpinned = deque(r for r in self._unpinned if r.step_id != step_id)
+        for worker_id, queue in self._pinned.items():
+            removed += [r for r in queue if r.step_id == step_id]
+            self._pinned[worker_id] = deque(r for r in queue if r.step_id != step_id)
+        self._steps.cancel(step_id)
+        if self._lengths is not None:
+            self._lengths.forget_step(step_id)
+        return removed
+
+    def num_queued(self) -> int:
+        return len(self._unpinned) + sum(map(len, self._pinned.values()))

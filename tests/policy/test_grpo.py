@@ -1,0 +1,143 @@
+"""The example GRPO trainer, against an in-process stand-in for the SDK client.
+
+Checks the RL math (group-normalised advantages, the clipped ratio, updates that move
+logprobs the way the advantages say), that the trainer's recomputed logprobs match the
+sampler's, that weights pushed as safetensors bytes load, and the recorded traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from rhymerl import SamplingParams
+
+from benchmarks.policy import load_example, train_sft
+from benchmarks.policy.local_client import LocalRolloutClient
+from benchmarks.traces import read_traces
+from services.rollout.loader import init_random_model
+
+grpo = load_example("grpo_trainer")
+task = load_example("reasoning_task")
+
+MICRO = dataclasses.replace(
+    train_sft.PRESETS["tiny"], hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("micro")
+    train_sft.save_checkpoint(init_random_model(train_sft.model_config(MICRO), seed=0), path)
+    return str(path)
+
+
+def test_advantages_are_normalised_per_group():
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 3.0]])
+    adv = grpo.group_advantages(rewards)
+    np.testing.assert_allclose(adv[0], [1, -1, -1, 1], atol=1e-5)
+    np.testing.assert_array_equal(adv[1], 0.0)  # no signal in a uniform group
+    assert adv[2, 3] > 0 and (adv[2, :3] < 0).all()
+    np.testing.assert_allclose(adv.mean(axis=1), 0.0, atol=1e-6)
+
+
+def test_aborted_samples_are_left_out_of_their_group():
+    """An aborted sample gets advantage 0 and does not shift its siblings' baseline."""
+    from types import SimpleNamespace
+
+    group = [SimpleNamespace(key=("p", i), finish_reason=f) for i, f in enumerate(["stop", "length", "abort"])]
+    rewards = {("p", 0): 1.0, ("p", 1): 0.0, ("p", 2): 1.0}
+    adv = grpo.step_advantages({"p": group}, rewards)
+    assert adv[("p", 2)] == 0.0
+    assert adv[("p", 0)] == pytest.approx(1.0, abs=1e-5) and adv[("p", 1)] == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_clipped_loss_stops_the_gradient_outside_the_trust_region():
+    """PPO clip: no push beyond 1+eps for A>0 or below 1-eps for A<0; plain ratio*A inside."""
+    old = torch.zeros(4)
+    new = torch.log(torch.tensor([1.5, 1.1, 0.5, 0.9])).requires_grad_()
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    grpo.clipped_policy_loss(new, old, adv, clip_eps=0.2).backward()
+    grad = new.grad.tolist()
+    assert grad[0] == 0.0 and grad[2] == 0.0
+    assert grad[1] == pytest.approx(-1.0 * 1.1 / 4) and grad[3] == pytest.approx(1.0 * 0.9 / 4)
+
+
+def test_trainer_logprobs_match_the_sampler(model_dir):
+    """At the start the importance ratio is 1: the trainer recomputes the sampled logprobs."""
+    client = LocalRolloutClient(model_dir)
+    prompts = grpo.encode_prompts(client.tokenizer, task.make_prompts(3, seed=0))
+    result = client.rollout("s", prompts, 2, SamplingParams(temperature=0.7, max_tokens=12, seed=1))
+    assert len(result.samples) == 6
+    pairs = [(next(p.token_ids for p in prompts if p.prompt_id == s.prompt_id), s.token_ids) for s in result.samples]
+    with torch.no_grad():
+        recomputed = grpo.response_logprobs(client.model, pairs, temperature=0.7)
+    for s, lp in zip(result.samples, recomputed):
+        np.testing.assert_allclose(lp.numpy(), s.logprobs, atol=1e-4)
+
+
+def test_update_moves_logprobs_the_way_the_advantages_say(model_dir):
+    """After an update, reward-weighted logprob rises: good samples likelier, bad ones less."""
+    client = LocalRolloutClient(model_dir)
+    torch.manual_seed(0)
+    prompts = grpo.encode_prompts(client.tokenizer, task.make_prompts(2, seed=0))
+    result = client.rollout("s", prompts, 4, SamplingParams(temperature=1.0, max_tokens=10, seed=2))
+    prompt_of = {p.prompt_id: p.token_ids for p in prompts}
+    advantages = grpo.group_advantages(np.array([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]])).ravel()
+    batch = [
+        {"prompt": prompt_of[s.prompt_id], "response": s.token_ids, "advantage": float(a),
+         "old_logprobs": np.asarray(s.logprobs, dtype=np.float32)}
+        for s, a in zip(result.samples, advantages)
+    ]  # fmt: skip
+    config = grpo.GRPOConfig(lr=1e-2, num_updates=1, temperature=1.0)
+    optimizer = torch.optim.AdamW(client.model.parameters(), lr=config.lr)
+    loss = grpo.policy_update(client.model, optimizer, batch, config)
+    # ratio 1 at the start: the loss is minus the token-mean advantage
+    lengths = np.array([len(b["response"]) for b in batch])
+    assert loss == pytest.approx(-(advantages * lengths).sum() / lengths.sum(), abs=1e-5)
+    with torch.no_grad():
+        after = grpo.response_logprobs(client.model, [(b["prompt"], b["response"]) for b in batch], 1.0)
+    moved = [(lp.sum() - torch.tensor(b["old_logprobs"]).sum()).item() for lp, b in zip(after, batch)]
+    assert sum(a * m for a, m in zip(advantages, moved)) > 0
+    assert all(m > 0 for a, m in zip(advantages, moved) if a > 0)
+
+
+def test_run_pushes_weights_reports_rewards_and_records_traces(model_dir, tmp_path):
+    """Two RL epochs end to end through the SDK surface; the trace file reads back."""
+    client = LocalRolloutClient(model_dir)
+    record = tmp_path / "traces.npz"
+    lines = []
+    stats = grpo.run(
+        client, model_dir, steps=2, num_prompts=3, n=2, max_tokens=8, seed=0, record=str(record), log=lines.append
+    )
+    assert [s["version"] for s in stats] == [1, 2] and client.version == 2
+    assert len(lines) == 2 and "history match" in lines[1]
+    assert np.isnan(stats[0]["history_match"]) and 0.0 <= stats[1]["history_match"] <= 1.0
+    assert sorted(client.rewards) == ["grpo-seed0-step0", "grpo-seed0-step1"]
+    assert all(len(r) == 6 for r in client.rewards.values())
+    records = read_traces(record)
+    assert len(records) == 12 and {r.epoch for r in records} == {0, 1}
+    assert {r.policy_version for r in records if r.epoch == 1} == {1}
+    first = records[0]
+    assert len(first.token_ids) == len(first.logprobs) and first.prompt_token_ids[0] == 1
+    assert 0 < len(first.token_ids) <= 8
+
+
+def test_pushed_weights_load_into_the_rollout_workers_model(model_dir):
+    """The bytes push_weights sends are what rhymerl's CausalLM.load_weights accepts."""
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.loader import load_model, read_safetensors
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)
+    tensors = read_safetensors(grpo.weights_bytes(model))
+    assert "lm_head.weight" not in tensors  # tied: it is the embedding
+    worker_model = load_model(model_dir, "cpu", torch.float32)
+    worker_model.load_weights(tensors)
+    torch.testing.assert_close(worker_model.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    torch.testing.assert_close(worker_model.lm_head.weight, model.model.embed_tokens.weight)

@@ -269,7 +269,7 @@ def _device_name(device: str) -> str:
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
-    lines = [f"# Engine benchmark\n", f"- device: {meta['device']}", f"- commit: {meta['commit']}",
+    lines = ["# Engine benchmark\n", f"- device: {meta['device']}", f"- commit: {meta['commit']}",
              f"- command: `{meta['command']}`", f"- torch {meta['torch']}\n"]
     cpu = [r for r in rows if r["part"] == "cpu"]
     if cpu:

@@ -117,7 +117,6 @@ def attention_rows(quick: bool):
                 "max_abs_err_vs_reference": error,
             })
             print(_fmt_row(rows[-1]), flush=True)
-            del paged, q_d, k_d, v_d, k_rep, v_rep
     return rows
 
 

@@ -142,10 +142,19 @@ def ensure_model(model_dir: str) -> None:
 def load_example(name: str):
     """Imports a module from clients/python/examples (they are scripts, not a package)."""
     path = ROOT / "clients" / "python" / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"rhymerl_examples_{name}", path)
+    module_name = f"rhymerl_examples_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))
-    spec.loader.exec_module(module)
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
     return module
 
 

@@ -6,7 +6,10 @@ what it updates; a metric that a process never touches is still registered (at
 zero), which keeps dashboards and recording rules valid on every target.
 """
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
 
 NS = "rhymerl:"
 
@@ -17,7 +20,9 @@ spec_num_accepted_tokens = Counter(NS + "spec_decode_num_accepted_tokens", "Draf
 spec_num_accepted_tokens_per_pos = Counter(
     NS + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft",
     ["worker", "position"])
-drafter_misses = Counter(NS + "drafter_no_match", "Draft requests that found no match in the index", ["worker"])
+drafter_misses = Counter(NS + "drafter_no_match", "Decoding sequences that got no draft in a step", ["worker"])
+drafter_errors = Counter(NS + "drafter_errors", "Drafter calls that raised (the request decodes undrafted)",
+                         ["worker"])
 
 # --- engine (rollout workers) ---------------------------------------------------
 generation_tokens = Counter(NS + "generation_tokens", "Tokens generated", ["worker"])
@@ -49,13 +54,44 @@ step_spec_draft_tokens = Gauge(NS + "step_spec_draft_tokens", "Draft tokens of t
 step_spec_accepted_tokens = Gauge(NS + "step_spec_accepted_tokens", "Accepted draft tokens of the last step")
 
 # --- history ------------------------------------------------------------------------
+samples_failed_total = Counter(NS + "samples_failed", "Samples given up after failing on workers")
 history_requests = Counter(NS + "history_requests", "History RPCs served", ["method"])
 history_prompts_looked_up = Counter(NS + "history_prompts_looked_up", "Prompts looked up in history")
 history_prompts_hit = Counter(NS + "history_prompts_hit", "Looked-up prompts that had stored epochs")
 history_rollouts_written = Counter(NS + "history_rollouts_written", "Rollouts newly stored")
 
 
-def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """GET /metrics in the classic text format (0.0.4), whatever the scraper asks for.
+
+    prometheus_client negotiates OpenMetrics with Prometheus 2.x/3.x scrapers and then
+    escapes the ':' of our vLLM-style names (``rhymerl:...`` arrives as ``rhymerl_...``);
+    the text format keeps names as written, so dashboards and recording rules match.
+    """
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = generate_latest(REGISTRY)
+        self.send_response(200)
+        self.send_header("Content-Type", TEXT_FORMAT)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - scrapes are not news
+        return
+
+
+def serve_metrics(port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer | None:
     """Starts the /metrics HTTP endpoint in a daemon thread (port 0 disables it)."""
-    if port:
-        start_http_server(port, addr=addr)
+    if not port:
+        return None
+    server = ThreadingHTTPServer((addr, port), _MetricsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

@@ -50,7 +50,7 @@ class Dispatcher:
 
     def __init__(self, policy: Policy, workers: WorkerTable, history, *, history_epochs: int = 4,
                  max_steps_retained: int = 64, max_queued_samples: int = 1_000_000,
-                 no_worker_timeout_s: float = 30.0):
+                 no_worker_timeout_s: float = 30.0, max_attempts: int = 3):
         self.policy = policy
         self.workers = workers
         self.history = history
@@ -58,6 +58,7 @@ class Dispatcher:
         self.max_steps_retained = max_steps_retained
         self.max_queued_samples = max_queued_samples
         self.no_worker_timeout_s = no_worker_timeout_s
+        self.max_attempts = max(1, max_attempts)
         self.lengths = LengthModel()
         self.policy_version = 0
         self.steps: OrderedDict[str, StepRun] = OrderedDict()
@@ -227,13 +228,22 @@ class Dispatcher:
                 if a is not None:
                     await self._on_chunk(worker, a, result)
         except grpc.RpcError as err:
-            log.warning("worker %s failed a Run call: %s %s", worker.worker_id, err.code(), err.details())
-            if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                for a in list(pending.values()):
+            code = err.code()
+            log.warning("worker %s failed a Run call: %s %s", worker.worker_id, code, err.details())
+            error = f"worker {worker.worker_id}: {code.name}: {err.details()}"
+            # INTERNAL/UNKNOWN: the engine failed on these requests; the worker lives on.
+            # Retried elsewhere, up to max_attempts (a poison request must not loop).
+            failed = code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+            for a in list(pending.values()):
+                prog = self._progress(a.request)
+                if prog is None:
+                    continue
+                prog.num_failures += failed
+                if code == grpc.StatusCode.INVALID_ARGUMENT or prog.num_failures >= self.max_attempts:
                     pending.pop(a.request.request_id)
-                    await self._abort_running(worker, a.request)
-            else:
-                self.workers.mark_unhealthy(worker.worker_id)
+                    await self._abort_running(worker, a.request, error)
+            if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
+                self.workers.mark_unhealthy(worker.worker_id)  # gone, draining or on another version
         finally:
             if pending:
                 self._requeue(worker, [a.request for a in pending.values()])
@@ -297,11 +307,19 @@ class Dispatcher:
             self.policy.on_worker_lost(worker.worker_id, live, now)
         self.wake()
 
-    async def _abort_running(self, worker: WorkerHandle, r: Request) -> None:
+    def _progress(self, r: Request) -> SampleProgress | None:
+        entry = self.unfinished.get(r.request_id)
+        return entry[1] if entry is not None else None
+
+    async def _abort_running(self, worker: WorkerHandle, r: Request, error: str) -> None:
         run, prog = self.unfinished[r.request_id]
         now = time.monotonic()
         self._release(worker, r, now)
         prog.finish_reason = common_pb2.FINISH_REASON_ABORT
+        prog.error = error
+        log.error("giving up sample %s after %d failed attempts: %s", r.request_id, prog.num_failures, error)
+        metrics.samples_failed_total.inc()
+        r.aborted = True
         self.policy.on_chunk_done(r, worker.worker_id, 0, True, now)
         await self._finish_sample(run, prog, now)
 

@@ -107,7 +107,10 @@ class LengthModel:
         return len(self._siblings.get(group_id, ()))
 
     def observe(self, request: Request, length: int) -> None:
-        """A sample of ``request``'s group finished with ``length`` tokens."""
+        """A sample of ``request``'s group finished with ``length`` tokens (an aborted
+        one is not evidence of how long its siblings run, and is ignored)."""
+        if request.aborted:
+            return
         self._siblings[request.group_id].append(int(length))
         self._combined.pop(request.group_id, None)
 

@@ -15,7 +15,7 @@ from services.common import metrics
 from services.common.errors import InvalidArgument, NotFound, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.scheduler.dispatcher import Dispatcher
-from services.scheduler.policies import make_policy
+from services.scheduler.policies import POLICIES, make_policy, runs_in_chunks
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.weights import WeightFanout
 from services.scheduler.workers import WorkerTable
@@ -147,13 +147,19 @@ async def start_scheduler(settings: SchedulerSettings):
         from services.history.client import HistoryClient
 
         history = HistoryClient(settings.history_address)
-    policy_kwargs = {"chunk_size": settings.chunk_tokens} if settings.chunk_tokens and settings.policy != "static" else {}
+    policy_kwargs = {}
+    if settings.chunk_tokens and settings.policy in POLICIES and runs_in_chunks(settings.policy):
+        policy_kwargs["chunk_size"] = settings.chunk_tokens
+    elif settings.chunk_tokens:
+        log.info("policy %r runs whole requests; chunk_tokens=%d is not used", settings.policy,
+                 settings.chunk_tokens)
     policy = make_policy(settings.policy, **policy_kwargs)
     table = WorkerTable(settings.worker_timeout_s)
     dispatcher = Dispatcher(policy, table, history, history_epochs=settings.history_epochs,
                             max_steps_retained=settings.max_steps_retained,
                             max_queued_samples=settings.max_queued_samples,
-                            no_worker_timeout_s=settings.worker_timeout_s)
+                            no_worker_timeout_s=settings.worker_timeout_s,
+                            max_attempts=settings.max_attempts)
     dispatcher.start()
     server = Server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
                       RolloutServicer(dispatcher, WeightFanout(dispatcher), history)),

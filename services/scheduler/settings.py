@@ -15,7 +15,8 @@ class SchedulerSettings(BaseSettings):
     workers: str = ""
     # Placement policy: static | seer | histopipe | rhymerl.
     policy: str = "static"
-    # Divided rollout: a request runs at most this many tokens per chunk; 0 = whole requests.
+    # Divided rollout (seer, rhymerl): a request runs at most this many tokens per chunk;
+    # 0 = the policy default. static and histopipe run whole requests.
     chunk_tokens: int = 0
     # A worker that fails health checks this long is dropped and its work re-queued.
     worker_timeout_s: float = 30.0
@@ -23,6 +24,9 @@ class SchedulerSettings(BaseSettings):
     max_steps_retained: int = 64
     # Most samples queued over all running steps (RESOURCE_EXHAUSTED beyond).
     max_queued_samples: int = 1_000_000
+    # A sample whose Run call fails this many times (worker crash, engine error) is
+    # given up: it finishes as ABORT with the last error, instead of looping forever.
+    max_attempts: int = 3
     # Epochs of history used for length prediction.
     history_epochs: int = 4
 

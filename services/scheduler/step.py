@@ -37,6 +37,8 @@ class SampleProgress:
     num_accepted_tokens: int = 0
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     done: bool = False
+    num_failures: int = 0  # Run calls that failed while it was in them
+    error: str = ""  # why the service gave it up (finish reason ABORT)
 
 
 class StepRun:
@@ -93,4 +95,4 @@ class StepRun:
             spec=common_pb2.SpecCounters(num_verify_steps=s.num_verify_steps,
                                          num_draft_tokens=s.num_draft_tokens,
                                          num_accepted_tokens=s.num_accepted_tokens),
-            num_migrations=s.request.num_migrations, seed=s.seed)
+            num_migrations=s.request.num_migrations, seed=s.seed, error=s.error)

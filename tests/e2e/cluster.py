@@ -29,7 +29,7 @@ class Cluster:
     model_dir: Path
     redis_url: str
     num_workers: int = 2
-    policy: str = "seer"
+    policy: str = "rhymerl"
     chunk_tokens: int = 8
     speculative: bool = True
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)

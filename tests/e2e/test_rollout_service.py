@@ -239,3 +239,57 @@ def test_async_client_streams_and_reports(cluster):
     seen, summary, stats = asyncio.run(main())
     assert len(seen) == 4 and summary.num_samples == 4
     assert len(stats.workers) == 2 and all(w.healthy for w in stats.workers)
+
+
+def test_a_request_that_fails_every_worker_is_given_up_not_retried_forever(model_dir, redis_url):
+    """An engine that raises whenever one prompt is in its batch (a poison request): the
+    step still ends; that prompt's samples come back as aborts naming the error after
+    max_attempts tries, and the workers stay healthy and serve the next step."""
+    c = Cluster(model_dir=model_dir, redis_url=redis_url, num_workers=2, chunk_tokens=0).start()
+    poison = Prompt("poison", [5, 6, 7, 8])
+    try:
+        for server, _ in c.workers.values():
+            engine = server.servicer.engine
+            real_step = engine.step
+
+            def step(engine=engine, real_step=real_step):
+                if any(s.req.prompt_id == "poison" for s in engine.seqs.values()):
+                    raise RuntimeError("injected engine failure")
+                return real_step()
+            engine.step = step
+        with RolloutClient(c.address, timeout_s=120) as client:
+            result = client.rollout("poisoned", [poison], n=2, sampling=GREEDY)
+            assert sorted(s.key for s in result.samples) == [("poison", 0), ("poison", 1)]
+            for s in result.samples:
+                assert s.finish_reason == "abort"
+                assert "INTERNAL" in s.error and "injected engine failure" in s.error
+            healthy = client.rollout("after", prompts(2, offset=700), n=2, sampling=GREEDY)
+        assert all(s.finish_reason in ("stop", "length") and not s.error for s in healthy.samples)
+        assert len(c.scheduler.dispatcher.workers.usable()) == 2
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("policy", ["static", "seer", "histopipe", "rhymerl"])
+def test_every_placement_policy_serves_the_same_samples(model_dir, redis_url, policy):
+    """Placement changes where and in what order samples run, never what they are: the
+    same seeded step gives the same tokens under every policy, over two epochs (the
+    second one with history-based length predictions and drafts)."""
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=5)
+    c = Cluster(model_dir=model_dir, redis_url=redis_url, num_workers=2, policy=policy, chunk_tokens=8).start()
+    try:
+        with RolloutClient(c.address, timeout_s=120) as client:
+            epochs = [client.rollout(f"{policy}-e{e}", prompts(3, offset=800), n=3, sampling=params)
+                      for e in range(2)]
+    finally:
+        c.stop()
+    got = [{s.key: s.token_ids for s in r.samples} for r in epochs]
+    assert got[0] == got[1]  # same seed, same policy version: same samples
+    assert epochs[1].summary.policy == policy
+    assert epochs[1].summary.history_hit_rate == 1.0
+    key = ("policy-samples", tuple(sorted(got[0].items())))
+    _SAMPLES_BY_POLICY.setdefault(key[0], key[1])
+    assert _SAMPLES_BY_POLICY[key[0]] == key[1]
+
+
+_SAMPLES_BY_POLICY: dict = {}

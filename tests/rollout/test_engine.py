@@ -394,6 +394,34 @@ def test_history_drafter_is_lossless(model):
     assert engine.metrics.counters.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("failing", ["propose", "add_tokens", "record_acceptance", "start_request"])
+def test_a_failing_drafter_costs_speed_never_samples(model, failing):
+    """A drafter that raises (a bug under load) must not fail the step or the batch: the
+    affected requests decode without drafts, the output is unchanged, the error counted."""
+    from services.rollout.drafter import HistoDrafter
+
+    prompt = prompt_of(10)
+    reqs = [make_request(i, prompt, prompt_id="p", temperature=0.7, max_tokens=24, max_new_tokens=24)
+            for i in range(4)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+
+    class Flaky(HistoDrafter):
+        calls = 0
+
+    def broken(self, request_id, *args, **kw):
+        Flaky.calls += 1
+        if Flaky.calls % 3 == 0 or failing == "propose":
+            raise TypeError("injected drafter bug")
+        return getattr(HistoDrafter, failing)(self, request_id, *args, **kw)
+    setattr(Flaky, failing, broken)
+    drafter = Flaky()
+    drafter.load_history("p", [plain[f"r{i}"].token_ids for i in range(4)])
+    engine = _engine_with(model, reqs, drafter=drafter)
+    spec = run_to_end(engine)
+    assert {rid: out.token_ids for rid, out in spec.items()} == {rid: out.token_ids for rid, out in plain.items()}
+    assert engine.metrics.counters.num_drafter_errors > 0
+
+
 class EagerGraphs(CUDAGraphs):
     """CUDAGraphs whose "graph" re-runs the captured forward on the static buffers: the
     bucketing and padding logic of graph replay, checked on CPU."""

@@ -16,6 +16,7 @@ The engine knows nothing about gRPC, history storage or other workers.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -29,6 +30,8 @@ from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blo
 from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.verifier import Verdict, verify
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -46,6 +49,9 @@ class LLMEngine:
         self.max_draft_len = max_draft_len
         self.speculative = speculative
         self._drafter = drafter
+        # Requests the drafter failed on: they decode without drafts (still lossless).
+        # A drafter bug costs speed, never a sample.
+        self._undrafted: set[str] = set()
         self.cost_model = cost_model or CostModel.for_num_params(sum(p.numel() for p in model.parameters()))
         if num_kv_blocks is None:
             num_kv_blocks = default_num_kv_blocks(self.model, self.device, block_size, max_num_batched_tokens,
@@ -78,7 +84,8 @@ class LLMEngine:
         self._validate(req)
         seq = Sequence(req, self.model.config.eos_token_ids, self.max_model_len)
         if self._drafter is not None and self.speculative:
-            self._drafter.start_request(req.request_id, req.prompt_id, req.prompt_token_ids, req.generated_token_ids)
+            self._drafter_call(self._drafter.start_request, req.request_id, req.prompt_id,
+                               req.prompt_token_ids, req.generated_token_ids)
         self.seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
@@ -146,15 +153,20 @@ class LLMEngine:
     # ------------------------------------------------------------------ step parts
     def _propose_drafts(self, batch: ScheduledBatch) -> None:
         """Give each decoding sequence a draft within the cost model's budget and free KV."""
-        decodes = batch.decode_seqs
+        decodes = [s for s in batch.decode_seqs if s.request_id not in self._undrafted]
         if not (self.speculative and self._drafter is not None and decodes and self.max_draft_len > 0):
             return
         budget = min(self.cost_model.draft_budget(batch.num_tokens), self.scheduler.budget_left(batch))
         max_lens = [max(0, min(self.max_draft_len, s.max_new_tokens_left() - 1)) for s in decodes]
         if budget <= 0 or not any(max_lens):
             return
-        drafts = self._drafter.propose([s.request_id for s in decodes], max_lens,
-                                       stop_token_ids=[s.stop_token_ids for s in decodes], budget=budget)
+        try:
+            drafts = self._drafter.propose([s.request_id for s in decodes], max_lens,
+                                           stop_token_ids=[s.stop_token_ids for s in decodes], budget=budget)
+        except Exception:  # noqa: BLE001 - not one request's fault: this step goes undrafted
+            log.exception("drafter.propose failed; decoding this step without drafts")
+            self.metrics.on_drafter_error()
+            return
         vocab = self.model.config.vocab_size
         for seq, draft, max_len in zip(decodes, drafts, max_lens):
             draft = [int(t) for t in draft[:min(max_len, budget)]]
@@ -164,13 +176,16 @@ class LLMEngine:
                 draft = []  # no free KV for the draft: decode plainly this step
             seq.draft_token_ids = draft
             budget -= len(draft)
+            if not draft:
+                self.metrics.on_draft_miss()
 
     def _commit(self, seq: Sequence, verdict: Verdict) -> int:
         """Append the verdict's tokens up to the first that ends the chunk; returns how many."""
         seq.record_verify(verdict.num_draft, verdict.num_accepted)
         self.metrics.on_verify(verdict.num_draft, verdict.num_accepted)
         if self._drafter is not None and verdict.num_draft:
-            self._drafter.record_acceptance(seq.request_id, verdict.num_draft, verdict.num_accepted)
+            self._drafter_call(self._drafter.record_acceptance, seq.request_id, verdict.num_draft,
+                               verdict.num_accepted)
         # KV is now valid for the fed tokens and the accepted drafts
         seq.num_computed_tokens += seq.num_scheduled_tokens + verdict.num_accepted
         seq.num_scheduled_tokens = 0
@@ -184,14 +199,32 @@ class LLMEngine:
             self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
             self.block_manager.commit(seq)
             if self._drafter is not None and self.speculative:
-                self._drafter.add_tokens(seq.request_id, emitted)
+                self._drafter_call(self._drafter.add_tokens, seq.request_id, emitted)
         return len(emitted)
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
-        if self._drafter is not None and self.speculative:
-            self._drafter.stop_request(seq.request_id)
+        if self._drafter is not None and self.speculative and seq.request_id not in self._undrafted:
+            self._drafter_call(self._drafter.stop_request, seq.request_id)
+        self._undrafted.discard(seq.request_id)
+
+    def _drafter_call(self, method, request_id: str, *args) -> None:
+        """Calls the drafter for one request; if it fails, that request goes on without
+        drafts (logged and counted) instead of failing the step and the batch."""
+        if request_id in self._undrafted:
+            return
+        try:
+            method(request_id, *args)
+        except Exception:  # noqa: BLE001 - see _undrafted
+            log.exception("drafter.%s failed for %s; it decodes without drafts", method.__name__, request_id)
+            self.metrics.on_drafter_error()
+            self._undrafted.add(request_id)
+            if method != self._drafter.stop_request:
+                try:
+                    self._drafter.stop_request(request_id)
+                except Exception:  # noqa: BLE001 - it may not have started
+                    pass
 
     def _validate(self, req: EngineRequest) -> None:
         vocab = self.model.config.vocab_size

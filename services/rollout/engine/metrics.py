@@ -17,6 +17,8 @@ class EngineCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_misses: int = 0
+    num_drafter_errors: int = 0
 
 
 class EngineMetrics:
@@ -35,6 +37,17 @@ class EngineMetrics:
         self._kv = m.kv_cache_usage.labels(w)
         self._step = {kind: m.engine_step_seconds.labels(w, kind) for kind in ("prefill", "decode", "verify")}
         self._busy = m.worker_busy_seconds.labels(w)
+        self._misses = m.drafter_misses.labels(w)
+        self._drafter_errors = m.drafter_errors.labels(w)
+
+    def on_draft_miss(self) -> None:
+        """A decoding sequence got no draft this step (no match, or cut by the budget)."""
+        self.counters.num_draft_misses += 1
+        self._misses.inc()
+
+    def on_drafter_error(self) -> None:
+        self.counters.num_drafter_errors += 1
+        self._drafter_errors.inc()
 
     def on_verify(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

@@ -1,5 +1,7 @@
 """Placement policies, chosen by config name: ``make_policy("seer", chunk_size=1024)``."""
 
+import inspect
+
 from services.scheduler.policies.base import Assignment, Policy, Request, WorkerState
 from services.scheduler.policies.histopipe import HistoPipePolicy
 from services.scheduler.policies.rhymerl import RhymeRLPolicy
@@ -23,4 +25,9 @@ def make_policy(name: str, **kwargs) -> Policy:
     return cls(**kwargs)
 
 
-__all__ = ["POLICIES", "Assignment", "Policy", "Request", "WorkerState", "make_policy"]
+def runs_in_chunks(name: str) -> bool:
+    """Whether the policy divides requests into chunks (takes a ``chunk_size``)."""
+    return "chunk_size" in inspect.signature(POLICIES[name]).parameters
+
+
+__all__ = ["POLICIES", "Assignment", "Policy", "Request", "WorkerState", "make_policy", "runs_in_chunks"]

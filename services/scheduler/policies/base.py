@@ -48,6 +48,7 @@ class Request:
     num_chunks: int = 0
     num_migrations: int = 0
     is_probe: bool = False
+    aborted: bool = False  # ended without a natural finish: its length says nothing
 
     @property
     def group_id(self) -> tuple[str, str]:

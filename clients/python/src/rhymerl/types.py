@@ -65,6 +65,7 @@ class Sample:
     num_verify_steps: int
     num_migrations: int
     seed: int
+    error: str = ""  # why the service gave the sample up (finish_reason "abort")
 
     @classmethod
     def from_proto(cls, m: rollout_pb2.SampleResult) -> "Sample":
@@ -74,7 +75,8 @@ class Sample:
             finish_reason=FINISH_REASONS.get(m.finish_reason, "unspecified"),
             policy_version=m.policy_version, token_policy_versions=list(m.token_policy_versions),
             num_draft_tokens=m.spec.num_draft_tokens, num_accepted_tokens=m.spec.num_accepted_tokens,
-            num_verify_steps=m.spec.num_verify_steps, num_migrations=m.num_migrations, seed=m.seed)
+            num_verify_steps=m.spec.num_verify_steps, num_migrations=m.num_migrations, seed=m.seed,
+            error=m.error)
 
     @property
     def key(self) -> tuple[str, int]:

@@ -53,13 +53,16 @@ def local_run(workers: int = typer.Option(2, help="CPU rollout workers"),
               policy: str = typer.Option("rhymerl", help="placement policy"),
               model_dir: str = typer.Option("models/tiny", help="trained here if missing"),
               record: str = typer.Option("", help="write every rollout as a trace file"),
+              partial_credit: float = typer.Option(
+                  0.5, help="reward share for reproducing the worked steps (0: binary reward; a tiny "
+                            "policy rarely gets a whole answer right, so groups would teach nothing)"),
               log_level: str = "warning") -> None:
     """Start Redis, history, scheduler and CPU workers, then run a short GRPO loop."""
     from services.local import run_local
 
     _logging(log_level)
     run_local(num_workers=workers, steps=steps, num_prompts=prompts, n=n, max_tokens=max_tokens,
-              policy=policy, model_dir=model_dir, record=record)
+              policy=policy, model_dir=model_dir, record=record, partial_credit=partial_credit)
 
 
 if __name__ == "__main__":

@@ -74,12 +74,16 @@ def test_reward_accepts_worked_answers_and_rejects_corrupted_ones():
     assert task.reward(problem, "") == 0.0
 
 
-def test_partial_credit_counts_correct_leading_steps():
-    """With partial credit, a wrong answer earns credit x the share of right steps, below 1."""
+def test_partial_credit_counts_correct_steps():
+    """With partial credit, a wrong answer earns credit x the share of right step lines
+    (each counted once, in any order), below 1."""
     problem = task.make_problem("gcd", (84, 36))
     half = "84 = 2 * 36 + 12\n36 = 3 * 12 + 1\nanswer 1\n"
     assert task.reward(problem, half) == 0.0
     assert task.reward(problem, half, partial_credit=0.2) == 0.2 * 1 / 2
+    swapped = "36 = 3 * 12 + 0\n84 = 2 * 36 + 12\n84 = 2 * 36 + 12\nanswer 1\n"
+    assert task.reward(problem, swapped, partial_credit=0.2) == 0.2  # both lines, the repeat not twice
+    assert task.reward(problem, "84 = 2 * 36 + 13\nanswer 1\n", partial_credit=0.2) == 0.0
     assert task.reward(problem, task.worked_answer(problem), partial_credit=0.2) == 1.0
 
 

@@ -19,6 +19,7 @@ Pure Python: no torch, no numpy. Knows nothing about tokenizers, models or rhyme
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 KINDS = ("add", "mul", "gcd", "collatz", "sort")
@@ -223,7 +224,12 @@ def final_answer(response_text: str) -> str | None:
 
 def reward(problem: Problem, response_text: str, partial_credit: float = 0.0) -> float:
     """1.0 when the final answer is right, else `partial_credit` x the share of the worked
-    answer's step lines the response reproduced in order (0.0 by default: a binary reward).
+    answer's step lines that the response contains (each expected line matched at most
+    once, in any order; 0.0 by default: a binary reward).
+
+    Every step line is checkable on its own ("14 even 7", "84 = 2 * 36 + 12"), so the
+    partial reward is still verifiable, and it separates the samples of a group long
+    before a small policy gets whole answers right.
 
     Text after the first `answer` line is ignored (a policy that stopped without <eos>
     still gets its answer checked); a response with no `answer` line is wrong.
@@ -236,12 +242,12 @@ def reward(problem: Problem, response_text: str, partial_credit: float = 0.0) ->
     if partial_credit <= 0.0:
         return 0.0
     expected = worked_answer(problem).split("\n")[:-2]  # the step lines, without the answer
-    got = head.split("\n")
+    unmatched = Counter(expected)
     num_right = 0
-    for want, line in zip(expected, got):
-        if want != line:
-            break
-        num_right += 1
+    for line in head.split("\n"):
+        if unmatched[line] > 0:
+            unmatched[line] -= 1
+            num_right += 1
     return partial_credit * num_right / max(1, len(expected))
 
 

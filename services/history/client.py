@@ -91,4 +91,15 @@ def _unpack_epoch(epoch: history_pb2.EpochRollouts) -> Epoch:
         sample_indices=np.array(epoch.sample_indices, dtype=np.int32),
         lengths=np.array(epoch.lengths, dtype=np.int32),
         rewards=rewards,
-        responses=[np.array(seq.token_ids, dtype=np.int32) for seq in epoch.responses])
+        responses=_split_tokens(epoch.token_ids_le, epoch.lengths))
+
+
+def _split_tokens(packed: bytes, lengths: Sequence[int]) -> list[np.ndarray]:
+    """Per-sample int32 arrays (read-only views of one buffer) from the packed tokens."""
+    if not packed:
+        return []
+    flat = np.frombuffer(packed, dtype="<i4")
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    if ends.size and ends[-1] != flat.size:
+        raise ValueError(f"history reply holds {flat.size} tokens, its lengths sum to {int(ends[-1])}")
+    return np.split(flat, ends[:-1])

@@ -71,8 +71,8 @@ def _fill_epoch(message: history_pb2.EpochRollouts, epoch: Epoch) -> None:
     message.lengths.extend(epoch.lengths.tolist())
     if not np.isnan(epoch.rewards).all():
         message.rewards.extend(epoch.rewards.tolist())
-    for tokens in epoch.responses:
-        message.responses.add().token_ids.extend(tokens.tolist())
+    if epoch.responses:
+        message.token_ids_le = b"".join(np.asarray(t, dtype="<i4").tobytes() for t in epoch.responses)
 
 
 async def start_history(settings: HistorySettings) -> tuple[Server, int, Callable[[], Awaitable[None]]]:

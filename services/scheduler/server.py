@@ -6,6 +6,7 @@ Thin transport: each method unpacks, calls the dispatcher, packs.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 
@@ -148,6 +149,10 @@ async def start_scheduler(settings: SchedulerSettings):
 
         history = HistoryClient(settings.history_address)
     policy_kwargs = {}
+    if settings.cross_step:
+        if "cross_step" not in inspect.signature(POLICIES.get(settings.policy, object)).parameters:
+            raise ValueError(f"cross_step needs a policy that supports it (rhymerl), not {settings.policy!r}")
+        policy_kwargs["cross_step"] = True
     if settings.chunk_tokens and settings.policy in POLICIES and runs_in_chunks(settings.policy):
         policy_kwargs["chunk_size"] = settings.chunk_tokens
     elif settings.chunk_tokens:

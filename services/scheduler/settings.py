@@ -24,6 +24,10 @@ class SchedulerSettings(BaseSettings):
     max_steps_retained: int = 64
     # Most samples queued over all running steps (RESOURCE_EXHAUSTED beyond).
     max_queued_samples: int = 1_000_000
+    # Bounded staleness 1 (rhymerl policy): when a trainer submits step N+1 before step N
+    # has finished, alternate each step's order (short-first, then long-first) so one
+    # step's tail overlaps the next one's head. Off: every step long-first.
+    cross_step: bool = False
     # A sample whose Run call fails this many times (worker crash, engine error) is
     # given up: it finishes as ABORT with the last error, instead of looping forever.
     max_attempts: int = 3

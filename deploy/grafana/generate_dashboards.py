@@ -5,7 +5,7 @@
 
 Built with grafana-foundation-sdk (Grafana Labs' typed dashboard builders). Panels
 read the recording rules of deploy/prometheus/rules.yml where one exists and the
-raw metrics of services/common/metrics.py otherwise; tests/deploy/test_grafana.py
+raw metrics of services/common/metrics.py otherwise; tests/deploy/test_observability.py
 checks that every query parses and names only those series. Edit this file, not
 the JSON.
 """

@@ -138,6 +138,10 @@ class Dispatcher:
         for i, prompt in enumerate(req.prompts):
             field = f"prompts[{i}]"
             check_token_ids(prompt.token_ids, f"{field}.token_ids", vocab)
+            if max_len and len(prompt.token_ids) >= max_len:
+                raise InvalidArgument(
+                    f"prompt length {len(prompt.token_ids)} leaves no room to generate within the model's "
+                    f"maximum length {max_len}", f"{field}.token_ids")
             if max_len and len(prompt.token_ids) + req.sampling.max_tokens > max_len:
                 raise InvalidArgument(
                     f"prompt length {len(prompt.token_ids)} + max_tokens {req.sampling.max_tokens} exceeds the "
@@ -378,6 +382,8 @@ class Dispatcher:
 
     # --- cancel, weights, health -----------------------------------------------
     async def cancel(self, step_id: str) -> int:
+        if not step_id:
+            raise InvalidArgument("must be non-empty", "step_id")
         run = self.steps.get(step_id)
         if run is None:
             raise NotFound(f"no step {step_id!r}", "step_id")

@@ -293,3 +293,160 @@ def test_every_placement_policy_serves_the_same_samples(model_dir, redis_url, po
 
 
 _SAMPLES_BY_POLICY: dict = {}
+
+
+# --- Bad input: every case of the contract, each with its status code and the field it names,
+# sent while a good step runs; the good step loses nothing.
+
+from rhymerl.v1 import rollout_pb2  # noqa: E402
+
+from services.common.validation import MAX_N  # noqa: E402
+
+
+def _oversized_submit(address: str) -> grpc.RpcError:
+    """A SubmitStep one byte over the server's message limit, sent raw (the SDK's own send
+    limit would stop it client-side): the server answers RESOURCE_EXHAUSTED."""
+    from services.common.grpc_server import MAX_MESSAGE_BYTES
+
+    size = MAX_MESSAGE_BYTES + 1
+    varint, v = bytearray(), size
+    while v >= 0x80:
+        varint.append(v & 0x7F | 0x80)
+        v >>= 7
+    varint.append(v)
+    payload = b"\x0a" + bytes(varint) + b"x" * size  # field 1 (step_id), length-delimited
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", -1)]) as channel:
+        call = channel.unary_stream("/rhymerl.v1.RolloutService/SubmitStep",
+                                    response_deserializer=rollout_pb2.StepEvent.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(payload, timeout=60))
+    return err.value
+
+
+def _long_prompt(length: int) -> list[Prompt]:
+    return [Prompt("long", [2 + j % 90 for j in range(length)])]
+
+
+# (case, change to a good SubmitStep, expected status, field the message starts with)
+BAD_SUBMITS = [
+    ("empty prompt", dict(prompts=[Prompt("empty", [])]), "INVALID_ARGUMENT", "prompts[0].token_ids"),
+    ("no prompts", dict(prompts=[]), "INVALID_ARGUMENT", "prompts"),
+    ("token id >= vocab", dict(prompts=[Prompt("big-id", [5, TINY["vocab_size"]])]), "INVALID_ARGUMENT",
+     "prompts[0].token_ids"),
+    ("negative token id", dict(prompts=[Prompt("neg-id", [5, -1])]), "INVALID_ARGUMENT", "prompts[0].token_ids"),
+    ("n = 0", dict(n=0), "INVALID_ARGUMENT", "n"),
+    ("n negative", dict(n=-3), "INVALID_ARGUMENT", "n"),
+    ("n huge", dict(n=2**31 - 1), "INVALID_ARGUMENT", "n"),
+    ("n just over the limit", dict(n=MAX_N + 1), "INVALID_ARGUMENT", "n"),
+    ("n x prompts over the queue limit", dict(n=MAX_N, prompts=prompts(300, length=2)), "RESOURCE_EXHAUSTED",
+     "prompts"),
+    ("max_tokens = 0", dict(sampling=SamplingParams(max_tokens=0)), "INVALID_ARGUMENT", "sampling.max_tokens"),
+    ("max_tokens negative", dict(sampling=SamplingParams(max_tokens=-1)), "INVALID_ARGUMENT",
+     "sampling.max_tokens"),
+    ("prompt + max_tokens one past the context",
+     dict(sampling=SamplingParams(max_tokens=TINY["max_position_embeddings"] - 6 + 1)), "INVALID_ARGUMENT",
+     "sampling.max_tokens"),
+    ("max_tokens huge", dict(sampling=SamplingParams(max_tokens=2**31 - 1)), "INVALID_ARGUMENT",
+     "sampling.max_tokens"),
+    ("prompt as long as the context", dict(prompts=_long_prompt(TINY["max_position_embeddings"]),
+                                            sampling=SamplingParams(max_tokens=1)), "INVALID_ARGUMENT",
+     "prompts[0].token_ids"),
+    ("temperature < 0", dict(sampling=SamplingParams(temperature=-0.01)), "INVALID_ARGUMENT",
+     "sampling.temperature"),
+    ("temperature nan", dict(sampling=SamplingParams(temperature=float("nan"))), "INVALID_ARGUMENT",
+     "sampling.temperature"),
+    ("temperature inf", dict(sampling=SamplingParams(temperature=float("inf"))), "INVALID_ARGUMENT",
+     "sampling.temperature"),
+    ("top_p > 1", dict(sampling=SamplingParams(top_p=1.0001)), "INVALID_ARGUMENT", "sampling.top_p"),
+    ("top_p < 0", dict(sampling=SamplingParams(top_p=-0.5)), "INVALID_ARGUMENT", "sampling.top_p"),
+    ("top_p nan", dict(sampling=SamplingParams(top_p=float("nan"))), "INVALID_ARGUMENT", "sampling.top_p"),
+    ("top_k < 0", dict(sampling=SamplingParams(top_k=-1)), "INVALID_ARGUMENT", "sampling.top_k"),
+    ("stop token >= vocab", dict(sampling=SamplingParams(stop_token_ids=(TINY["vocab_size"],))),
+     "INVALID_ARGUMENT", "sampling.stop_token_ids"),
+    ("policy version not pushed", dict(policy_version=10**6), "FAILED_PRECONDITION", "policy_version"),
+]
+
+
+def _expect(err: grpc.RpcError, code: str, field: str) -> None:
+    assert err.code() == getattr(grpc.StatusCode, code), (err.code(), err.details())
+    assert err.details().startswith(field + ":"), err.details()
+
+
+@pytest.mark.parametrize("case, change, code, field", BAD_SUBMITS, ids=[c[0] for c in BAD_SUBMITS])
+def test_each_bad_submit_gets_its_status_code_naming_the_field(cluster, case, change, code, field):
+    """Each bad input of the contract: its own status code, the message starts with the field,
+    and the step is not created (a later good submit with the same id is a new step)."""
+    step_id = f"bad/{case}"
+    args = dict(step_id=step_id, prompts=prompts(1), n=1, sampling=GREEDY)
+    args.update(change)
+    with RolloutClient(cluster.address, timeout_s=60, max_retries=0) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.rollout(**args)
+        _expect(err.value, code, field)
+        assert step_id not in cluster.scheduler.dispatcher.steps
+
+
+def test_cancel_of_an_unknown_step_is_not_found_naming_the_step_id(client, cluster):
+    with pytest.raises(grpc.RpcError) as err:
+        client.cancel_step("never-submitted")
+    _expect(err.value, "NOT_FOUND", "step_id")
+    with pytest.raises(grpc.RpcError) as err:
+        client.cancel_step("")
+    _expect(err.value, "INVALID_ARGUMENT", "step_id")
+    assert "never-submitted" not in cluster.scheduler.dispatcher.steps
+
+
+def test_oversized_message_is_resource_exhausted_and_the_service_keeps_serving(client, cluster):
+    steps = len(cluster.scheduler.dispatcher.steps)
+    err = _oversized_submit(cluster.address)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
+    assert "larger than max" in err.details()
+    assert len(cluster.scheduler.dispatcher.steps) == steps
+    result = client.rollout("after-oversized", prompts(1), n=1, sampling=GREEDY)
+    assert len(result.samples) == 1
+
+
+def test_every_bad_input_while_a_step_runs_loses_nothing_in_flight(client, cluster):
+    """A good step runs while every bad input of the contract arrives (bad submits, cancel of
+    an unknown step, an oversized message): each bad call fails with its own code, and the
+    good step, verifiably still running throughout, returns every sample whole, with the
+    tokens its seed fixes."""
+    params = SamplingParams(temperature=1.0, max_tokens=400, seed=17, ignore_eos=True)
+    good = prompts(2, offset=900)
+    got, errors = [], []
+
+    def run():
+        try:
+            got.extend(client.submit_step("in-flight", good, n=6, sampling=params))
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    dispatcher = cluster.scheduler.dispatcher
+    deadline = time.monotonic() + 30
+    while "in-flight" not in dispatcher.steps or not any(w.state.running for w in dispatcher.workers.workers.values()):
+        assert time.monotonic() < deadline, "the good step never started"
+        time.sleep(0.01)
+    run_ = dispatcher.steps["in-flight"]
+    with RolloutClient(cluster.address, timeout_s=60, max_retries=0) as other:
+        for case, change, code, field in BAD_SUBMITS:
+            args = dict(step_id=f"bad-in-flight/{case}", prompts=prompts(1), n=1, sampling=GREEDY)
+            args.update(change)
+            with pytest.raises(grpc.RpcError) as err:
+                other.rollout(**args)
+            _expect(err.value, code, field)
+        with pytest.raises(grpc.RpcError) as err:
+            other.cancel_step("no-such-step")
+        _expect(err.value, "NOT_FOUND", "step_id")
+        assert _oversized_submit(cluster.address).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not run_.is_finished, "the good step ended before the bad inputs: the test proves nothing"
+    t.join(300)
+    assert not t.is_alive() and not errors, errors
+    assert sorted(s.key for s in got) == sorted((p.prompt_id, k) for p in good for k in range(6))
+    for s in got:
+        assert s.finish_reason == "length" and not s.error, (s.key, s.finish_reason, s.error)
+        assert len(s.token_ids) == len(s.logprobs) == 400
+    # The seed fixes the tokens: a quiet rerun of the same step content gives the same samples.
+    quiet = client.rollout("in-flight-quiet", good, n=6, sampling=params)
+    assert {s.key: s.token_ids for s in quiet.samples} == {s.key: s.token_ids for s in got}

@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.security import TLSConfig
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -27,10 +29,14 @@ class Server:
     Args:
         servicers: pairs of (``add_XServicer_to_server`` function, servicer).
         service_names: full names reported SERVING by the health service.
+        tls: serve TLS when it holds a certificate; plaintext otherwise.
+        interceptors: e.g. ``BearerTokenAuth``.
     """
 
-    def __init__(self, servicers: Iterable[tuple[Callable, object]], service_names: Iterable[str]):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    def __init__(self, servicers: Iterable[tuple[Callable, object]], service_names: Iterable[str],
+                 tls: TLSConfig | None = None, interceptors: Iterable[grpc.aio.ServerInterceptor] = ()):
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+        self.credentials = tls.server_credentials() if tls is not None else None
         for add, servicer in servicers:
             add(servicer, self.server)
         self.health = health.aio.HealthServicer()
@@ -39,7 +45,9 @@ class Server:
         self.port = 0
 
     async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = (self.server.add_secure_port(address, self.credentials) if self.credentials
+                     else self.server.add_insecure_port(address))
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
         await self.server.start()
@@ -67,5 +75,9 @@ async def run_until_signal(stop: Callable[[], Awaitable[None]]) -> None:
     await stop()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
+    """A channel to another rhymerl service: TLS when ``tls`` names a CA."""
+    credentials = tls.channel_credentials() if tls is not None else None
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS + tls.channel_options())

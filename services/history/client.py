@@ -13,6 +13,7 @@ import numpy as np
 from rhymerl.v1 import history_pb2, history_pb2_grpc
 
 from services.common.grpc_server import channel
+from services.common.security import TLSConfig
 from services.history.store import Epoch
 
 __all__ = ["Epoch", "HistoryClient"]
@@ -26,8 +27,8 @@ class HistoryClient:
         timeout_s: deadline of each call.
     """
 
-    def __init__(self, address: str, timeout_s: float = 30.0):
-        self._channel = channel(address)
+    def __init__(self, address: str, timeout_s: float = 30.0, tls: TLSConfig | None = None):
+        self._channel = channel(address, tls)
         self._stub = history_pb2_grpc.HistoryServiceStub(self._channel)
         self.timeout_s = timeout_s
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from services.common.security import TLSSettings
 from services.history.keys import DEFAULT_PREFIX, DEFAULT_TTL_SECONDS, HistoryKeys
 
 
-class HistorySettings(BaseSettings):
+class HistorySettings(TLSSettings):
     model_config = SettingsConfigDict(env_prefix="RHYMERL_HISTORY_", frozen=True)
 
     host: str = "0.0.0.0"

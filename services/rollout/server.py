@@ -16,8 +16,14 @@ import grpc
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    grpc_errors,
+)
 from services.common.grpc_server import Server, channel, run_until_signal
+from services.common.security import TLSConfig
 from services.common.validation import check_sampling, check_token_ids
 from services.rollout import weights
 from services.rollout.engine_loop import Aborted, EngineLoop
@@ -226,7 +232,7 @@ async def _register(settings: WorkerSettings, servicer: WorkerServicer, address:
         worker_id=servicer.worker_id, address=address, policy_version=servicer.version,
         max_num_seqs=settings.max_num_seqs, vocab_size=servicer.config.vocab_size,
         max_model_len=servicer.config.max_position_embeddings)
-    ch = channel(settings.scheduler_address)
+    ch = channel(settings.scheduler_address, settings.tls())
     try:
         for attempt in range(10_000):
             try:
@@ -263,13 +269,13 @@ async def start_worker(settings: WorkerSettings, engine=None):
     if settings.history_address:
         from services.history.client import HistoryClient
 
-        history = HistoryClient(settings.history_address)
+        history = HistoryClient(settings.history_address, tls=settings.tls())
     loop = EngineLoop(engine, worker_id, asyncio.get_running_loop())
     loop.start()
     servicer = WorkerServicer(loop, worker_id, settings.model_path, settings.initial_version, history,
                               settings.history_epochs, settings.max_num_seqs)
     server = Server([(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
-                    ["rhymerl.v1.WorkerService"])
+                    ["rhymerl.v1.WorkerService"], tls=settings.tls())
     port = await server.start(settings.host, settings.port)
     if not settings.id:
         servicer.worker_id = settings.worker_id(port)
@@ -284,7 +290,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         await server.set_serving(False)
         if registration is not None:
             registration.cancel()
-            await _deregister(settings.scheduler_address, servicer.worker_id)
+            await _deregister(settings.scheduler_address, servicer.worker_id, settings.tls())
         deadline = time.monotonic() + settings.drain_timeout_s
         while servicer.num_runs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -297,8 +303,8 @@ async def start_worker(settings: WorkerSettings, engine=None):
     return server, port, stop
 
 
-async def _deregister(address: str, worker_id: str) -> None:
-    ch = channel(address)
+async def _deregister(address: str, worker_id: str, tls: TLSConfig | None = None) -> None:
+    ch = channel(address, tls)
     try:
         await worker_pb2_grpc.RegistryServiceStub(ch).Deregister(
             worker_pb2.DeregisterRequest(worker_id=worker_id), timeout=5)

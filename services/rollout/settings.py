@@ -2,10 +2,12 @@
 
 import socket
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from services.common.security import TLSSettings
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(TLSSettings):
     model_config = SettingsConfigDict(env_prefix="RHYMERL_WORKER_", protected_namespaces=())
 
     host: str = "0.0.0.0"

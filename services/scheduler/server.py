@@ -15,6 +15,7 @@ from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grp
 from services.common import metrics
 from services.common.errors import InvalidArgument, NotFound, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
+from services.common.security import BearerTokenAuth, parse_tokens
 from services.scheduler.dispatcher import Dispatcher
 from services.scheduler.policies import POLICIES, make_policy, runs_in_chunks
 from services.scheduler.settings import SchedulerSettings
@@ -147,7 +148,7 @@ async def start_scheduler(settings: SchedulerSettings):
     if settings.history_address:
         from services.history.client import HistoryClient
 
-        history = HistoryClient(settings.history_address)
+        history = HistoryClient(settings.history_address, tls=settings.tls())
     policy_kwargs = {}
     if settings.cross_step:
         if "cross_step" not in inspect.signature(POLICIES.get(settings.policy, object)).parameters:
@@ -159,7 +160,7 @@ async def start_scheduler(settings: SchedulerSettings):
         log.info("policy %r runs whole requests; chunk_tokens=%d is not used", settings.policy,
                  settings.chunk_tokens)
     policy = make_policy(settings.policy, **policy_kwargs)
-    table = WorkerTable(settings.worker_timeout_s)
+    table = WorkerTable(settings.worker_timeout_s, settings.tls())
     dispatcher = Dispatcher(policy, table, history, history_epochs=settings.history_epochs,
                             max_steps_retained=settings.max_steps_retained,
                             max_queued_samples=settings.max_queued_samples,
@@ -169,7 +170,8 @@ async def start_scheduler(settings: SchedulerSettings):
     server = Server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
                       RolloutServicer(dispatcher, WeightFanout(dispatcher), history)),
                      (worker_pb2_grpc.add_RegistryServiceServicer_to_server, RegistryServicer(dispatcher))],
-                    ["rhymerl.v1.RolloutService", "rhymerl.v1.RegistryService"])
+                    ["rhymerl.v1.RolloutService", "rhymerl.v1.RegistryService"], tls=settings.tls(),
+                    interceptors=_auth(settings))
     port = await server.start(settings.host, settings.port)
     watcher = asyncio.create_task(_watch_workers(dispatcher, settings.static_workers(), settings.worker_timeout_s))
     log.info("scheduler listening on %s:%d (policy %s)", settings.host, port, settings.policy)
@@ -184,6 +186,14 @@ async def start_scheduler(settings: SchedulerSettings):
 
     server.dispatcher = dispatcher
     return server, port, stop
+
+
+def _auth(settings: SchedulerSettings) -> list[BearerTokenAuth]:
+    tokens = parse_tokens(settings.auth_tokens)
+    if not tokens:
+        log.warning("RolloutService accepts calls without a token (RHYMERL_SCHEDULER_AUTH_TOKENS is empty)")
+        return []
+    return [BearerTokenAuth(tokens, ["rhymerl.v1.RolloutService"])]
 
 
 async def serve(settings: SchedulerSettings) -> None:

@@ -1,9 +1,11 @@
 """Scheduler settings (environment variables prefixed RHYMERL_SCHEDULER_)."""
 
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from services.common.security import TLSSettings
 
 
-class SchedulerSettings(BaseSettings):
+class SchedulerSettings(TLSSettings):
     model_config = SettingsConfigDict(env_prefix="RHYMERL_SCHEDULER_")
 
     host: str = "0.0.0.0"
@@ -28,6 +30,9 @@ class SchedulerSettings(BaseSettings):
     # has finished, alternate each step's order (short-first, then long-first) so one
     # step's tail overlaps the next one's head. Off: every step long-first.
     cross_step: bool = False
+    # Bearer tokens trainers must send to RolloutService (comma-separated; in Kubernetes
+    # from a Secret). Empty: no auth (a trusted network only).
+    auth_tokens: str = ""
     # A sample whose Run call fails this many times (worker crash, engine error) is
     # given up: it finishes as ABORT with the last error, instead of looping forever.
     max_attempts: int = 3

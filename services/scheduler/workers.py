@@ -12,6 +12,7 @@ from rhymerl.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
 from services.common.grpc_server import channel
+from services.common.security import TLSConfig
 from services.scheduler.policies.base import WorkerState
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ class WorkerHandle:
 class WorkerTable:
     """Workers known to the scheduler, by id."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, tls: TLSConfig | None = None):
         self.timeout_s = timeout_s
+        self.tls = tls
         self.workers: dict[str, WorkerHandle] = {}
 
     def add(self, worker_id: str, address: str, max_num_seqs: int, policy_version: int,
@@ -50,7 +52,7 @@ class WorkerTable:
             old.policy_version, old.state.capacity = policy_version, max_num_seqs
             self._export()
             return old
-        ch = channel(address)
+        ch = channel(address, self.tls)
         handle = WorkerHandle(worker_id=worker_id, address=address,
                               state=WorkerState(worker_id=worker_id, capacity=max_num_seqs),
                               stub=worker_pb2_grpc.WorkerServiceStub(ch), channel=ch,
@@ -63,7 +65,7 @@ class WorkerTable:
 
     async def probe(self, address: str) -> worker_pb2.WorkerStats:
         """Asks a worker (e.g. a statically configured one) for its stats."""
-        ch = channel(address)
+        ch = channel(address, self.tls)
         try:
             return await worker_pb2_grpc.WorkerServiceStub(ch).GetWorkerStats(
                 worker_pb2.WorkerStatsRequest(), timeout=5)

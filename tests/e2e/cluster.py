@@ -32,6 +32,8 @@ class Cluster:
     policy: str = "rhymerl"
     chunk_tokens: int = 8
     speculative: bool = True
+    tls: dict = field(default_factory=dict)  # tls_* settings, given to every service
+    auth_tokens: str = ""
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     stops: list = field(default_factory=list)
     workers: dict = field(default_factory=dict)
@@ -52,12 +54,12 @@ class Cluster:
         from services.scheduler.settings import SchedulerSettings
 
         _, history_port, stop = await start_history(
-            HistorySettings(host="127.0.0.1", port=0, metrics_port=0, redis_url=self.redis_url))
+            HistorySettings(host="127.0.0.1", port=0, metrics_port=0, redis_url=self.redis_url, **self.tls))
         self.stops.append(stop)
         self.history_address = f"127.0.0.1:{history_port}"
         self.scheduler, port, stop = await start_scheduler(SchedulerSettings(
             host="127.0.0.1", port=0, metrics_port=0, history_address=self.history_address,
-            policy=self.policy, chunk_tokens=self.chunk_tokens))
+            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls))
         self.stops.append(stop)
         self.address = f"127.0.0.1:{port}"
         for i in range(self.num_workers):
@@ -73,7 +75,7 @@ class Cluster:
                                   advertise_address="", model_path=str(self.model_dir), device="cpu",
                                   dtype="float32", max_num_seqs=32, num_kv_blocks=256, block_size=16,
                                   speculative=self.speculative, scheduler_address=self.address,
-                                  history_address=self.history_address, drain_timeout_s=5)
+                                  history_address=self.history_address, drain_timeout_s=5, **self.tls)
         server, port, stop = await _start_worker_advertised(settings, start_worker)
         self.workers[worker_id] = (server, stop)
         return server

@@ -22,6 +22,22 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def channel_target(address: str, *, token: str | None, tls: bool, root_certificates: bytes | None,
+                   server_name: str | None) -> tuple[grpc.ChannelCredentials | None, list, tuple]:
+    """(credentials or None for plaintext, channel options, per-call metadata).
+
+    The token travels as ``authorization: Bearer <token>`` metadata on every call; over a
+    plaintext channel only where the operator chose that (a trusted network, tests).
+    """
+    use_tls = tls or root_certificates is not None
+    credentials = grpc.ssl_channel_credentials(root_certificates) if use_tls else None
+    options = list(CHANNEL_OPTIONS)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    return credentials, options, metadata
+
+
 def backoff_s(attempt: int, base_s: float = 0.2, cap_s: float = 5.0) -> float:
     """Exponential backoff with full jitter."""
     return random.uniform(0, min(cap_s, base_s * 2 ** attempt))

@@ -15,11 +15,16 @@ from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 class AsyncRolloutClient:
     """asyncio twin of RolloutClient; create it inside a running event loop."""
 
-    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3):
+    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,
+                 token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
+                 server_name: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
         self.max_retries = max_retries
-        self._channel = grpc.aio.insecure_channel(address, options=_calls.CHANNEL_OPTIONS)
+        credentials, options, self._metadata = _calls.channel_target(
+            address, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name)
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
+                         else grpc.aio.insecure_channel(address, options=options))
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
         self.last_summary: StepSummary | None = None
 
@@ -32,7 +37,8 @@ class AsyncRolloutClient:
         self.last_summary = None
         for attempt in range(self.max_retries + 1):
             try:
-                async for event in self._stub.SubmitStep(request, timeout=self.timeout_s):
+                events = self._stub.SubmitStep(request, timeout=self.timeout_s, metadata=self._metadata)
+                async for event in events:
                     if event.HasField("summary"):
                         self.last_summary = StepSummary.from_proto(event.summary)
                         continue
@@ -61,7 +67,8 @@ class AsyncRolloutClient:
     async def push_weights(self, version: int, data: bytes) -> int:
         for attempt in range(self.max_retries + 1):
             try:
-                response = await self._stub.PushWeights(_calls.weight_chunks(version, data), timeout=self.timeout_s)
+                chunks = _calls.weight_chunks(version, data)
+                response = await self._stub.PushWeights(chunks, timeout=self.timeout_s, metadata=self._metadata)
                 return response.version
             except grpc.RpcError as err:
                 if attempt == self.max_retries or not _calls.is_retryable(err):
@@ -79,7 +86,7 @@ class AsyncRolloutClient:
     async def _call(self, method, request):
         for attempt in range(self.max_retries + 1):
             try:
-                return await method(request, timeout=self.timeout_s)
+                return await method(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
                 if attempt == self.max_retries or not _calls.is_retryable(err):
                     raise

@@ -20,13 +20,22 @@ class RolloutClient:
         timeout_s: deadline of each call (a whole step's stream included).
         max_retries: re-sends after UNAVAILABLE / DEADLINE_EXCEEDED; safe because
             step ids are idempotency keys (a re-submitted step replays its samples).
+        token: bearer token, when the service requires one (UNAUTHENTICATED otherwise).
+        tls: connect over TLS (system roots) ; implied by ``root_certificates``.
+        root_certificates: PEM bytes of the CA that signed the service's certificate.
+        server_name: the name to verify in the certificate, if not the address's host.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3):
+    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,
+                 token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
+                 server_name: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
         self.max_retries = max_retries
-        self._channel = grpc.insecure_channel(address, options=_calls.CHANNEL_OPTIONS)
+        credentials, options, self._metadata = _calls.channel_target(
+            address, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name)
+        self._channel = (grpc.secure_channel(address, credentials, options=options) if credentials
+                         else grpc.insecure_channel(address, options=options))
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
         self.last_summary: StepSummary | None = None
 
@@ -42,7 +51,8 @@ class RolloutClient:
         self.last_summary = None
         for attempt in range(self.max_retries + 1):
             try:
-                for event in self._stub.SubmitStep(request, timeout=self.timeout_s):
+                events = self._stub.SubmitStep(request, timeout=self.timeout_s, metadata=self._metadata)
+                for event in events:
                     if event.HasField("summary"):
                         self.last_summary = StepSummary.from_proto(event.summary)
                         continue
@@ -73,7 +83,8 @@ class RolloutClient:
         """Streams a safetensors payload to every worker; returns the version serving."""
         for attempt in range(self.max_retries + 1):
             try:
-                return self._stub.PushWeights(_calls.weight_chunks(version, data), timeout=self.timeout_s).version
+                chunks = _calls.weight_chunks(version, data)
+                return self._stub.PushWeights(chunks, timeout=self.timeout_s, metadata=self._metadata).version
             except grpc.RpcError as err:
                 if attempt == self.max_retries or not _calls.is_retryable(err):
                     raise
@@ -91,7 +102,7 @@ class RolloutClient:
     def _call(self, method, request):
         for attempt in range(self.max_retries + 1):
             try:
-                return method(request, timeout=self.timeout_s)
+                return method(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
                 if attempt == self.max_retries or not _calls.is_retryable(err):
                     raise

@@ -21,6 +21,7 @@ POLICY_CONFIGS = [
     ("histopipe", {}),
     ("rhymerl", {"chunk_size": 5}),
     ("rhymerl", {"chunk_size": 6, "cross_step": True}),
+    ("rhymerl", {"chunk_size": 5, "share_order": "spt"}),
 ]
 
 
@@ -249,3 +250,35 @@ def test_late_and_repeated_results_are_ignored(name):
     policy.on_chunk_done(late, "w0", 5, False, 2.0)
     policy.on_worker_lost("w0", [late], 2.0)
     assert policy.num_queued() == 0 and late.num_generated == 0
+
+
+def _sharing_step(policy, max_tokens: int = 1000):
+    """Two prompts whose history hides runaways (1 in 21 samples ran to the cap): rhymerl
+    runs the step in sharing mode; ``a`` is predicted shorter than ``b``."""
+    lengths = LengthModel({"a": [[10] * 20 + [max_tokens]], "b": [[20] * 20 + [max_tokens]]})
+    requests = [Request(f"s/{p}/{i}", "s", p, i, prompt_len=10, max_tokens=max_tokens)
+                for p in ("a", "b") for i in range(16)]
+    policy.add_step(requests, lengths, 0.0)
+    return requests
+
+
+@pytest.mark.parametrize("order, first_prompt, keeps_running", [("las", "b", False), ("spt", "a", True)])
+def test_rhymerl_sharing_order(order, first_prompt, keeps_running):
+    """``las``: fewest generated tokens first (longest predicted on ties), so a request
+    that ran a chunk waits for the rest; ``spt``: a started request keeps its slot, new
+    ones start shortest predicted first."""
+    policy = make_policy("rhymerl", chunk_size=4, share_order=order)
+    _sharing_step(policy)
+    worker = WorkerState("w0", 1)
+    (first,) = policy.schedule([worker], 0.0)
+    assert first.request.prompt_id == first_prompt
+    worker.running[first.request.request_id] = first.request
+    del worker.running[first.request.request_id]
+    policy.on_chunk_done(first.request, "w0", 4, False, 1.0)
+    (second,) = policy.schedule([worker], 1.0)
+    assert (second.request is first.request) == keeps_running
+
+
+def test_rhymerl_rejects_unknown_share_order():
+    with pytest.raises(ValueError, match="share_order"):
+        make_policy("rhymerl", share_order="fifo")

@@ -40,7 +40,10 @@ class RhymeRLPolicy(SeerPolicy):
 
     def __init__(self, chunk_size: int = 1024, cross_step: bool = False, runaway_guard: float = 1.0,
                  long_share: float = 0.5, runaway_share: float = 0.125, share_unknown: bool = True,
-                 wait_for_home: bool = True, cost: CostModel | None = None, model_shape: str = "7B") -> None:
+                 wait_for_home: bool = True, cost: CostModel | None = None, model_shape: str = "7B",
+                 share_order: str = "las") -> None:
+        if share_order not in ("las", "spt"):
+            raise ValueError(f"share_order must be 'las' or 'spt', got {share_order!r}")
         super().__init__(chunk_size=chunk_size, affinity_slack=1 << 30)
         self.cross_step = cross_step
         self.runaway_guard = runaway_guard
@@ -48,6 +51,7 @@ class RhymeRLPolicy(SeerPolicy):
         self.runaway_share = runaway_share
         self.share_unknown = share_unknown
         self.wait_for_home = wait_for_home
+        self.share_order = share_order
         self.cost = cost or CostModel.default(model_shape)
         self._sharing: dict[str, bool] = {}  # live step -> whether it runs in sharing mode
         self._step_seq: dict[str, int] = {}  # live step -> arrival order of steps
@@ -122,6 +126,9 @@ class RhymeRLPolicy(SeerPolicy):
         predicted = request.predicted_len
         if self._sharing[request.step_id] and (predicted < self.long_share * request.max_tokens
                                                or not self._informed(request)):
+            if self.share_order == "spt":  # started ones keep running; new ones shortest first
+                started = request.num_generated > 0
+                return (seq, 1, not started, -request.num_generated if started else predicted, arrival)
             return (seq, 1, request.num_generated, -predicted, arrival)
         longest_first = not (self.cross_step and seq % 2)
         return (seq, 0, -predicted if longest_first else predicted, -request.num_generated, arrival)

@@ -254,7 +254,8 @@ def test_gpus_per_pod_sets_the_gpu_limit(render):
 
 @pytest.mark.parametrize("profile", ["default", "production"])
 def test_probes_are_grpc_health_checks_on_the_grpc_port(profile, default_objects, gpu_objects):
-    """Kubernetes' grpc probes call grpc.health.v1 on the service's own port and name."""
+    """Kubernetes' grpc probes call grpc.health.v1 on the service's own port and name
+    (with TLS, on the plaintext health-only port: the production profile)."""
     objects = default_objects if profile == "default" else gpu_objects
     for name, service in HEALTH_SERVICES.items():
         c = container(workload(objects, name), name)
@@ -264,7 +265,7 @@ def test_probes_are_grpc_health_checks_on_the_grpc_port(profile, default_objects
         assert env_of(c)[SETTINGS[name].model_config["env_prefix"] + "PORT"] == str(grpc_port)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert set(c[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
-            assert c[probe]["grpc"]["port"] == grpc_port
+            assert c[probe]["grpc"]["port"] == (8086 if profile == "production" else grpc_port)
         assert c["readinessProbe"]["grpc"]["service"] == service
 
 
@@ -447,3 +448,47 @@ def test_names_follow_the_release(render):
 def test_gpu_values_file_is_the_documented_profile():
     assert Path(GPU_VALUES).exists()
     assert "values-gpu.yaml" in (REPO / "docs" / "deploy.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["history", "scheduler", "worker"])
+def test_tls_profile_mounts_the_certificate_and_probes_the_plaintext_health_port(name, gpu_objects):
+    """With tls.enabled every service serves TLS from the Secret and verifies its peers;
+    the kubelet's gRPC probes (no TLS) go to the health-only plaintext port."""
+    pod = workload(gpu_objects, name)["spec"]["template"]["spec"]
+    c = container(workload(gpu_objects, name), name)
+    env = env_of(c)
+    prefix = SETTINGS[name].model_config["env_prefix"]
+    assert env[prefix + "TLS_CERT_FILE"] == "/etc/rhymerl/tls/tls.crt"
+    assert env[prefix + "TLS_KEY_FILE"] == "/etc/rhymerl/tls/tls.key"
+    assert env[prefix + "TLS_CA_FILE"] == "/etc/rhymerl/tls/ca.crt"
+    assert env[prefix + "TLS_SERVER_NAME"] == "rhymerl.internal"
+    assert env[prefix + "HEALTH_PORT"] == "8086"
+    settings = SETTINGS[name].model_fields
+    for var in env:
+        if var.startswith(prefix):
+            assert var[len(prefix):].lower() in settings, var  # the service reads what the chart sets
+    assert {"name": "tls", "mountPath": "/etc/rhymerl/tls", "readOnly": True} in c["volumeMounts"]
+    tls_volume = next(v for v in pod["volumes"] if v["name"] == "tls")
+    assert tls_volume["secret"]["secretName"] == "rhymerl-tls"
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"]["port"] == 8086
+
+
+def test_auth_reads_trainer_tokens_from_a_secret(gpu_objects, render, validate, tmp_path):
+    env = env_of(container(workload(gpu_objects, "scheduler"), "scheduler"))
+    assert env["RHYMERL_SCHEDULER_AUTH_TOKENS"] == {
+        "secretKeyRef": {"name": "rhymerl-trainer-tokens", "key": "tokens"}}
+    assert not [o for o in gpu_objects if o["kind"] == "Secret"]  # existingSecret: none created
+    values = tmp_path / "auth.yaml"
+    values.write_text(yaml.safe_dump({"auth": {"enabled": True, "tokens": ["t1", "t2"]}}))
+    objects = render(values)
+    [secret] = [o for o in objects if o["kind"] == "Secret"]
+    validate(secret)
+    assert secret["stringData"] == {"tokens": "t1,t2"}
+    env = env_of(container(workload(objects, "scheduler"), "scheduler"))
+    assert env["RHYMERL_SCHEDULER_AUTH_TOKENS"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+
+
+def test_auth_without_tokens_fails_at_render(render):
+    with pytest.raises(Exception, match="auth.existingSecret or at least one entry in auth.tokens"):
+        render(set={"auth.enabled": True})

@@ -31,10 +31,13 @@ class Server:
         service_names: full names reported SERVING by the health service.
         tls: serve TLS when it holds a certificate; plaintext otherwise.
         interceptors: e.g. ``BearerTokenAuth``.
+        health_port: with TLS, also serve the health service alone in plaintext on this
+            port (0: no), for Kubernetes gRPC probes, which cannot speak TLS.
     """
 
     def __init__(self, servicers: Iterable[tuple[Callable, object]], service_names: Iterable[str],
-                 tls: TLSConfig | None = None, interceptors: Iterable[grpc.aio.ServerInterceptor] = ()):
+                 tls: TLSConfig | None = None, interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+                 health_port: int = 0):
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
         self.credentials = tls.server_credentials() if tls is not None else None
         for add, servicer in servicers:
@@ -43,6 +46,11 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = ["", *service_names]
         self.port = 0
+        self.health_port = health_port
+        self.health_server: grpc.aio.Server | None = None
+        if self.credentials is not None and health_port:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
 
     async def start(self, host: str, port: int) -> int:
         address = f"{host}:{port}"
@@ -50,6 +58,9 @@ class Server:
                      else self.server.add_insecure_port(address))
         if self.port == 0:
             raise RuntimeError(f"could not bind {host}:{port}")
+        if self.health_server is not None:
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{self.health_port}")
+            await self.health_server.start()
         await self.server.start()
         await self.set_serving(True)
         return self.port
@@ -62,6 +73,8 @@ class Server:
     async def stop(self, grace: float = 5.0) -> None:
         await self.set_serving(False)
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 async def run_until_signal(stop: Callable[[], Awaitable[None]]) -> None:

@@ -57,6 +57,9 @@ class TLSSettings(BaseSettings):
     tls_ca_file: str = ""
     # The name in the services' certificate (peers are reached by IP); empty: the address.
     tls_server_name: str = ""
+    # With TLS: a plaintext port serving only grpc.health.v1 (Kubernetes probes cannot
+    # speak TLS); 0: none.
+    health_port: int = 0
 
     def tls(self) -> TLSConfig:
         return TLSConfig(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, self.tls_server_name)

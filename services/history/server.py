@@ -100,7 +100,7 @@ async def start_history(settings: HistorySettings) -> tuple[Server, int, Callabl
     try:
         await store.ping()
         server = Server([(history_pb2_grpc.add_HistoryServiceServicer_to_server, HistoryServicer(store))],
-                        [SERVICE_NAME], tls=settings.tls())
+                        [SERVICE_NAME], tls=settings.tls(), health_port=settings.health_port)
         port = await server.start(settings.host, settings.port)
     except BaseException:
         await close_store()

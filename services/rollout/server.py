@@ -275,7 +275,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
     servicer = WorkerServicer(loop, worker_id, settings.model_path, settings.initial_version, history,
                               settings.history_epochs, settings.max_num_seqs)
     server = Server([(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
-                    ["rhymerl.v1.WorkerService"], tls=settings.tls())
+                    ["rhymerl.v1.WorkerService"], tls=settings.tls(), health_port=settings.health_port)
     port = await server.start(settings.host, settings.port)
     if not settings.id:
         servicer.worker_id = settings.worker_id(port)

@@ -171,7 +171,7 @@ async def start_scheduler(settings: SchedulerSettings):
                       RolloutServicer(dispatcher, WeightFanout(dispatcher), history)),
                      (worker_pb2_grpc.add_RegistryServiceServicer_to_server, RegistryServicer(dispatcher))],
                     ["rhymerl.v1.RolloutService", "rhymerl.v1.RegistryService"], tls=settings.tls(),
-                    interceptors=_auth(settings))
+                    interceptors=_auth(settings), health_port=settings.health_port)
     port = await server.start(settings.host, settings.port)
     watcher = asyncio.create_task(_watch_workers(dispatcher, settings.static_workers(), settings.worker_timeout_s))
     log.info("scheduler listening on %s:%d (policy %s)", settings.host, port, settings.policy)

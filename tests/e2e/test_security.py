@@ -95,3 +95,32 @@ def test_health_checks_need_no_token(cluster, certs):
                              options=[("grpc.ssl_target_name_override", NAME)]) as ch:
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_with_tls_a_plaintext_port_serves_health_only(certs):
+    """Kubernetes gRPC probes cannot speak TLS: the health service (and nothing else)
+    is also served in plaintext on health_port, and follows the server's status."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc
+
+    from services.common.grpc_server import Server
+    from services.common.redis_server import free_port
+    from services.common.security import TLSConfig
+
+    async def main():
+        server = Server([], ["rhymerl.v1.RolloutService"], tls=TLSConfig(str(certs / "tls.crt"), str(certs / "tls.key")),
+                        health_port=free_port())
+        await server.start("127.0.0.1", 0)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as ch:
+                check = health_pb2_grpc.HealthStub(ch).Check
+                request = health_pb2.HealthCheckRequest(service="rhymerl.v1.RolloutService")
+                assert (await check(request, timeout=5)).status == health_pb2.HealthCheckResponse.SERVING
+                await server.set_serving(False)
+                assert (await check(request, timeout=5)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.RpcError) as err:
+                    await rollout_pb2_grpc.RolloutServiceStub(ch).GetStats(rollout_pb2.GetStatsRequest(), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            await server.stop(0)
+    asyncio.run(main())

@@ -101,6 +101,49 @@ affinity:
   value: /tmp/.cache
 {{- end }}
 
+{{/* TLS settings of one component, by its env prefix: (list $ "SCHEDULER"). */}}
+{{- define "rhymerl.tlsEnv" -}}
+{{- $root := index . 0 }}
+{{- $prefix := index . 1 }}
+{{- with $root.Values.tls }}
+{{- if .enabled }}
+- name: RHYMERL_{{ $prefix }}_TLS_CERT_FILE
+  value: /etc/rhymerl/tls/tls.crt
+- name: RHYMERL_{{ $prefix }}_TLS_KEY_FILE
+  value: /etc/rhymerl/tls/tls.key
+- name: RHYMERL_{{ $prefix }}_TLS_CA_FILE
+  value: /etc/rhymerl/tls/{{ .caKey }}
+- name: RHYMERL_{{ $prefix }}_TLS_SERVER_NAME
+  value: {{ .serverName | quote }}
+- name: RHYMERL_{{ $prefix }}_HEALTH_PORT
+  value: {{ .healthPort | int | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rhymerl.tlsVolumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/rhymerl/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "rhymerl.tlsVolume" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{/* The port the kubelet probes: the gRPC port, or with TLS the plaintext health port. */}}
+{{- define "rhymerl.probePort" -}}
+{{- $root := index . 0 }}
+{{- if $root.Values.tls.enabled }}{{ $root.Values.tls.healthPort | int }}{{ else }}{{ index . 1 | int }}{{ end }}
+{{- end }}
+
 {{/* grpc probes of a server on `port` for `service`: (dict "port" 1 "service" "x"). */}}
 {{- define "rhymerl.grpcProbes" -}}
 readinessProbe:

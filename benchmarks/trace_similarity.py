@@ -1,24 +1,30 @@
 """How much do a prompt's responses rhyme across RL epochs? Measured on recorded traces.
 
-    python -m benchmarks.trace_similarity benchmarks/data/tiny_grpo.npz [more.npz ...]
+    python -m benchmarks.trace_similarity benchmarks/data/tiny_grpo_cpu.npz [more.npz ...]
 
 For each epoch e after the first, and each prompt also sampled in the epoch before:
-- hit share: the share of each response's tokens that a longest-suffix match against the
+- token match share: the share of each response's tokens that a longest-suffix match against the
   same prompt's epoch e-1 responses predicts (at each position, the longest suffix of the
   response so far found in an e-1 response, and the token that most often followed it;
   `SuffixMatchPredictor` in reasoning_task.py). It bounds what a history drafter can get
   accepted per token, with no siblings and no shorter-context fallbacks.
-- the same token hit share when the match may also use this epoch's earlier siblings
+- the same token match share when the match may also use this epoch's earlier siblings
   (responses to the same prompt with a smaller sample index), as a grouped drafter can.
 - length correlation: Pearson and Spearman between the prompts' mean response lengths in
   e-1 and in e (is a prompt that was long last epoch long again?).
+Over all responses of a file: max_over_median_length, the longest response's length
+over the median response length (how heavy the length tail is).
 
-Prints a table and writes benchmarks/results/traces.md and traces.json.
+Prints a table and writes benchmarks/results/similarity.md and similarity.json. The JSON
+holds the first file's figures at the top level ("epochs": one row per epoch e > 0 with
+"epoch", "token_match_share", "length_spearman", ...; "max_over_median_length";
+"command"; "commit"; "device"), and every file's under "files".
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -88,9 +94,9 @@ def epoch_similarity(previous: list[TraceRecord], current: list[TraceRecord]) ->
         "num_prompts": len(prompts),
         "num_responses": len(shares),
         "num_tokens": num_tokens,
-        "token_hit_share": num_hits / max(1, num_tokens),
-        "mean_response_hit_share": float(np.mean(shares)) if shares else float("nan"),
-        "token_hit_share_with_siblings": num_sibling_hits / max(1, num_tokens),
+        "token_match_share": num_hits / max(1, num_tokens),
+        "mean_response_match_share": float(np.mean(shares)) if shares else float("nan"),
+        "token_match_share_with_siblings": num_sibling_hits / max(1, num_tokens),
         "mean_length": float(after.mean()) if len(after) else float("nan"),
         "length_pearson": pearson(before, after),
         "length_spearman": spearman(before, after),
@@ -103,7 +109,24 @@ def trace_similarity(records: list[TraceRecord]) -> list[dict]:
     for r in records:
         by_epoch[r.epoch].append(r)
     epochs = sorted(by_epoch)
-    return [{"epoch": e, **epoch_similarity(by_epoch[prev], by_epoch[e])} for prev, e in zip(epochs, epochs[1:])]
+    return [{"epoch": e, **epoch_similarity(by_epoch[prev], by_epoch[e])} for prev, e in itertools.pairwise(epochs)]
+
+
+def length_stats(records: list[TraceRecord]) -> dict:
+    """Response lengths over all records: median, max and max / median (the tail)."""
+    lengths = np.array([len(r.token_ids) for r in records], dtype=np.float64)
+    if not len(lengths):
+        return {"num_responses": 0, "median_length": float("nan"), "max_length": 0,
+                "num_at_max_length": 0, "max_over_median_length": float("nan")}
+    median = float(np.median(lengths))
+    return {
+        "num_responses": len(lengths),
+        "median_length": median,
+        "max_length": int(lengths.max()),
+        # responses as long as the longest: many means a max_tokens cap cut the tail
+        "num_at_max_length": int((lengths == lengths.max()).sum()),
+        "max_over_median_length": float(lengths.max() / median) if median > 0 else float("nan"),
+    }
 
 
 def _commit() -> str:
@@ -121,9 +144,9 @@ _COLUMNS = (
     ("prompts", "num_prompts", "{}"),
     ("responses", "num_responses", "{}"),
     ("mean len", "mean_length", "{:.1f}"),
-    ("token hit share", "token_hit_share", "{:.3f}"),
-    ("mean response hit share", "mean_response_hit_share", "{:.3f}"),
-    ("token hit share +siblings", "token_hit_share_with_siblings", "{:.3f}"),
+    ("token match share", "token_match_share", "{:.3f}"),
+    ("mean response match share", "mean_response_match_share", "{:.3f}"),
+    ("token match share +siblings", "token_match_share_with_siblings", "{:.3f}"),
     ("len Pearson", "length_pearson", "{:.3f}"),
     ("len Spearman", "length_spearman", "{:.3f}"),
 )
@@ -136,35 +159,59 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", help="trace files (.npz, benchmarks/traces.py format)")
-    parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where traces.md/.json go")
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where similarity.md/.json go")
     args = parser.parse_args(argv)
 
     command = "python -m benchmarks.trace_similarity " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = {"command": command, "commit": _commit(), "traces": {}}
+    files = {}
+    md_sections = []
+    for path in args.paths:
+        records = read_traces(path)
+        rows = trace_similarity(records)
+        lengths = length_stats(records)
+        files[str(path)] = {"epochs": rows, **lengths}
+        table = format_table(rows)
+        tail = (f"Response lengths over all epochs: median {lengths['median_length']:.1f}, "
+                f"max {lengths['max_length']} ({lengths['num_at_max_length']} responses that long), "
+                f"max / median "
+                f"{lengths['max_over_median_length']:.2f}.")
+        print(f"{path}\n{table}\n{tail}\n")
+        md_sections += ["", f"## {path}", "", table, "", tail]
+    first = files[str(args.paths[0])]
+    results = {
+        "command": command,
+        "commit": _commit(),
+        "device": "CPU (host-side analysis of recorded traces; where each file was sampled: "
+                  "benchmarks/data/README.md)",
+        "traces": str(args.paths[0]),
+        "epochs": first["epochs"],
+        "max_over_median_length": first["max_over_median_length"],
+        "median_length": first["median_length"],
+        "max_length": first["max_length"],
+        "num_at_max_length": first["num_at_max_length"],
+        "files": files,
+    }
     md = [
         "# Cross-epoch similarity of recorded rollouts",
         "",
         f"Command: `{command}` (commit {results['commit']}).",
         "",
-        "Hit share: tokens a longest-suffix match against the same prompt's previous-epoch",
-        "responses predicts, per token (token) or averaged per response; +siblings: the match",
-        "may also use the same epoch's responses with a smaller sample index. Length",
-        "correlation: prompts' mean response lengths, previous epoch vs this one.",
+        "Token match share: tokens a longest-suffix match against the same prompt's",
+        "previous-epoch responses predicts, per token (token) or averaged per response;",
+        "+siblings: the match may also use the same epoch's responses with a smaller sample",
+        "index. Length correlation: prompts' mean response lengths, previous epoch vs this",
+        "one. Max / median: the longest response over the median response, all epochs.",
         "Where each trace file comes from: benchmarks/data/README.md.",
+        *md_sections,
     ]
-    for path in args.paths:
-        rows = trace_similarity(read_traces(path))
-        results["traces"][str(path)] = rows
-        table = format_table(rows)
-        print(f"{path}\n{table}\n")
-        md += ["", f"## {path}", "", table]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "traces.md").write_text("\n".join(md) + "\n")
-    (out_dir / "traces.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "similarity.md").write_text("\n".join(md) + "\n")
+    (out_dir / "similarity.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
 
 
 if __name__ == "__main__":

@@ -76,19 +76,26 @@ def test_similarity_on_a_hand_made_example(tmp_path):
     assert row["epoch"] == 1 and row["num_prompts"] == 2 and row["num_responses"] == 2
     # b: 7 hit, 8 hit, 6 miss, 9 miss (no context after "6"), 9 hit, 9 hit -> 4/6
     assert row["num_tokens"] == 10
-    assert row["token_hit_share"] == pytest.approx((4 + 4) / 10)
-    assert row["mean_response_hit_share"] == pytest.approx((1.0 + 4 / 6) / 2)
-    assert row["token_hit_share_with_siblings"] == pytest.approx(0.8)  # no prompt has two samples
+    assert row["token_match_share"] == pytest.approx((4 + 4) / 10)
+    assert row["mean_response_match_share"] == pytest.approx((1.0 + 4 / 6) / 2)
+    assert row["token_match_share_with_siblings"] == pytest.approx(0.8)  # no prompt has two samples
     assert row["length_pearson"] == pytest.approx(1.0)  # (4, 8) -> (4, 6)
     assert row["length_spearman"] == pytest.approx(1.0)
 
     path = tmp_path / "traces.npz"
     write_traces(path, records)
     trace_similarity.main([str(path), "--out-dir", str(tmp_path / "out")])
-    report = json.loads((tmp_path / "out" / "traces.json").read_text())
-    assert report["traces"][str(path)][0]["token_hit_share"] == pytest.approx(0.8)
-    assert report["commit"] and "trace_similarity" in report["command"]
-    assert "| 1 | 2 | 2 |" in (tmp_path / "out" / "traces.md").read_text()
+    report = json.loads((tmp_path / "out" / "similarity.json").read_text())
+    # The results format: epochs (epoch, token_match_share, length_spearman),
+    # max_over_median_length, command.
+    (epoch,) = report["epochs"]
+    assert epoch["epoch"] == 1 and epoch["token_match_share"] == pytest.approx(0.8)
+    assert epoch["length_spearman"] == pytest.approx(1.0)
+    # lengths over all epochs: 4, 4, 8, 2, 4, 6, 3 -> median 4, max 8
+    assert report["max_over_median_length"] == pytest.approx(2.0)
+    assert report["files"][str(path)]["epochs"] == report["epochs"]
+    assert report["commit"] and report["device"] and "trace_similarity" in report["command"]
+    assert "| 1 | 2 | 2 |" in (tmp_path / "out" / "similarity.md").read_text()
 
 
 def test_siblings_add_to_the_history():
@@ -99,8 +106,8 @@ def test_siblings_add_to_the_history():
         _record("a", 1, 1, [1, 5, 6, 7]),  # with sibling 0: all 4 (START->1 wins the 1-vs-4 tie)
     ]
     (row,) = trace_similarity.trace_similarity(records)
-    assert row["token_hit_share"] == 0.0
-    assert row["token_hit_share_with_siblings"] == pytest.approx(4 / 8)
+    assert row["token_match_share"] == 0.0
+    assert row["token_match_share_with_siblings"] == pytest.approx(4 / 8)
 
 
 def test_rank_correlation_handles_ties_and_constants():

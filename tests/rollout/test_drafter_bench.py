@@ -37,3 +37,16 @@ def test_main_reads_a_trace_file_and_writes_results(tmp_path):
     summary = drafter_bench.main(["--traces", str(path), "--out", str(tmp_path)])
     assert summary["num_traces"] == 4 and summary["traces"] == str(path)
     assert (tmp_path / "drafter.md").exists() and (tmp_path / "drafter.json").exists()
+    # The results format.
+    rows = {r["config"]: r for r in summary["rows"]}
+    assert summary["ngram_mean_accepted"] == max(
+        rows[f"ngram/{k}"]["mean_accepted_drafts_per_step"] for k in (4, 8, 16))
+    assert summary["rhymerl_mean_accepted"] == max(
+        rows[f"all/{k}"]["mean_accepted_drafts_per_step"] for k in (4, 8, 16, "adaptive"))
+    assert set(summary["rhymerl_mean_accepted_fixed"]) == {"4", "8", "16"}
+    for row in rows.values():  # bonus token excluded: committed - 1 per step, except the
+        # steps whose accepted draft ended the response (no bonus token after the end)
+        committed = row["mean_accepted_per_step"]
+        assert committed - 1 - 1e-9 <= row["mean_accepted_drafts_per_step"] < committed
+    assert 0 < summary["drafting_us_p50"] <= summary["drafting_us_p99"]
+    assert "--traces" in summary["command"]

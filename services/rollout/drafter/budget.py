@@ -38,6 +38,11 @@ class CostCurve:
             raise ValueError("a cost curve needs at least two (num_tokens, ms) points")
         if any(b <= a for a, b in zip(self.num_tokens, self.num_tokens[1:])):
             raise ValueError("num_tokens must increase")
+        # Derived once (the curve is frozen): `propose` asks for them every engine step.
+        xs, ys = self.num_tokens, self.ms
+        slopes = [(ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) for i in range(len(xs) - 1)]
+        object.__setattr__(self, "_max_slope", max(slopes + [ys[-1] / xs[-1]]))
+        object.__setattr__(self, "_table", [])
 
     def __call__(self, num_tokens: float) -> float:
         """Milliseconds for one forward over `num_tokens`: linear between the measured
@@ -54,16 +59,16 @@ class CostCurve:
     @property
     def max_slope(self) -> float:
         """The largest extra milliseconds one more token can cost anywhere on the curve."""
-        xs, ys = self.num_tokens, self.ms
-        slopes = [(ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) for i in range(len(xs) - 1)]
-        return max(slopes + [ys[-1] / xs[-1]])
+        return self._max_slope
 
     def table(self, max_tokens: int) -> list[float]:
-        """[T(0), T(1), ..., T(max_tokens)] as a list, cached: the hot path indexes it."""
-        cached = _TABLES.get(self)
-        if cached is None or len(cached) <= max_tokens:
+        """[T(0), T(1), ..., T(max_tokens)] as a list, cached on the curve: the hot path
+        indexes it."""
+        cached = self._table
+        if len(cached) <= max_tokens:
             size = max(1024, 2 * max_tokens)
-            cached = _TABLES[self] = self.many(np.arange(size + 1)).tolist()
+            cached = self.many(np.arange(size + 1)).tolist()
+            object.__setattr__(self, "_table", cached)
         return cached
 
     def many(self, num_tokens: np.ndarray) -> np.ndarray:
@@ -74,8 +79,6 @@ class CostCurve:
         out[beyond] = ys[-1] * num_tokens[beyond] / xs[-1]
         return out
 
-
-_TABLES: dict[CostCurve, list[float]] = {}
 
 # DESIGN.md: one H100, bf16, CUDA graphs, Qwen2.5-0.5B shape.
 QWEN2_5_0_5B_H100 = CostCurve((1, 32, 128, 256, 512), (0.66, 0.70, 0.82, 0.93, 1.12))

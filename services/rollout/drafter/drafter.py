@@ -38,6 +38,8 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, repeat
+from operator import mul
 
 import numpy as np
 
@@ -329,21 +331,31 @@ class HistoDrafter:
 
         Raises:
             UnknownRequestError: if a request was not started or was stopped.
+            ValueError: if max_lens or stop_token_ids differ from request_ids in length.
         """
         drafts: list[list[int]] = []
         all_gains: list[list[float]] = []
-        num_draft_tokens = 0
-        for i, request_id in enumerate(request_ids):
-            request = self._get(request_id)
-            stops = stop_token_ids[i] if stop_token_ids is not None else _NO_STOPS
-            draft, gains = self._draft(request, min(max_lens[i], self.max_draft_len), stops)
+        num_draft_tokens = num_empty = 0
+        requests, make, max_draft_len = self._requests, self._draft, self.max_draft_len
+        if stop_token_ids is None:
+            stop_token_ids = [_NO_STOPS] * len(request_ids)
+        for request_id, max_len, stops in zip(request_ids, max_lens, stop_token_ids, strict=True):
+            request = requests.get(request_id)
+            if request is None:
+                raise UnknownRequestError(request_id)
+            # conditional expressions, not min()/max(), in the hot path: no builtin call
+            draft, gains = make(request, max_len if max_len < max_draft_len else max_draft_len, stops)  # noqa: FURB136
             drafts.append(draft)
             all_gains.append(gains)
             request.last_gains = gains
-            num_draft_tokens += len(draft)
+            if draft:
+                num_draft_tokens += len(draft)
+            else:
+                num_empty += 1
         self._num_asked += len(request_ids)
         if not num_draft_tokens or (budget is None and self.cost_curve is None):
-            self._count(drafts)
+            self._num_draft_tokens += num_draft_tokens
+            self._num_empty += num_empty
             return drafts
         limit = num_draft_tokens if budget is None else max(0, budget)
         sorted_gains = None
@@ -397,13 +409,20 @@ class HistoDrafter:
                 self._requests[request_ids[i]].last_gains = gains[:keep]
 
     def _draft(self, request: _Request, cap: int, stops: frozenset[int]) -> tuple[list[int], list[float]]:
-        """One request's draft and the gain of each of its tokens (non-increasing)."""
+        """One request's draft and the gain of each of its tokens (non-increasing).
+
+        Hot path (once per request per engine step): attribute lookups are hoisted into
+        locals, the common one-continuation step is two list reads, and the read-on part
+        is a slice whose gains come from one `accumulate` (the same multiplications, in
+        the same order, as a token-by-token loop)."""
         seq = request.seq
         entry = self._prompts[request.prompt_id]
         index = entry.index
-        one_token, one_next, trans = index.one_token, index.one_next, index.trans
-        weight, link, length = index.weight, index.link, index.length
-        state, match_len = index.settle(seq.state, seq.match_len), seq.match_len
+        one_next, trans, link, length = index.one_next, index.trans, index.link, index.length
+        match_len = seq.match_len
+        state = seq.state
+        while state > 0 and match_len <= length[link[state]]:  # index.settle, inlined
+            state = link[state]
         while state > 0 and not one_next[state] and trans[state] is None:
             state = link[state]  # climb to a context that was continued
             match_len = length[state]
@@ -415,44 +434,58 @@ class HistoDrafter:
                     state, match_len = shadow, seq.shadow_len
                     request.draft_from_shadow = True
             seq.shadow_state = -1  # one draft only: then the real context has moved on
-        anchored = match_len == len(seq.tokens)  # the whole response, from its start
+        num_tokens = len(seq.tokens)
         request.last_draft = draft = []
-        request.draft_state, request.draft_base, request.draft_context = state, len(seq.tokens), match_len
+        request.draft_state, request.draft_base, request.draft_context = state, num_tokens, match_len
         request.draft_rebuild = entry.num_rebuilds
-        if cap <= 0 or state <= 0 or (match_len < self.min_match_len and not anchored):
+        min_match_len = self.min_match_len
+        # match_len == num_tokens: anchored, the whole response from its start
+        if cap <= 0 or state <= 0 or (match_len < min_match_len and match_len != num_tokens):
             return draft, []
         gains: list[float] = []
-        calibration = request.draft_calibration = request.calibration
+        # request.calibration, inlined
+        calibration = (request.obs + 1.0) / (request.pred + 1.0)
+        calibration = 1.5 if calibration > 1.5 else (0.25 if calibration < 0.25 else calibration)  # noqa: FURB136
+        request.draft_calibration = calibration
+        one_token, weight = index.one_token, index.weight
         smoothing, min_prob, min_gain = self.smoothing, self.min_prob, self.min_gain
-        min_match_len = self.min_match_len
         gain = match_len / (match_len + self.match_len_prior)  # what a match this long is worth
         q = 0.0
-        for _ in range(min(cap, self.walk_len)):
+        walk = self.walk_len if self.walk_len < cap else cap  # noqa: FURB136
+        for _ in range(walk):
             nxt = one_next[state]
-            if not nxt and trans[state] is None:  # a dead end (e.g. the request's own end)
-                while length[link[state]] >= min_match_len:  # back off to a shorter context
-                    state = link[state]
-                    nxt = one_next[state]
-                    if nxt or trans[state] is not None:
-                        break
-                else:
-                    break
             if nxt:  # the common case: one continuation
                 token = one_token[state]
                 best = weight[nxt]
                 prob = best / (best + smoothing)
             else:
-                total, best = 0.0, -1.0
-                for tok, st in trans[state].items():
-                    w = weight[st]
-                    total += w
-                    if w > best:
-                        best, token, nxt = w, tok, st
-                prob = best / (total + smoothing)
+                edges = trans[state]
+                if edges is None:  # a dead end (e.g. the request's own end)
+                    while length[link[state]] >= min_match_len:  # back off to a shorter context
+                        state = link[state]
+                        nxt = one_next[state]
+                        edges = trans[state]
+                        if nxt or edges is not None:
+                            break
+                    else:
+                        break
+                if nxt:
+                    token = one_token[state]
+                    best = weight[nxt]
+                    prob = best / (best + smoothing)
+                else:
+                    total, best = 0.0, -1.0
+                    for tok, st in edges.items():
+                        w = weight[st]
+                        total += w
+                        if w > best:
+                            best, token, nxt = w, tok, st
+                    prob = best / (total + smoothing)
             if prob < min_prob:
                 break
             q = prob * calibration
-            q = min(q, 0.99)
+            if q > 0.99:  # noqa: PLR1730 - min() is a builtin call per draft token
+                q = 0.99
             gain *= q
             if gain < min_gain:
                 break
@@ -462,14 +495,31 @@ class HistoDrafter:
                 break
             state = nxt
         else:  # the walk ran its course: read on from one occurrence of the context
-            for token in index.continuation(state, cap - len(draft)):
-                gain *= q  # each further token as likely as the last branch taken
-                if gain < min_gain:
-                    break
-                draft.append(token)
-                gains.append(gain)
-                if token in stops:
-                    break
+            more = cap - len(draft)
+            if more <= 0:
+                return draft, gains
+            source = index.source[state]
+            if source is None:
+                return draft, gains
+            at = index.offset[state] + 1
+            rest = source[at:at + more]
+            if not rest:
+                return draft, gains
+            if stops and not stops.isdisjoint(rest):
+                for i, token in enumerate(rest):
+                    if token in stops:
+                        del rest[i + 1:]  # a draft may end with a stop token, never pass it
+                        break
+            # each further token as likely as the last branch taken
+            rest_gains = list(accumulate(repeat(q, len(rest)), mul, initial=gain))
+            del rest_gains[0]
+            if rest_gains[-1] < min_gain:  # gains fall along the draft: cut at the first low one
+                keep = 0
+                while rest_gains[keep] >= min_gain:
+                    keep += 1
+                del rest[keep:], rest_gains[keep:]
+            draft += rest
+            gains += rest_gains
         return draft, gains
 
     # -- helpers -----------------------------------------------------------------------

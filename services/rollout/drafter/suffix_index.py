@@ -168,9 +168,16 @@ class SuffixIndex:
         Returns:
             The sequence's state after the token.
         """
+        # Hot path (every live token): `get`, `_new_state` and `_add_edge` are inlined.
         length, link, w = self.length, self.link, self.weight
+        one_token, one_next, trans = self.one_token, self.one_next, self.trans
         self.num_tokens += 1
-        q = self.get(last, token)
+        single = one_next[last]
+        if single:
+            q = single if one_token[last] == token else None
+        else:
+            edges = trans[last]
+            q = edges.get(token) if edges is not None else None
         if q is not None:  # the extended string already exists (generalized SAM case)
             if length[q] == length[last] + 1:
                 state = q
@@ -178,12 +185,36 @@ class SuffixIndex:
                 state = self._clone(q, length[last] + 1, propagate)
                 self._redirect(last, token, q, state)
         else:
-            state = self._new_state(length[last] + 1, ROOT, 0, 0, None, 0.0, source, offset)
+            state = len(length)
+            link.append(ROOT)
+            length.append(length[last] + 1)
+            one_token.append(0)
+            one_next.append(0)
+            trans.append(None)
+            w.append(0.0)
+            self.source.append(source)
+            self.offset.append(offset)
             p = last
-            while p != -1 and self._add_edge(p, token, state):
+            while p != -1:  # add token -> state from p and its suffixes that lack one
+                single = one_next[p]
+                if single:
+                    if one_token[p] == token:
+                        q = single
+                        break
+                    trans[p] = {one_token[p]: single, token: state}
+                    one_next[p] = 0
+                else:
+                    edges = trans[p]
+                    if edges is None:
+                        one_token[p] = token
+                        one_next[p] = state
+                    else:
+                        q = edges.get(token)
+                        if q is not None:
+                            break
+                        edges[token] = state
                 p = link[p]
-            if p != -1:
-                q = self.get(p, token)
+            if p != -1:  # q: p's existing transition on token
                 if length[p] + 1 == length[q]:
                     link[state] = q
                 else:

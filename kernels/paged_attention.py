@@ -98,30 +98,71 @@ def paged_attention_reference(
     scale: float,
     max_query_len: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
-    """Gather each sequence's context from its blocks and attend in float32."""
+    """Gather the sequences' contexts from their blocks into dense, padded K/V and attend
+    in float32, a batch of sequences per matmul (no Python loop over sequences).
+
+    Sequences with short queries (decode, verify) go together, padded to the longest
+    query and context of their group; each long query (a prefill chunk) goes alone, so
+    padding never costs more than a few short rows. Rows past query_start_loc[-1] and
+    sequences with query length 0 are left at 0."""
+    out = torch.zeros_like(q)
+    num_seqs = seq_lens.shape[0]
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out
+    context_lens = seq_lens.tolist()
+    cu_q = query_start_loc.tolist()
+    query_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    short = [s for s in range(num_seqs) if 0 < query_lens[s] <= _SHORT_QUERY]
+    groups = [short[i:i + _MAX_GROUP] for i in range(0, len(short), _MAX_GROUP)]
+    groups += [[s] for s in range(num_seqs) if query_lens[s] > _SHORT_QUERY]
+    for group in groups:
+        _attend_group(q, k_cache, v_cache, block_tables, group, [cu_q[s] for s in group],
+                      [query_lens[s] for s in group], [context_lens[s] for s in group], scale, out)
+    return out
+
+
+_SHORT_QUERY = 64  # query rows up to which a sequence is batched with the others
+_MAX_GROUP = 256  # sequences per batched matmul (bounds the padded scores' memory)
+
+
+def _attend_group(q, k_cache, v_cache, block_tables, seqs: list[int], starts: list[int], query_lens: list[int],
+                  context_lens: list[int], scale: float, out: torch.Tensor) -> None:
+    """Causal attention of the sequences ``seqs``, all at once over dense padded K/V."""
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
-    out = torch.zeros_like(q)
-    cu_q = query_start_loc.tolist()
-    for s, context_len in enumerate(seq_lens.tolist()):
-        start, end = cu_q[s], cu_q[s + 1]
-        query_len = end - start
-        if query_len == 0:
-            continue
-        num_blocks = -(-context_len // block_size)
-        blocks = block_tables[s, :num_blocks].long()  # [num_blocks]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [ctx, kvh, d]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:context_len]  # [ctx, kvh, d]
-        k = k.float().repeat_interleave(group, dim=1)  # [ctx, num_heads, d]
-        v = v.float().repeat_interleave(group, dim=1)  # [ctx, num_heads, d]
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [h, qlen, ctx]
-        q_pos = torch.arange(query_len, device=q.device) + (context_len - query_len)  # [qlen]
-        visible = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]  # [qlen, ctx]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [h, qlen, ctx]
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
-    return out
+    dev = q.device
+    n, max_q, max_ctx = len(seqs), max(query_lens), max(context_lens)
+    num_blocks = -(-max_ctx // block_size)
+    seq_idx = torch.tensor(seqs, device=dev)
+    ctx = torch.tensor(context_lens, device=dev)  # [n]
+    qlen = torch.tensor(query_lens, device=dev)  # [n]
+    tables = block_tables[seq_idx, :num_blocks].long()  # [n, num_blocks]
+    # Dense K/V, [n, kvh, max_ctx, d]; slots past a sequence's context are zeroed (they
+    # hold other sequences' KV or garbage, which a 0 probability must not turn into NaN).
+    kv_pos = torch.arange(max_ctx, device=dev)  # [max_ctx]
+    kv_ok = (kv_pos[None, :] < ctx[:, None])[:, None, :, None]  # [n, 1, max_ctx, 1]
+    k = k_cache[tables].reshape(n, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+    v = v_cache[tables].reshape(n, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+    k = k.float().transpose(1, 2).where(kv_ok, 0.0)  # [n, kvh, max_ctx, d]
+    v = v.float().transpose(1, 2).where(kv_ok, 0.0)  # [n, kvh, max_ctx, d]
+    # Padded queries, [n, kvh, max_q * group, d]: row (i, g) is query token i, head kvh * group + g.
+    q_idx = torch.arange(max_q, device=dev)  # [max_q]
+    q_ok = q_idx[None, :] < qlen[:, None]  # [n, max_q]
+    rows = torch.tensor(starts, device=dev)[:, None] + q_idx[None, :]  # [n, max_q]
+    rows = rows.where(q_ok, 0)
+    qs = q[rows].float().view(n, max_q, num_kv_heads, group, head_dim)
+    qs = qs.permute(0, 2, 1, 3, 4).reshape(n, num_kv_heads, max_q * group, head_dim)
+    # Query token i of a sequence sits at position ctx - qlen + i and sees keys up to it
+    # (padding rows see the whole context: finite, and discarded).
+    q_pos = (ctx - qlen)[:, None] + q_idx[None, :]  # [n, max_q]
+    visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < ctx[:, None, None])
+    visible = visible[:, None, :, None, :].expand(n, 1, max_q, group, max_ctx).reshape(n, 1, max_q * group, max_ctx)
+    scores = torch.matmul(qs, k.transpose(-1, -2)) * scale  # [n, kvh, max_q * group, max_ctx]
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    o = torch.matmul(probs, v)  # [n, kvh, max_q * group, d]
+    o = o.view(n, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4).reshape(n, max_q, num_heads, head_dim)
+    out[rows[q_ok]] = o[q_ok].to(out.dtype)
 
 
 def paged_attention_triton(

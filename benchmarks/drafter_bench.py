@@ -15,7 +15,7 @@ Also: drafting time per sequence per step (p50/p99), index memory per prompt, an
 step time the cost curve predicts relative to no speculation.
 
     python -m benchmarks.drafter_bench [--traces PATH] [--out benchmarks/results]
-    python -m benchmarks.drafter_bench --traces benchmarks/data/tiny_grpo_cpu.npz  # committed
+    python -m benchmarks.drafter_bench --traces benchmarks/data/tiny_grpo_service.npz  # committed
 
 Without --traces (or when PATH does not exist) a synthetic trace set is generated: a
 drifting template process (see `synthetic_traces`).

@@ -2,7 +2,7 @@
 
 Every policy object the live scheduler can run (static, seer, histopipe, rhymerl) is
 driven by the discrete-event simulator (services/scheduler/simulator) on two workloads:
-``traces`` (the recorded RL-loop traces, benchmarks/data/tiny_grpo_cpu.npz, tiled to the
+``traces`` (the recorded RL-loop traces, benchmarks/data/tiny_grpo_service.npz, tiled to the
 fleet) and ``heavy_tail`` (synthetic, per-prompt lognormal lengths drifting across
 epochs plus 1% runaways to max_tokens, the longest >= 20x the median); per fleet size a
 GRPO batch of ``--samples-per-worker`` samples per worker, the step simulated being epoch
@@ -253,7 +253,7 @@ def main() -> int:
     parser.add_argument("--quantum", type=float, default=0.1, help="simulator event batching, seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=3, help="seeds averaged on fleets of <= 64 workers")
-    parser.add_argument("--traces", default="benchmarks/data/tiny_grpo_cpu.npz", help="trace files")
+    parser.add_argument("--traces", default="benchmarks/data/tiny_grpo_service.npz", help="trace files")
     parser.add_argument("--extra", action="store_true",
                         help="also: first epoch, speculative decoding, cross-step overlap (64 workers)")
     parser.add_argument("--live", action="store_true", help="also run every policy on real CPU workers")

@@ -1,6 +1,6 @@
 """How much do a prompt's responses rhyme across RL epochs? Measured on recorded traces.
 
-    python -m benchmarks.trace_similarity benchmarks/data/tiny_grpo_cpu.npz [more.npz ...]
+    python -m benchmarks.trace_similarity benchmarks/data/tiny_grpo_service.npz [more.npz ...]
 
 For each epoch e after the first, and each prompt also sampled in the epoch before:
 - token match share: the share of each response's tokens that a longest-suffix match against the

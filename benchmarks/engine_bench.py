@@ -98,7 +98,7 @@ def cpu_part(num_prompts: int, samples: int, prompt_len: int, max_tokens: int) -
 
     def engine(drafter=None) -> LLMEngine:
         return LLMEngine(model, device="cpu", max_num_seqs=256, max_num_batched_tokens=2048, block_size=16,
-                         drafter=drafter, speculative=drafter is not None, max_draft_len=16, cost_model=CostModel())
+                         drafter=drafter, speculative=drafter is not None, max_draft_len=16)
 
     def history_drafter(histories: dict[str, list[list[int]]]) -> HistoDrafter:
         drafter = HistoDrafter()
@@ -374,8 +374,7 @@ def grpo_part(model_dir: str, device: str, num_prompts: int, samples: int, max_t
 
     def engine(drafter=None) -> LLMEngine:
         return LLMEngine(model, device=device, max_num_seqs=256, max_num_batched_tokens=2048, block_size=16,
-                         num_kv_blocks=4096, drafter=drafter, speculative=drafter is not None, max_draft_len=16,
-                         cost_model=CostModel())
+                         num_kv_blocks=4096, drafter=drafter, speculative=drafter is not None, max_draft_len=16)
 
     def drafter() -> HistoDrafter:
         d = HistoDrafter()

@@ -54,6 +54,8 @@ step_spec_draft_tokens = Gauge(NS + "step_spec_draft_tokens", "Draft tokens of t
 step_spec_accepted_tokens = Gauge(NS + "step_spec_accepted_tokens", "Accepted draft tokens of the last step")
 
 # --- history ------------------------------------------------------------------------
+worker_step_failures = Counter(NS + "worker_step_failures", "Engine steps that raised (the batch is re-run in halves)",
+                               ["worker"])
 samples_failed_total = Counter(NS + "samples_failed", "Samples given up after failing on workers")
 history_requests = Counter(NS + "history_requests", "History RPCs served", ["method"])
 history_prompts_looked_up = Counter(NS + "history_prompts_looked_up", "Prompts looked up in history")

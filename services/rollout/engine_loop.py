@@ -4,6 +4,13 @@ The engine is single-threaded and knows nothing of gRPC; the servicer knows
 nothing of batching. Commands (add, abort, call-when-idle) go to the thread
 through a queue and are applied between steps; each finished chunk comes back
 to the caller's asyncio queue.
+
+A failed engine step must not fail every request that shared the batch with the
+one that broke it (a "poison" request). The loop drops the batch and re-runs it
+in halves, alone (new requests wait): a half that completes delivers its chunks,
+a half that fails is halved again, and a request that fails on its own gets the
+error. Seeds make the re-run produce the same tokens, so nothing but time is lost:
+about 2 log2(batch) chunk runs for one poison request.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +36,14 @@ class Aborted:
         self.request_id = request_id
 
 
+class ItemFailed:
+    """Delivered instead of an output when the engine failed on this request alone."""
+
+    def __init__(self, request_id: str, error: Exception):
+        self.request_id = request_id
+        self.error = error
+
+
 class EngineLoop:
     def __init__(self, engine, worker_id: str, loop: asyncio.AbstractEventLoop):
         self.engine = engine
@@ -35,7 +51,10 @@ class EngineLoop:
         self._loop = loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}
-        self._held: list[tuple] = []          # adds waiting while an idle-call is pending
+        self._requests: dict[str, Any] = {}   # in the engine: request_id -> EngineRequest
+        self._held: list[tuple] = []          # adds waiting while an idle call or isolation is pending
+        self._suspects: deque[list[tuple]] = deque()  # (request, sink) groups to re-run alone
+        self._isolating = False               # a suspect group is in the engine
         self._idle_calls: list[tuple[Callable, asyncio.Future]] = []
         self._wakeup = threading.Event()
         self._stopped = False
@@ -72,7 +91,7 @@ class EngineLoop:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._sinks) + len(self._held)
+        return len(self._sinks) + len(self._held) + sum(map(len, self._suspects))
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -86,9 +105,15 @@ class EngineLoop:
             busy = self.engine.has_unfinished()
             if busy:
                 self._step()
+            elif self._suspects:
+                self._run_next_suspects()
             elif self._idle_calls:
                 self._run_idle_calls()
+            elif self._held:
+                self._isolating = False
+                self._release_held()
             else:
+                self._isolating = False
                 self._wakeup.wait(timeout=0.05)
                 self._wakeup.clear()
             now = time.monotonic()
@@ -103,7 +128,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             kind = command[0]
-            if kind == "add" and self._idle_calls:
+            if kind == "add" and (self._idle_calls or self._suspects or self._isolating):
                 self._held.append(command)
             elif kind == "add":
                 self._add(command[1], command[2])
@@ -121,32 +146,75 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(sink.put_nowait, exc)
             return
         self._sinks[request.request_id] = sink
+        self._requests[request.request_id] = request
 
     def _abort(self, request_id: str) -> None:
-        held = [c for c in self._held if c[1].request_id == request_id]
-        for c in held:
+        sink = None
+        for c in [c for c in self._held if c[1].request_id == request_id]:
             self._held.remove(c)
-        if not held:
+            sink = c[2]
+        for group in self._suspects:
+            for entry in [e for e in group if e[0].request_id == request_id]:
+                group.remove(entry)
+                sink = entry[1]
+        if request_id in self._sinks:
             self.engine.abort(request_id)
-        sink = self._sinks.pop(request_id, None) or (held[0][2] if held else None)
+            self._requests.pop(request_id, None)
+            sink = self._sinks.pop(request_id)
         if sink is not None:
             self._loop.call_soon_threadsafe(sink.put_nowait, Aborted(request_id))
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
-            log.exception("engine step failed")
-            for rid, sink in list(self._sinks.items()):
-                self.engine.abort(rid)
-                self._loop.call_soon_threadsafe(sink.put_nowait, exc)
-            self._sinks.clear()
+        except Exception as exc:  # noqa: BLE001 - isolate the request that broke it, keep serving
+            log.exception("engine step failed with %d requests in flight", len(self._sinks))
+            self._isolate(exc)
             return
         self._deliver(outputs)
+
+    def _isolate(self, exc: Exception) -> None:
+        """Drops the failed batch; a lone request gets the error, a larger batch is
+        queued again in two halves that run alone (see the module docstring)."""
+        batch = [(self._requests[rid], sink) for rid, sink in self._sinks.items()]
+        self._sinks.clear()
+        self._requests.clear()
+        try:
+            self.engine.reset()
+        except Exception:  # noqa: BLE001 - the engine is beyond repair: fail everything
+            log.exception("engine reset failed")
+            self._fail(batch + [entry for group in self._suspects for entry in group], exc)
+            self._suspects.clear()
+            return
+        metrics.worker_step_failures.labels(worker=self.worker_id).inc()
+        if len(batch) == 1:
+            request, sink = batch[0]
+            log.error("request %s fails every step it is in: %s", request.request_id, exc)
+            self._loop.call_soon_threadsafe(sink.put_nowait, ItemFailed(request.request_id, exc))
+            return
+        half = len(batch) // 2
+        self._suspects.appendleft(batch[half:])
+        self._suspects.appendleft(batch[:half])
+
+    def _run_next_suspects(self) -> None:
+        group = self._suspects.popleft()
+        self._isolating = True
+        for request, sink in group:
+            self._add(request, sink)
+
+    def _fail(self, entries: list[tuple], exc: Exception) -> None:
+        for request, sink in entries:
+            self._loop.call_soon_threadsafe(sink.put_nowait, exc)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for _, request, sink in held:
+            self._add(request, sink)
 
     def _deliver(self, outputs) -> None:
         for out in outputs:
             sink = self._sinks.pop(out.request_id, None)
+            self._requests.pop(out.request_id, None)
             if sink is not None:
                 self._loop.call_soon_threadsafe(sink.put_nowait, out)
 
@@ -154,9 +222,7 @@ class EngineLoop:
         calls, self._idle_calls = self._idle_calls, []
         for fn, future in calls:
             self._resolve(future, fn)
-        held, self._held = self._held, []
-        for _, request, sink in held:
-            self._add(request, sink)
+        self._release_held()
 
     def _resolve(self, future: asyncio.Future, fn: Callable[[], Any]) -> None:
         try:

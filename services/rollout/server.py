@@ -26,7 +26,7 @@ from services.common.grpc_server import Server, channel, run_until_signal
 from services.common.security import TLSConfig
 from services.common.validation import check_sampling, check_token_ids
 from services.rollout import weights
-from services.rollout.engine_loop import Aborted, EngineLoop
+from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
 from services.rollout.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 out = await sink.get()
                 if isinstance(out, ValueError):
                     raise InvalidArgument(str(out))
+                if isinstance(out, ItemFailed):
+                    pending.discard(out.request_id)
+                    yield worker_pb2.ChunkResult(request_id=out.request_id, policy_version=self.version,
+                                                 error=f"{type(out.error).__name__}: {out.error}")
+                    continue
                 if isinstance(out, Exception):
                     raise out
                 pending.discard(out.request_id)

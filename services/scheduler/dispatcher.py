@@ -229,7 +229,11 @@ class Dispatcher:
             stream = worker.stub.Run(worker_pb2.RunRequest(items=items, policy_version=self.policy_version))
             async for result in stream:
                 a = pending.pop(result.request_id, None)
-                if a is not None:
+                if a is None:
+                    continue
+                if result.error:
+                    await self._on_item_failed(worker, a, f"worker {worker.worker_id}: {result.error}")
+                else:
                     await self._on_chunk(worker, a, result)
         except grpc.RpcError as err:
             code = err.code()
@@ -289,6 +293,22 @@ class Dispatcher:
             self.policy.on_chunk_done(r, worker.worker_id, len(result.token_ids), finished, now)
         if finished:
             await self._finish_sample(run, prog, now)
+        self.wake()
+
+    async def _on_item_failed(self, worker: WorkerHandle, a: Assignment, error: str) -> None:
+        """The engine failed on this request alone: retry it (another chunk of 0 tokens,
+        back to the pool) until max_attempts, then give it up."""
+        r, prog = a.request, self._progress(a.request)
+        if prog is None:
+            return
+        prog.num_failures += 1
+        log.warning("sample %s failed on worker %s (%d/%d): %s", r.request_id, worker.worker_id,
+                    prog.num_failures, self.max_attempts, error)
+        if prog.num_failures >= self.max_attempts:
+            await self._abort_running(worker, r, error)
+            return
+        self._release(worker, r, time.monotonic())
+        self.policy.on_chunk_done(r, worker.worker_id, 0, False, time.monotonic())
         self.wake()
 
     def _release(self, worker: WorkerHandle, r: Request, now: float) -> None:

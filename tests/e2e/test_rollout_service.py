@@ -124,8 +124,10 @@ def test_history_feeds_drafts_and_greedy_output_is_unchanged_by_speculation(clie
     second = client.rollout("epoch-2", ps, n=2, sampling=greedy)
     assert second.summary.history_hit_rate == 1.0
     assert {s.key: s.token_ids for s in second.samples} == {s.key: s.token_ids for s in first.samples}
-    assert second.summary.num_accepted_tokens > 0.5 * second.summary.num_generated_tokens
-    assert second.summary.num_verify_steps < first.summary.num_verify_steps
+    # How many tokens get drafted depends on the cost curve the workers measure on this
+    # machine; what they draft from an exact greedy history must be accepted.
+    assert second.summary.num_accepted_tokens >= 0.9 * second.summary.num_draft_tokens
+    assert second.summary.num_accepted_tokens > 2 * first.summary.num_accepted_tokens
 
 
 def test_rewards_are_recorded(client):
@@ -244,26 +246,32 @@ def test_async_client_streams_and_reports(cluster):
 def test_a_request_that_fails_every_worker_is_given_up_not_retried_forever(model_dir, redis_url):
     """An engine that raises whenever one prompt is in its batch (a poison request): the
     step still ends; that prompt's samples come back as aborts naming the error after
-    max_attempts tries, and the workers stay healthy and serve the next step."""
+    max_attempts tries; the samples that shared its batches come back exactly as in a
+    clean run; the workers stay healthy and serve the next step."""
     c = Cluster(model_dir=model_dir, redis_url=redis_url, num_workers=2, chunk_tokens=0).start()
     poison = Prompt("poison", [5, 6, 7, 8])
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=4)
     try:
-        for server, _ in c.workers.values():
-            engine = server.servicer.engine
-            real_step = engine.step
-
-            def step(engine=engine, real_step=real_step):
-                if any(s.req.prompt_id == "poison" for s in engine.seqs.values()):
-                    raise RuntimeError("injected engine failure")
-                return real_step()
-            engine.step = step
         with RolloutClient(c.address, timeout_s=120) as client:
-            result = client.rollout("poisoned", [poison], n=2, sampling=GREEDY)
-            assert sorted(s.key for s in result.samples) == [("poison", 0), ("poison", 1)]
-            for s in result.samples:
-                assert s.finish_reason == "abort"
-                assert "INTERNAL" in s.error and "injected engine failure" in s.error
+            clean = client.rollout("clean", prompts(3, offset=650), n=2, sampling=params)
+            for server, _ in c.workers.values():
+                engine = server.servicer.engine
+                real_step = engine.step
+
+                def step(engine=engine, real_step=real_step):
+                    if any(s.req.prompt_id == "poison" for s in engine.seqs.values()):
+                        raise RuntimeError("injected engine failure")
+                    return real_step()
+                engine.step = step
+            result = client.rollout("poisoned", [poison, *prompts(3, offset=650)], n=2, sampling=params)
             healthy = client.rollout("after", prompts(2, offset=700), n=2, sampling=GREEDY)
+        by_key = {s.key: s for s in result.samples}
+        assert sorted(by_key) == sorted([("poison", 0), ("poison", 1)] + [s.key for s in clean.samples])
+        for k in range(2):
+            assert by_key["poison", k].finish_reason == "abort"
+            assert "RuntimeError: injected engine failure" in by_key["poison", k].error
+        for s in clean.samples:
+            assert by_key[s.key].token_ids == s.token_ids and not by_key[s.key].error
         assert all(s.finish_reason in ("stop", "length") and not s.error for s in healthy.samples)
         assert len(c.scheduler.dispatcher.workers.usable()) == 2
     finally:

@@ -101,6 +101,15 @@ class LLMEngine:
         self._remove(seq)
         return True
 
+    def reset(self) -> list[str]:
+        """Drops every request (after a failed step), freeing their KV blocks; no outputs
+        come back for them. Returns their ids."""
+        dropped = list(self.seqs)
+        for seq in list(self.seqs.values()):
+            self._remove(seq)
+        self._aborted = []
+        return dropped
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 

@@ -160,6 +160,11 @@ async def start_scheduler(settings: SchedulerSettings):
         log.info("policy %r runs whole requests; chunk_tokens=%d is not used", settings.policy,
                  settings.chunk_tokens)
     policy = make_policy(settings.policy, **policy_kwargs)
+    if settings.record_events:
+        from services.scheduler.simulator.replay import EventRecorder
+
+        policy = EventRecorder(policy, settings.record_events, keep=False)
+        log.info("recording scheduling events to %s", settings.record_events)
     table = WorkerTable(settings.worker_timeout_s, settings.tls())
     dispatcher = Dispatcher(policy, table, history, history_epochs=settings.history_epochs,
                             max_steps_retained=settings.max_steps_retained,
@@ -181,6 +186,8 @@ async def start_scheduler(settings: SchedulerSettings):
         await server.stop()
         await dispatcher.stop()
         await table.close()
+        if settings.record_events:
+            policy.close()
         if history is not None:
             await history.close()
 

@@ -38,6 +38,9 @@ class SchedulerSettings(TLSSettings):
     max_attempts: int = 3
     # Epochs of history used for length prediction.
     history_epochs: int = 4
+    # A JSON-lines file every policy call and decision is appended to, for offline replay
+    # (python -m services.scheduler.simulator.replay FILE); empty = not recorded.
+    record_events: str = ""
 
     def static_workers(self) -> list[str]:
         return [w.strip() for w in self.workers.split(",") if w.strip()]

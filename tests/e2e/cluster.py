@@ -34,6 +34,7 @@ class Cluster:
     speculative: bool = True
     tls: dict = field(default_factory=dict)  # tls_* settings, given to every service
     auth_tokens: str = ""
+    scheduler_settings: dict = field(default_factory=dict)  # more SchedulerSettings fields
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     stops: list = field(default_factory=list)
     workers: dict = field(default_factory=dict)
@@ -59,7 +60,8 @@ class Cluster:
         self.history_address = f"127.0.0.1:{history_port}"
         self.scheduler, port, stop = await start_scheduler(SchedulerSettings(
             host="127.0.0.1", port=0, metrics_port=0, history_address=self.history_address,
-            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls))
+            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls,
+            **self.scheduler_settings))
         self.stops.append(stop)
         self.address = f"127.0.0.1:{port}"
         for i in range(self.num_workers):

@@ -64,7 +64,7 @@ class RhymeRLPolicy(SeerPolicy):
                 self._num_steps += 1
         for request in requests:
             request.predicted_len = lengths.predict(request)
-        for step_id in {r.step_id for r in requests}:
+        for step_id in dict.fromkeys(r.step_id for r in requests):  # arrival order, not hash order
             in_step = [r for r in requests if r.step_id == step_id]
             unknown = sum(not lengths.has_history(r.prompt_id) for r in in_step)
             self._sharing[step_id] = (self._expected_runaways(in_step, lengths) >= self.runaway_guard

@@ -232,9 +232,22 @@ def test_every_dashboard_query_parses_and_reads_live_series(observed):
              for r in g["rules"] if "record" in r}
     # Recorded series need an evaluation after their inputs exist: give the rules a few rounds.
     wanted = {name for _, _, expr in dashboard_queries() for name in series_in(substitute(expr)) if name in recorded}
+    # A rate() needs two scrapes of a series inside its window: a series born late in the
+    # run (the last weight update, history reads) needs a few more scrape intervals.
+    queries = [substitute(expr) for _, _, expr in dashboard_queries()]
+
+    def all_have_data() -> bool:
+        if not wanted <= prom.metric_names():
+            return False
+        for query in queries:
+            try:
+                if not prom.query(query):
+                    return False
+            except PromQLError:
+                continue  # reported below
+        return True
     try:
-        prom.wait_for(lambda: wanted <= prom.metric_names(), "every recorded series a dashboard reads",
-                      timeout_s=10)
+        prom.wait_for(all_have_data, "every dashboard query has data", timeout_s=30, poll_s=1.0)
     except TimeoutError:
         pass  # reported per panel below
     live = prom.metric_names()

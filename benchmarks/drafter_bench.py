@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.provenance import cpu_name, git_commit
 from services.rollout.drafter import (
     QWEN2_5_0_5B_H100,
     HistoDrafter,
@@ -317,33 +317,6 @@ def _stop_token(traces: list[Trace]) -> int | None:
     return token if count >= len(traces) // 2 else None
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git_commit() -> str:
-    """HEAD's short hash, marked when the drafter's own files differ from it."""
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=False)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        if not commit:
-            return "uncommitted"
-        if git("status", "--porcelain", "--", "services/rollout/drafter", "benchmarks/drafter_bench.py"):
-            return f"{commit} (drafter files modified)"
-        return commit
-    except (OSError, subprocess.SubprocessError):
-        return "uncommitted"
-
-
 COLUMNS = [  # (header, result key, format)
     ("config", "config", "{}"),
     ("acc/step", "mean_accepted_per_step", "{:.2f}"),
@@ -446,10 +419,10 @@ def main(argv: list[str] | None = None) -> dict:
         "num_epochs": len({t.epoch for t in traces}),
         "mean_response_tokens": float(np.mean([len(t.token_ids) for t in traces])),
         "findings": findings,
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "device": "CPU, one core (drafting is host-side)",
         "python": platform.python_version(),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit("services/rollout/drafter", "benchmarks/drafter_bench.py"),
         "command": "python -m benchmarks.drafter_bench" + (f" --traces {args.traces}" if args.traces else ""),
         "wall_s": time.time() - started,
         "load_average_1min": [load_before, os.getloadavg()[0]],

@@ -29,7 +29,6 @@ import gc
 import json
 import math
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.provenance import git_commit
 from services.rollout.drafter import HistoDrafter
 from services.rollout.engine import CostModel, EngineRequest, LLMEngine
 from services.rollout.engine.cost_model import H100_CURVES
@@ -435,7 +435,11 @@ def batch_invariance(model: CausalLM, label: str, block_size: int = 16) -> dict:
     computed (a) alone as a decode, (b) in a batch of decodes, (c) as the first row of an
     8-token verify, (d) that verify in a batch of ragged verifies; compared bit for bit.
     Runs the engine's own path (model + paged attention backend, eager)."""
-    from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
+    from services.rollout.engine.attention import (
+        AttentionMetadata,
+        KVCache,
+        PagedAttention,
+    )
 
     cfg = model.config
     device = next(model.parameters()).device
@@ -482,15 +486,6 @@ def batch_invariance(model: CausalLM, label: str, block_size: int = 16) -> dict:
 
 
 # --------------------------------------------------------------------------- report
-
-
-def _git_commit() -> str:
-    try:
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True).stdout
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return head.stdout.strip() + (" (uncommitted changes)" if dirty.strip() else "")
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return "uncommitted"
 
 
 def _device_name(device: str) -> str:
@@ -614,7 +609,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 args.grpo_max_tokens)
     rows += grpo_rows
     invariance.append(batch_invariance(trained_policy(args.model_dir, args.device), "trained tiny policy, float32"))
-    meta = dict(device=_device_name(args.device), commit=_git_commit(), torch=torch.__version__,
+    meta = dict(device=_device_name(args.device), commit=git_commit(), torch=torch.__version__,
                 command="python -m benchmarks.engine_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     summary = summarize(args.device, rows, grpo, invariance)
     out = Path(args.out)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from benchmarks.provenance import git_commit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 151_936  # Qwen2/2.5
@@ -173,14 +174,6 @@ def _markdown(title: str, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="contexts of 1024 only, fewer sampling rows")
@@ -191,7 +184,7 @@ def main() -> int:
     import triton
 
     meta = {
-        "device": torch.cuda.get_device_name(), "commit": _commit(),
+        "device": torch.cuda.get_device_name(), "commit": git_commit(),
         "command": " ".join(["python -m benchmarks.kernels_bench", *sys.argv[1:]]),
         "torch": torch.__version__, "triton": triton.__version__, "dtype": "bfloat16",
         "block_size": BLOCK_SIZE, "timer": "triton.testing.do_bench median (graph: do_bench_cudagraph)",

@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.provenance import cpu_name, git_commit
 from services.scheduler.cost_model import CostModel
 from services.scheduler.length_model import LengthModel, accuracy
 from services.scheduler.policies import make_policy
@@ -126,25 +125,6 @@ MULTI_COLUMNS = [("policy", "policy", "s"), ("steps", "steps", "d"), ("total s",
                  ("vs static", "makespan_s_vs_static", ".3f"), ("fleet bubble", "bubble_ratio", ".3f"),
                  ("migrations", "migrations", ".0f"), ("stale-start samples", "stale_start_samples", ".0f"),
                  ("mixed-version samples", "mixed_version_samples", ".0f"), ("seeds", "seeds", "d")]
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=False)
-        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "uncommitted"
-    except OSError:
-        return "uncommitted"
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def oracle_bound(step, cost: CostModel, num_workers: int, capacity: int) -> dict:
@@ -331,9 +311,9 @@ def main() -> int:
     command = "python -m benchmarks.scheduler_bench " + " ".join(sys.argv[1:])
     summary = {
         "command": command.strip(),
-        "device": f"simulated fleet of H100 workers ({args.model} cost curve, DESIGN.md) on one CPU core: {_cpu()}"
+        "device": f"simulated fleet of H100 workers ({args.model} cost curve, DESIGN.md) on one CPU core: {cpu_name()}"
         + ("; live rows: in-process CPU workers on the same machine" if args.live else ""),
-        "commit": _git_commit(), "wall_s": total,
+        "commit": git_commit(), "wall_s": total,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "workloads": describe, "rows": rows, "targets": targets(rows), "sections": sections,
     }

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.policy import load_example
+from benchmarks.provenance import git_commit
 from benchmarks.traces import TraceRecord, read_traces
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -129,16 +129,6 @@ def length_stats(records: list[TraceRecord]) -> dict:
     }
 
 
-def _commit() -> str:
-    """HEAD's short hash, "-dirty" when the work tree has changes; "uncommitted" without a commit."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
-    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
-
-
 _COLUMNS = (
     ("epoch", "epoch", "{}"),
     ("prompts", "num_prompts", "{}"),
@@ -183,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     first = files[str(args.paths[0])]
     results = {
         "command": command,
-        "commit": _commit(),
+        "commit": git_commit(),
         "device": "CPU (host-side analysis of recorded traces; where each file was sampled: "
                   "benchmarks/data/README.md)",
         "traces": str(args.paths[0]),

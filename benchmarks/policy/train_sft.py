@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.policy import load_example
-from benchmarks.policy.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, save_tokenizer, vocabulary
+from benchmarks.policy.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    build_tokenizer,
+    save_tokenizer,
+    vocabulary,
+)
 from services.rollout.loader import init_random_model, save_model
 from services.rollout.models.base import DenseCausalAttention, packed_positions
 from services.rollout.models.config import ModelConfig

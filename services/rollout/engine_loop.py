@@ -107,15 +107,15 @@ class EngineLoop:
                 self._step()
             elif self._suspects:
                 self._run_next_suspects()
-            elif self._idle_calls:
-                self._run_idle_calls()
-            elif self._held:
-                self._isolating = False
-                self._release_held()
             else:
-                self._isolating = False
-                self._wakeup.wait(timeout=0.05)
-                self._wakeup.clear()
+                self._isolating = False  # the last suspect group is done
+                if self._idle_calls:
+                    self._run_idle_calls()
+                elif self._held:
+                    self._release_held()
+                else:
+                    self._wakeup.wait(timeout=0.05)
+                    self._wakeup.clear()
             now = time.monotonic()
             (metrics.worker_busy_seconds if busy else metrics.worker_idle_seconds).labels(
                 worker=self.worker_id).inc(now - last)

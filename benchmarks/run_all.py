@@ -16,6 +16,9 @@ GPU = [
     # The issue-3 policy on one GPU (target: under 10 minutes); train_log.json has the time.
     ["benchmarks.policy.train_sft", "--preset", "small", "--out", "models/small", "--device", "cuda"],
     ["benchmarks.kernels_bench"],
+    # Live placement with several workers sharing the GPU (written to its own file).
+    ["benchmarks.scheduler_bench", "--workers", "8", "--live", "--live-device", "cuda", "--live-workers", "8",
+     "--out", "benchmarks/results/scheduler_gpu_live"],
     ["benchmarks.engine_bench", "--device", "cuda"],
 ]
 

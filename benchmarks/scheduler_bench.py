@@ -194,7 +194,8 @@ def live_rows(args) -> list[dict]:
         model_dir = save_tiny_model(Path(tmp) / "tiny")
         for policy in POLICIES:
             cluster = Cluster(model_dir=model_dir, redis_url=redis.url, num_workers=args.live_workers,
-                              policy=policy, chunk_tokens=args.live_chunk, speculative=False).start()
+                              policy=policy, chunk_tokens=args.live_chunk, speculative=False,
+                              device=args.live_device).start()
             try:
                 with RolloutClient(cluster.address, timeout_s=600) as client:
                     for epoch in range(2):
@@ -238,6 +239,8 @@ def main() -> int:
                         help="also: first epoch, speculative decoding, cross-step overlap (64 workers)")
     parser.add_argument("--live", action="store_true", help="also run every policy on real CPU workers")
     parser.add_argument("--live-workers", type=int, default=4)
+    parser.add_argument("--live-device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the live workers share one GPU")
     parser.add_argument("--live-prompts", type=int, default=12)
     parser.add_argument("--n-live", type=int, default=4)
     parser.add_argument("--live-max-tokens", type=int, default=192)
@@ -298,7 +301,7 @@ def main() -> int:
             simulate_mean(args, multi, mid, "rhymerl", [2, 3, 4, 5], overlap=True),
             simulate_mean(args, multi, mid, "rhymerl", [2, 3, 4, 5], overlap=True, cross_step=True)]])
     if args.live:
-        print(f"\n## Live: {args.live_workers} CPU workers, tiny random model", flush=True)
+        print(f"\n## Live: {args.live_workers} {args.live_device} workers, tiny random model", flush=True)
         rows += live_rows(args)
     acc_rows = [{"workload": r["workload"], "workers": r["workers"], "samples": r["samples"],
                  "spearman": r["spearman"], "mae_tokens": r["mae_tokens"], "mre": r["mre"]}
@@ -312,7 +315,7 @@ def main() -> int:
     summary = {
         "command": command.strip(),
         "device": f"simulated fleet of H100 workers ({args.model} cost curve, DESIGN.md) on one CPU core: {cpu_name()}"
-        + ("; live rows: in-process CPU workers on the same machine" if args.live else ""),
+        + (f"; live rows: in-process {args.live_device} workers on the same machine" if args.live else ""),
         "commit": git_commit(), "wall_s": total,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "workloads": describe, "rows": rows, "targets": targets(rows), "sections": sections,

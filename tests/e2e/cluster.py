@@ -34,6 +34,7 @@ class Cluster:
     speculative: bool = True
     tls: dict = field(default_factory=dict)  # tls_* settings, given to every service
     auth_tokens: str = ""
+    device: str = "cpu"  # "cuda": every worker shares the one GPU
     scheduler_settings: dict = field(default_factory=dict)  # more SchedulerSettings fields
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     stops: list = field(default_factory=list)
@@ -74,7 +75,7 @@ class Cluster:
         from services.rollout.settings import WorkerSettings
 
         settings = WorkerSettings(host="127.0.0.1", port=0, metrics_port=0, id=worker_id,
-                                  advertise_address="", model_path=str(self.model_dir), device="cpu",
+                                  advertise_address="", model_path=str(self.model_dir), device=self.device,
                                   dtype="float32", max_num_seqs=32, num_kv_blocks=256, block_size=16,
                                   speculative=self.speculative, scheduler_address=self.address,
                                   history_address=self.history_address, drain_timeout_s=5, **self.tls)

@@ -458,3 +458,27 @@ def test_every_bad_input_while_a_step_runs_loses_nothing_in_flight(client, clust
     # The seed fixes the tokens: a quiet rerun of the same step content gives the same samples.
     quiet = client.rollout("in-flight-quiet", good, n=6, sampling=params)
     assert {s.key: s.token_ids for s in quiet.samples} == {s.key: s.token_ids for s in got}
+
+
+def test_sdk_retries_a_busy_service_but_not_a_message_too_large_to_ever_fit():
+    """RESOURCE_EXHAUSTED is retried when the service is busy (a full queue), never for a
+    message over the size limit: re-sending it cannot help. The details are the ones the
+    oversized-message test above gets from the real server."""
+    from rhymerl import _calls
+
+    class Status(grpc.RpcError):
+        def __init__(self, code, details):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    too_large = "Received message larger than max (268435457 vs. 268435456)"
+    busy = "sampling.n: 800 samples would exceed the 1000000-sample queue limit"
+    assert not _calls.is_retryable(Status(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large))
+    assert _calls.is_retryable(Status(grpc.StatusCode.RESOURCE_EXHAUSTED, busy))
+    assert _calls.is_retryable(Status(grpc.StatusCode.UNAVAILABLE, ""))
+    assert not _calls.is_retryable(Status(grpc.StatusCode.INVALID_ARGUMENT, "n: must be >= 1"))

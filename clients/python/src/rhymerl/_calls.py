@@ -44,6 +44,10 @@ def backoff_s(attempt: int, base_s: float = 0.2, cap_s: float = 5.0) -> float:
 
 
 def is_retryable(err: grpc.RpcError) -> bool:
+    """UNAVAILABLE, DEADLINE_EXCEEDED, and RESOURCE_EXHAUSTED when it means "busy" (a full
+    queue), not "this message is too large" (re-sending it cannot help)."""
+    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (err.details() or ""):
+        return False
     return err.code() in RETRYABLE
 
 

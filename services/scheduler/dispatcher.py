@@ -243,13 +243,13 @@ class Dispatcher:
             # Retried elsewhere, up to max_attempts (a poison request must not loop).
             failed = code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
             for a in list(pending.values()):
-                prog = self._progress(a.request)
-                if prog is None:
-                    continue
-                prog.num_failures += failed
-                if code == grpc.StatusCode.INVALID_ARGUMENT or prog.num_failures >= self.max_attempts:
+                if self._progress(a.request) is None:
+                    continue  # already finished: released below
+                if code == grpc.StatusCode.INVALID_ARGUMENT:  # no retry can help
                     pending.pop(a.request.request_id)
                     await self._abort_running(worker, a.request, error)
+                elif await self._charge_failure(worker, a, error, counts=failed):
+                    pending.pop(a.request.request_id)
             if code not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL):
                 self.workers.mark_unhealthy(worker.worker_id)  # gone, draining or on another version
         finally:
@@ -298,18 +298,28 @@ class Dispatcher:
     async def _on_item_failed(self, worker: WorkerHandle, a: Assignment, error: str) -> None:
         """The engine failed on this request alone: retry it (another chunk of 0 tokens,
         back to the pool) until max_attempts, then give it up."""
-        r, prog = a.request, self._progress(a.request)
-        if prog is None:
+        now = time.monotonic()
+        if self._progress(a.request) is None:  # already finished (a repeated result)
+            self._release(worker, a.request, now)
             return
-        prog.num_failures += 1
-        log.warning("sample %s failed on worker %s (%d/%d): %s", r.request_id, worker.worker_id,
-                    prog.num_failures, self.max_attempts, error)
-        if prog.num_failures >= self.max_attempts:
-            await self._abort_running(worker, r, error)
+        if await self._charge_failure(worker, a, error):
             return
-        self._release(worker, r, time.monotonic())
-        self.policy.on_chunk_done(r, worker.worker_id, 0, False, time.monotonic())
+        self._release(worker, a.request, now)
+        self.policy.on_chunk_done(a.request, worker.worker_id, 0, False, now)
         self.wake()
+
+    async def _charge_failure(self, worker: WorkerHandle, a: Assignment, error: str, counts: bool = True) -> bool:
+        """Counts a failed attempt of an unfinished sample (when ``counts``); after
+        max_attempts it is given up. Returns whether it was given up."""
+        prog = self._progress(a.request)
+        prog.num_failures += counts
+        if counts:
+            log.warning("sample %s failed on worker %s (%d/%d): %s", a.request.request_id, worker.worker_id,
+                        prog.num_failures, self.max_attempts, error)
+        if prog.num_failures < self.max_attempts:
+            return False
+        await self._abort_running(worker, a.request, error)
+        return True
 
     def _release(self, worker: WorkerHandle, r: Request, now: float) -> None:
         worker.state.running.pop(r.request_id, None)

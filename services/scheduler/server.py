@@ -6,7 +6,6 @@ Thin transport: each method unpacks, calls the dispatcher, packs.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 
@@ -17,7 +16,7 @@ from services.common.errors import InvalidArgument, NotFound, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.security import BearerTokenAuth, parse_tokens
 from services.scheduler.dispatcher import Dispatcher
-from services.scheduler.policies import POLICIES, make_policy, runs_in_chunks
+from services.scheduler.policies import make_policy, policy_options
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.weights import WeightFanout
 from services.scheduler.workers import WorkerTable
@@ -150,11 +149,12 @@ async def start_scheduler(settings: SchedulerSettings):
 
         history = HistoryClient(settings.history_address, tls=settings.tls())
     policy_kwargs = {}
+    options = policy_options(settings.policy)
     if settings.cross_step:
-        if "cross_step" not in inspect.signature(POLICIES.get(settings.policy, object)).parameters:
+        if "cross_step" not in options:
             raise ValueError(f"cross_step needs a policy that supports it (rhymerl), not {settings.policy!r}")
         policy_kwargs["cross_step"] = True
-    if settings.chunk_tokens and settings.policy in POLICIES and runs_in_chunks(settings.policy):
+    if settings.chunk_tokens and "chunk_size" in options:
         policy_kwargs["chunk_size"] = settings.chunk_tokens
     elif settings.chunk_tokens:
         log.info("policy %r runs whole requests; chunk_tokens=%d is not used", settings.policy,

@@ -217,7 +217,7 @@ class LLMEngine:
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
-        if self._drafter is not None and self.speculative and seq.request_id not in self._undrafted:
+        if self._drafter is not None and self.speculative:
             self._drafter_call(self._drafter.stop_request, seq.request_id)
         self._undrafted.discard(seq.request_id)
 

@@ -25,9 +25,10 @@ def make_policy(name: str, **kwargs) -> Policy:
     return cls(**kwargs)
 
 
-def runs_in_chunks(name: str) -> bool:
-    """Whether the policy divides requests into chunks (takes a ``chunk_size``)."""
-    return "chunk_size" in inspect.signature(POLICIES[name]).parameters
+def policy_options(name: str) -> set[str]:
+    """The keyword options the named policy takes (e.g. ``chunk_size`` when it divides
+    requests into chunks); empty for an unknown name."""
+    return set(inspect.signature(POLICIES[name]).parameters) if name in POLICIES else set()
 
 
-__all__ = ["POLICIES", "Assignment", "Policy", "Request", "WorkerState", "make_policy", "runs_in_chunks"]
+__all__ = ["POLICIES", "Assignment", "Policy", "Request", "WorkerState", "make_policy", "policy_options"]

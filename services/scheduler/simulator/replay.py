@@ -38,7 +38,7 @@ from typing import Any, TextIO
 
 from services.scheduler.cost_model import CostModel
 from services.scheduler.length_model import LengthModel, _WeightedLengths
-from services.scheduler.policies import POLICIES, make_policy
+from services.scheduler.policies import make_policy, policy_options
 from services.scheduler.policies.base import Assignment, Policy, Request, WorkerState
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ def policy_from_events(events: list[Event], name: str | None = None, **overrides
     recorded settings it accepts)."""
     start = events[0] if events and events[0]["op"] == "start" else {"policy": "static", "config": {}}
     name = name or start["policy"]
-    accepted = inspect.signature(POLICIES[name]).parameters if name in POLICIES else {}
+    accepted = policy_options(name)
     kwargs = {k: v for k, v in start["config"].items() if k in accepted}
     if isinstance(kwargs.get("cost"), dict):
         kwargs["cost"] = CostModel(tuple(kwargs["cost"]["num_tokens"]), tuple(kwargs["cost"]["ms"]))

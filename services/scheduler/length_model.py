@@ -11,7 +11,9 @@ Three sources, best first:
 A request that has already generated ``g`` tokens without finishing is longer than
 ``g``; its prediction is conditioned on that (the weighted mean of the known lengths
 above ``g``; ``max_tokens`` when it outgrew all of them), so requests that keep running
-rise in priority instead of falling.
+rise in priority instead of falling. With history, a request is also predicted at least
+as long as the furthest its unfinished siblings have run (``observe_progress``): a group
+whose first sample outgrows the prompt's history pulls its queued siblings forward.
 
 The model knows nothing about workers or time; the caller loads history in bulk
 (one round trip per step) and tells it which samples finished.
@@ -72,6 +74,7 @@ class LengthModel:
         self._history: dict[str, _WeightedLengths] = {}
         self._raw: dict[str, list[tuple[float, float]]] = {}
         self._siblings: dict[tuple[str, str], list[int]] = defaultdict(list)
+        self._progress: dict[tuple[str, str], int] = {}  # group -> most tokens of an unfinished sibling
         self._combined: dict[tuple[str, str], _WeightedLengths] = {}
         if history:
             self.load_history(history)
@@ -112,13 +115,24 @@ class LengthModel:
         if request.aborted:
             return
         self._siblings[request.group_id].append(int(length))
+        self._progress[request.group_id] = max(self._progress.get(request.group_id, 0), int(length))
         self._combined.pop(request.group_id, None)
+
+    def observe_progress(self, request: Request) -> bool:
+        """``request`` returned from a chunk unfinished: its group runs at least
+        ``num_generated`` tokens. Returns whether that raised the group's floor."""
+        if request.num_generated <= self._progress.get(request.group_id, 0):
+            return False
+        self._progress[request.group_id] = request.num_generated
+        return True
 
     def forget_step(self, step_id: str) -> None:
         """Drop a finished step's sibling observations (history keeps the lengths)."""
         for group in [g for g in self._siblings if g[0] == step_id]:
             del self._siblings[group]
             self._combined.pop(group, None)
+        for group in [g for g in self._progress if g[0] == step_id]:
+            del self._progress[group]
 
     def predict(self, request: Request, use_history: bool = True) -> float:
         """Expected total length of ``request`` given it has not finished yet.
@@ -129,7 +143,8 @@ class LengthModel:
         stats = self._stats(request) if use_history else None
         if stats is not None:
             mean = stats.mean_above(generated)
-            return float(cap) if mean is None else min(mean, float(cap))
+            floor = self._progress.get(request.group_id, 0)  # a sibling already ran this far
+            return float(cap) if mean is None else min(max(mean, floor), float(cap))
         siblings = self._siblings.get(request.group_id)
         if siblings:
             longest = max(siblings)

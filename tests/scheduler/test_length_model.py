@@ -20,12 +20,28 @@ def test_history_prediction_is_the_recency_weighted_mean_above_what_was_generate
 
 
 def test_finished_siblings_join_the_history_of_their_group_only():
-    model = LengthModel({"p": [[100]]})
-    model.observe(req(step="s1", i=1), 500)
-    assert model.predict(req(step="s1")) == pytest.approx(300)
+    model = LengthModel({"p": [[100, 100, 100]]})
+    model.observe(req(step="s1", i=1), 140)
+    assert model.predict(req(step="s1")) == pytest.approx(140)  # the longest sibling is a floor
+    model.observe(req(step="s1", i=2), 60)
+    assert model.predict(req(step="s1")) == pytest.approx(140)
     assert model.predict(req(step="s2")) == 100
     model.forget_step("s1")
     assert model.predict(req(step="s1")) == 100
+
+
+def test_a_sibling_that_outruns_the_history_pulls_its_group_up():
+    """A scout still running at 600 tokens when history says 100: its queued siblings are
+    predicted at least 600, not 100 (the prompt changed since the last epoch)."""
+    model = LengthModel({"p": [[100, 120], [90]]})
+    scout = req(step="s1", i=0, generated=600)
+    assert model.observe_progress(scout)
+    assert not model.observe_progress(req(step="s1", i=3, generated=200))  # not further
+    assert model.predict(req(step="s1", i=1)) == 600
+    assert model.predict(req(step="s2", i=1)) == pytest.approx((100 + 120 + 0.5 * 90) / 2.5)
+    assert LengthModel().predict(req(step="s1", i=1)) == 1000  # without history: Seer's rule, untouched
+    model.forget_step("s1")
+    assert model.predict(req(step="s1", i=1)) == pytest.approx((100 + 120 + 0.5 * 90) / 2.5)
 
 
 def test_without_history_seer_rule_then_prior():

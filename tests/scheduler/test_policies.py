@@ -209,21 +209,26 @@ def test_chunk_budget_is_capped_by_remaining_tokens():
     assert b.max_new_tokens == 2 and not b.is_migration and request.num_chunks == 2
 
 
-def test_static_pins_round_robin_and_never_steals():
-    """The baseline: requests spread round-robin, whole budgets, an idle worker stays idle."""
+def test_static_pins_groups_round_robin_and_never_steals():
+    """The baseline (veRL's split): each prompt's group goes round-robin to one worker,
+    whole budgets, an idle worker stays idle."""
     policy = make_policy("static")
-    requests = make_requests("s", 1, 4, max_tokens=50)
+    requests = make_requests("s", 3, 2, max_tokens=50)  # p0: w0, p1: w1, p2: w0
     policy.add_step(requests, LengthModel(), 0.0)
     workers = [WorkerState("w0", 1), WorkerState("w1", 1)]
     first = policy.schedule(workers, 0.0)
-    assert [(a.request.sample_index, a.worker_id, a.max_new_tokens) for a in first] == \
-        [(0, "w0", 50), (1, "w1", 50)]
+    assert [(a.request.request_id, a.worker_id, a.max_new_tokens) for a in first] == \
+        [("s/p0/0", "w0", 50), ("s/p1/0", "w1", 50)]
     for a in first:
         workers[int(a.worker_id[1])].running[a.request.request_id] = a.request
     workers[1].running.clear()
     policy.on_chunk_done(first[1].request, "w1", 5, True, 1.0)
     second = policy.schedule(workers, 1.0)
-    assert [(a.request.sample_index, a.worker_id) for a in second] == [(3, "w1")]
+    assert [(a.request.request_id, a.worker_id) for a in second] == [("s/p1/1", "w1")]
+    workers[1].running.clear()
+    policy.on_chunk_done(second[0].request, "w1", 5, True, 2.0)
+    assert policy.schedule(workers, 2.0) == []  # w1 is idle; p0 and p2 wait for w0
+    assert policy.num_queued() == 3
 
 
 def test_make_policy_rejects_unknown_names():
@@ -269,6 +274,10 @@ def test_rhymerl_sharing_order(order, first_prompt, keeps_running):
     ones start shortest predicted first."""
     policy = make_policy("rhymerl", chunk_size=4, share_order=order)
     _sharing_step(policy)
+    scouts = policy.schedule([WorkerState("w0", 2)], 0.0)  # each group's first sample goes first
+    assert sorted(a.request.request_id for a in scouts) == ["s/a/0", "s/b/0"]
+    for a in scouts:
+        policy.on_chunk_done(a.request, "w0", 4, True, 0.5)
     worker = WorkerState("w0", 1)
     (first,) = policy.schedule([worker], 0.0)
     assert first.request.prompt_id == first_prompt
@@ -282,3 +291,19 @@ def test_rhymerl_sharing_order(order, first_prompt, keeps_running):
 def test_rhymerl_rejects_unknown_share_order():
     with pytest.raises(ValueError, match="share_order"):
         make_policy("rhymerl", share_order="fifo")
+
+
+def test_rhymerl_scout_that_outruns_its_history_pulls_its_group_forward():
+    """Each group's first sample runs first (a scout). Prompt ``a``'s history says 10
+    tokens, ``b``'s 100; ``a``'s scout comes back unfinished at 200 tokens, so the prompt
+    changed: ``a``'s queued siblings must now run before ``b``'s, not after."""
+    policy = make_policy("rhymerl", chunk_size=200)
+    lengths = LengthModel({"a": [[10] * 16], "b": [[100] * 16]})
+    requests = [Request(f"s/{p}/{i}", "s", p, i, prompt_len=10, max_tokens=1000) for p in "ab" for i in range(3)]
+    policy.add_step(requests, lengths, 0.0)
+    scouts = policy.schedule([WorkerState("w0", 2)], 0.0)
+    assert [a.request.request_id for a in scouts] == ["s/b/0", "s/a/0"]  # longest predicted first
+    policy.on_chunk_done(scouts[0].request, "w0", 100, True, 1.0)
+    policy.on_chunk_done(scouts[1].request, "w0", 200, False, 2.0)
+    order = [a.request.request_id for a in policy.schedule([WorkerState("w1", 5)], 2.0)]
+    assert order == ["s/a/0", "s/a/1", "s/a/2", "s/b/1", "s/b/2"]

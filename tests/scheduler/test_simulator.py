@@ -19,8 +19,10 @@ from services.scheduler.simulator import (
 FLAT_1MS = CostModel((1.0, 512.0), (1.0, 1.0))  # every forward takes 1 ms, whatever its size
 
 
-def tiny_step(lengths: list[int], step_id: str = "s", prompt_len: int = 4) -> SimStep:
-    requests = [Request(f"{step_id}/p/{i}", step_id, "p", i, prompt_len, max_tokens=100)
+def tiny_step(lengths: list[int], step_id: str = "s", prompt_len: int = 4, n: int | None = None) -> SimStep:
+    """One request per length; ``n`` samples per prompt (default: all one prompt's)."""
+    n = n or len(lengths)
+    requests = [Request(f"{step_id}/p{i // n}/{i % n}", step_id, f"p{i // n}", i % n, prompt_len, max_tokens=100)
                 for i in range(len(lengths))]
     return SimStep(step_id, requests, {r.request_id: n for r, n in zip(requests, lengths)}, {})
 
@@ -38,10 +40,10 @@ def test_clock_on_a_hand_computed_step():
 
 
 def test_queued_work_waits_for_a_slot_and_idle_time_is_bubble():
-    """Capacity 1, two workers, lengths 10, 30, 10 placed round-robin: w0 runs 10 then
-    10, w1 runs 30. Makespan 31 ms (1 prefill + 30); w0 busy 2 x 11 ms."""
+    """Capacity 1, two workers, three prompts of lengths 10, 30, 10 placed round-robin:
+    w0 runs 10 then 10, w1 runs 30. Makespan 31 ms (1 prefill + 30); w0 busy 2 x 11 ms."""
     result = Simulator(make_policy("static"), FLAT_1MS, 2, 1, quantum_s=0.0).run(
-        [tiny_step([10, 30, 10])], LengthModel())
+        [tiny_step([10, 30, 10], n=1)], LengthModel())
     (stats,) = result.steps
     assert stats.makespan_s == pytest.approx(0.031)
     assert stats.worker_busy_s == pytest.approx({"w0": 0.022, "w1": 0.031})

@@ -1,9 +1,13 @@
 """``rhymerl``: ours. Seer's divided rollout driven by history, placed by the cost model.
 
 1. Prediction: a prompt with history is predicted from its earlier epochs plus its
-   finished siblings (no probe needed); a prompt without history sends a probe (Seer).
-   Predictions are conditioned on the tokens generated so far, so a request that
-   outgrows its prompt's history jumps to ``max_tokens`` and to the head of the queue.
+   siblings (the furthest any of them ran is a floor); a prompt without history sends a
+   probe (Seer). Predictions are conditioned on the tokens generated so far, so a
+   request that outgrows its prompt's history jumps to ``max_tokens`` and to the head
+   of the queue. Every group with history also sends its first sample ahead of the
+   step's other requests (a scout, longest predicted first): the 2-4% of prompts whose
+   length changed since the last epoch show it early, and the floor pulls their queued
+   siblings forward before they could start late.
 2. Order: older steps first, then longest predicted first -- unless the history says
    the step hides runaways: samples that run to ``max_tokens`` although predicted
    under ``runaway_share`` of it (expected count >= ``runaway_guard``). A runaway looks
@@ -118,20 +122,24 @@ class RhymeRLPolicy(SeerPolicy):
             self._sharing.pop(request.step_id, None)
 
     # --- hooks ----------------------------------------------------------------------
-    def _wants_probe(self, request: Request) -> bool:
-        return not self._lengths.has_history(request.prompt_id)
+    def _in_probe_tier(self, request: Request) -> bool:
+        """Seer's probe tier is for groups with nothing to go on; a group with history
+        scouts within its own step (``_priority``), so steps keep their order."""
+        return super()._in_probe_tier(request) and not self._lengths.has_history(request.prompt_id)
 
     def _priority(self, request: Request) -> tuple:
         seq, arrival = self._step_seq[request.step_id], self._arrival[request.request_id]
         predicted = request.predicted_len
+        if request.is_probe and not self._lengths.num_finished_siblings(request.group_id):
+            return (seq, 0, -predicted, -request.num_generated, arrival)  # a scout: its step's first
         if self._sharing[request.step_id] and (predicted < self.long_share * request.max_tokens
                                                or not self._informed(request)):
             if self.share_order == "spt":  # started ones keep running; new ones shortest first
                 started = request.num_generated > 0
-                return (seq, 1, not started, -request.num_generated if started else predicted, arrival)
-            return (seq, 1, request.num_generated, -predicted, arrival)
+                return (seq, 2, not started, -request.num_generated if started else predicted, arrival)
+            return (seq, 2, request.num_generated, -predicted, arrival)
         longest_first = not (self.cross_step and seq % 2)
-        return (seq, 0, -predicted if longest_first else predicted, -request.num_generated, arrival)
+        return (seq, 1, -predicted if longest_first else predicted, -request.num_generated, arrival)
 
     def _informed(self, request: Request) -> bool:
         """Whether its prediction rests on data (history or a finished sibling)."""

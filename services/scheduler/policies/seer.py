@@ -84,6 +84,8 @@ class SeerPolicy(Policy):
             return
         self._record_chunk(request, num_new_tokens)
         if not finished:
+            if self._lengths.observe_progress(request) and self.use_history:
+                self._rekey_group(request.group_id)  # its siblings' floor rose
             self._enqueue(request)
             return
         self._lengths.observe(request, request.num_generated)
@@ -117,6 +119,10 @@ class SeerPolicy(Policy):
         """Whether a group's first request should run as a probe."""
         return True
 
+    def _in_probe_tier(self, request: Request) -> bool:
+        """Whether it queues with the probes (ahead of everything else)."""
+        return request.is_probe and self._lengths.num_finished_siblings(request.group_id) == 0
+
     def _priority(self, request: Request) -> tuple:
         """Queue key of a non-probe request (smallest runs first)."""
         return (-request.predicted_len, -request.num_generated, self._arrival[request.request_id])
@@ -127,7 +133,7 @@ class SeerPolicy(Policy):
     # --- the pool -------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
         request.predicted_len = self._lengths.predict(request, use_history=self.use_history)
-        if request.is_probe and self._lengths.num_finished_siblings(request.group_id) == 0:
+        if self._in_probe_tier(request):
             self._probes.push(request, (request.num_generated, self._arrival[request.request_id]))
         else:
             self._rest.push(request, self._priority(request))

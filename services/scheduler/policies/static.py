@@ -1,9 +1,13 @@
 """``static``: the RL-framework baseline (veRL-style even split, no chunks).
 
-Each request is pinned round-robin to a worker when first seen and runs there whole
-(``max_new_tokens`` = everything it has left), in arrival order. An idle worker never
-takes another worker's queue: this is the placement whose long tail the other
-policies remove. Only a lost worker's requests are pinned again, to the survivors.
+Each prompt's group is pinned round-robin to a worker when first seen, and its samples
+run there whole (``max_new_tokens`` = everything they have left), in arrival order.
+That is how RL frameworks split a step: veRL repeats each prompt n times next to each
+other and cuts the batch into equal contiguous pieces per rollout worker (or asks one
+engine for n samples), so a group stays on one worker, and its samples, whose lengths
+are alike, pile up there (Seer's observation). An idle worker never takes another
+worker's queue: this is the placement whose long tail the other policies remove. Only
+a lost worker's requests are pinned again, to the survivors.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class StaticPolicy(Policy):
         self._unpinned: deque[Request] = deque()  # arrived, no worker chosen yet
         self._pinned: dict[str, deque[Request]] = {}  # worker_id -> its FIFO queue
         self._cursor = 0  # round-robin position
+        self._group_worker: dict[tuple[str, str], str] = {}  # group -> the worker it is pinned to
         self._lengths: LengthModel | None = None
         self._steps = StepBook()
         self._running: set[str] = set()  # dispatched, no result yet
@@ -54,10 +59,14 @@ class StaticPolicy(Policy):
     def _pin(self, healthy: list[WorkerState]) -> None:
         if not healthy:
             return
+        alive = {w.worker_id for w in healthy}
         while self._unpinned:
-            worker = healthy[self._cursor % len(healthy)]
-            self._cursor += 1
-            self._pinned.setdefault(worker.worker_id, deque()).append(self._unpinned.popleft())
+            request = self._unpinned.popleft()
+            worker_id = self._group_worker.get(request.group_id)
+            if worker_id not in alive:  # a new group, or its worker was lost
+                worker_id = self._group_worker[request.group_id] = healthy[self._cursor % len(healthy)].worker_id
+                self._cursor += 1
+            self._pinned.setdefault(worker_id, deque()).append(request)
 
     def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,
                       finished: bool, now: float) -> None:
@@ -69,7 +78,7 @@ class StaticPolicy(Policy):
         if finished:
             self._lengths.observe(request, request.num_generated)
             if self._steps.finish(request):
-                self._lengths.forget_step(request.step_id)
+                self._forget(request.step_id)
         else:  # the engine stopped it early (e.g. preemption): resume where it ran
             self._pinned.setdefault(worker_id, deque()).appendleft(request)
 
@@ -86,9 +95,14 @@ class StaticPolicy(Policy):
             removed += [r for r in queue if r.step_id == step_id]
             self._pinned[worker_id] = deque(r for r in queue if r.step_id != step_id)
         self._steps.cancel(step_id)
+        self._forget(step_id)
+        return removed
+
+    def _forget(self, step_id: str) -> None:
         if self._lengths is not None:
             self._lengths.forget_step(step_id)
-        return removed
+        for group in [g for g in self._group_worker if g[0] == step_id]:
+            del self._group_worker[group]
 
     def num_queued(self) -> int:
         return len(self._unpinned) + sum(map(len, self._pinned.values()))

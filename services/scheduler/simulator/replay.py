@@ -97,6 +97,7 @@ class _LengthsSnapshots:
             out["params"] = {"prior": lengths.prior, "recency": lengths.recency,
                              "sibling_weight": lengths.sibling_weight}
             out["siblings"] = [[step, prompt, list(found)] for (step, prompt), found in lengths._siblings.items()]
+            out["progress"] = [[step, prompt, tokens] for (step, prompt), tokens in lengths._progress.items()]
         seen, raw = self._seen[index], lengths._raw
         history: dict[str, list | None] = {}
         for prompt_id, pairs in raw.items():
@@ -266,6 +267,8 @@ class _Replayer:
             model = LengthModel(**snap["params"])
             for step, prompt, found in snap["siblings"]:
                 model._siblings[(step, prompt)] = list(found)
+            for step, prompt, tokens in snap.get("progress", ()):
+                model._progress[(step, prompt)] = tokens
             self.models.append(model)
         model = self.models[index]
         for prompt_id, pairs in snap["history"].items():

@@ -30,8 +30,6 @@ class HistoPipePolicy(Policy):
         self._unplaced: list[Request] = []
         self._queues: dict[str, RequestQueue] = {}  # worker_id -> key (-predicted_len, arrival)
         self._home: dict[str, str] = {}  # request_id -> worker whose queue holds it
-        self._arrival: dict[str, int] = {}
-        self._num_arrived = 0
         self._steps = StepBook()
         self._lengths = LengthModel()
 
@@ -40,8 +38,6 @@ class HistoPipePolicy(Policy):
         self._steps.add(requests)
         for request in requests:
             request.predicted_len = lengths.predict(request)
-            self._arrival[request.request_id] = self._num_arrived
-            self._num_arrived += 1
         self._unplaced.extend(requests)
 
     def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
@@ -63,15 +59,13 @@ class HistoPipePolicy(Policy):
 
     def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,
                       finished: bool, now: float) -> None:
-        if request.request_id not in self._arrival or not self._steps.is_live(request):
-            self._arrival.pop(request.request_id, None)  # a cancelled step, or a repeated result
+        if not self._steps.accepts(request):  # a cancelled step, or a repeated result
             return
         self._record_chunk(request, num_new_tokens)
         if not finished:  # the engine stopped it early: resume on the same worker
             self._enqueue(request, worker_id)
             return
         self._lengths.observe(request, request.num_generated)
-        del self._arrival[request.request_id]
         if self._steps.finish(request):
             self._lengths.forget_step(request.step_id)
 
@@ -92,7 +86,6 @@ class HistoPipePolicy(Policy):
             removed += queue.remove_where(lambda r: r.step_id == step_id)
         for request in removed:
             self._home.pop(request.request_id, None)
-            self._arrival.pop(request.request_id, None)
         self._steps.cancel(step_id)
         self._lengths.forget_step(step_id)
         return removed
@@ -119,7 +112,7 @@ class HistoPipePolicy(Policy):
         heap = [(self.finish_estimate_s(capacity[w.worker_id], tokens[w.worker_id], longest[w.worker_id]),
                  order, w.worker_id) for order, w in enumerate(healthy)]
         heapq.heapify(heap)
-        for request in sorted(self._unplaced, key=lambda r: (-self._remaining(r), self._arrival[r.request_id])):
+        for request in sorted(self._unplaced, key=lambda r: (-self._remaining(r), self._steps.arrival(r))):
             _, order, wid = heapq.heappop(heap)
             self._enqueue(request, wid)
             tokens[wid] += self._remaining(request)
@@ -133,5 +126,5 @@ class HistoPipePolicy(Policy):
     def _enqueue(self, request: Request, worker_id: str) -> None:
         request.predicted_len = self._lengths.predict(request)
         self._queues.setdefault(worker_id, RequestQueue()).push(
-            request, (-request.predicted_len, self._arrival[request.request_id]))
+            request, (-request.predicted_len, self._steps.arrival(request)))
         self._home[request.request_id] = worker_id

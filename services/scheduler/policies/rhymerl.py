@@ -128,7 +128,7 @@ class RhymeRLPolicy(SeerPolicy):
         return super()._in_probe_tier(request) and not self._lengths.has_history(request.prompt_id)
 
     def _priority(self, request: Request) -> tuple:
-        seq, arrival = self._step_seq[request.step_id], self._arrival[request.request_id]
+        seq, arrival = self._step_seq[request.step_id], self._steps.arrival(request)
         predicted = request.predicted_len
         if request.is_probe and not self._lengths.num_finished_siblings(request.group_id):
             return (seq, 0, -predicted, -request.num_generated, arrival)  # a scout: its step's first

@@ -43,8 +43,6 @@ class SeerPolicy(Policy):
         self._probes = RequestQueue()  # key: (num_generated, arrival)
         self._rest = RequestQueue()  # key: (-predicted_len, -num_generated, arrival)
         self._queued: dict[tuple[str, str], dict[str, Request]] = {}  # group -> its queued requests
-        self._arrival: dict[str, int] = {}
-        self._num_arrived = 0
         self._steps = StepBook()
         self._lengths = LengthModel()
 
@@ -54,8 +52,6 @@ class SeerPolicy(Policy):
         self._steps.add(requests)
         first_of_group: dict[tuple[str, str], Request] = {}
         for request in requests:
-            self._arrival[request.request_id] = self._num_arrived
-            self._num_arrived += 1
             first = first_of_group.get(request.group_id)
             if first is None or request.sample_index < first.sample_index:
                 first_of_group[request.group_id] = request
@@ -79,8 +75,7 @@ class SeerPolicy(Policy):
 
     def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,
                       finished: bool, now: float) -> None:
-        if request.request_id not in self._arrival or not self._steps.is_live(request):
-            self._arrival.pop(request.request_id, None)  # a cancelled step, or a repeated result
+        if not self._steps.accepts(request):  # a cancelled step, or a repeated result
             return
         self._record_chunk(request, num_new_tokens)
         if not finished:
@@ -89,7 +84,6 @@ class SeerPolicy(Policy):
             self._enqueue(request)
             return
         self._lengths.observe(request, request.num_generated)
-        del self._arrival[request.request_id]
         if self._steps.finish(request):
             self._lengths.forget_step(request.step_id)
         else:
@@ -105,8 +99,6 @@ class SeerPolicy(Policy):
         removed = self._probes.remove_where(in_step) + self._rest.remove_where(in_step)
         for group in [g for g in self._queued if g[0] == step_id]:
             del self._queued[group]
-        for request in removed:
-            self._arrival.pop(request.request_id, None)
         self._steps.cancel(step_id)
         self._lengths.forget_step(step_id)
         return removed
@@ -125,7 +117,7 @@ class SeerPolicy(Policy):
 
     def _priority(self, request: Request) -> tuple:
         """Queue key of a non-probe request (smallest runs first)."""
-        return (-request.predicted_len, -request.num_generated, self._arrival[request.request_id])
+        return (-request.predicted_len, -request.num_generated, self._steps.arrival(request))
 
     def _budget(self, request: Request) -> int:
         return chunk_budget(request, self.chunk_size)
@@ -134,7 +126,7 @@ class SeerPolicy(Policy):
     def _enqueue(self, request: Request) -> None:
         request.predicted_len = self._lengths.predict(request, use_history=self.use_history)
         if self._in_probe_tier(request):
-            self._probes.push(request, (request.num_generated, self._arrival[request.request_id]))
+            self._probes.push(request, (request.num_generated, self._steps.arrival(request)))
         else:
             self._rest.push(request, self._priority(request))
         self._queued.setdefault(request.group_id, {})[request.request_id] = request

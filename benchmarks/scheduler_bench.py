@@ -1,14 +1,17 @@
 """Which placement policy finishes a GRPO step soonest, from 8 to 4,096 workers?
 
 Every policy object the live scheduler can run (static, seer, histopipe, rhymerl) is
-driven by the discrete-event simulator (services/scheduler/simulator) on two workloads:
+driven by the discrete-event simulator (services/scheduler/simulator) on three workloads:
 ``traces`` (the recorded RL-loop traces, benchmarks/data/tiny_grpo_service.npz, tiled to the
-fleet) and ``heavy_tail`` (synthetic, per-prompt lognormal lengths drifting across
-epochs plus 1% runaways to max_tokens, the longest >= 20x the median); per fleet size a
-GRPO batch of ``--samples-per-worker`` samples per worker, the step simulated being epoch
-3 with the earlier epochs as history. Worker speed is the DESIGN.md H100 cost curve of
-``--model``; a worker runs at most ``--capacity`` sequences at once. Next to the
-policies, an ``oracle`` lower bound (see ``oracle_bound``).
+fleet), ``heavy_tail`` (synthetic, per-prompt lognormal lengths drifting across epochs,
+3% of prompts jumping per epoch, the longest >= 20x the median) and
+``heavy_tail_runaways`` (the same plus ``--runaway`` of samples looping to max_tokens at
+random: what no history foresees). Per fleet size a GRPO batch of
+``--samples-per-worker`` samples per worker (default 256 with 8 running at once: Seer's
+production shape, hundreds of requests per instance and KV-limited concurrency), the
+step simulated being epoch 3 with the earlier epochs as history. Worker speed is the
+DESIGN.md H100 cost curve of ``--model``. Next to the policies, an ``oracle`` lower bound
+(see ``oracle_bound``).
 
 Rows (benchmarks/results/scheduler.json ``"rows"``): policy, workers, workload, mode
 (sim or live), makespan_s, bubble_ratio (idle worker-seconds / worker-seconds from the
@@ -133,8 +136,10 @@ def oracle_bound(step, cost: CostModel, num_workers: int, capacity: int) -> dict
     makespan >= max(longest single request, fleet work / workers), where a request alone
     on a worker takes prefill(prompt) + length x forward(1 token) (a sequence is
     sequential: no schedule can split it), and the fleet work is every request at the
-    cheapest per-token cost the curve allows, a full batch of ``capacity`` sequences:
-    sum(prefill(prompt) + length x forward(capacity) / capacity). The bubble bound (same
+    cheapest per-token cost the curve allows: decode tokens in a full batch of
+    ``capacity`` sequences, forward(capacity) / capacity each, and prompt tokens at the
+    curve's smallest slope (a prefill riding in a decode forward adds at least that per
+    token). The bubble bound (same
     definition as the policies': idle worker-seconds / worker-seconds) is what is left
     idle if every request ran alone on a worker for its whole length (the most busy
     worker-time a set of requests can produce): max(0, 1 - sum(alone) / (workers x
@@ -143,16 +148,32 @@ def oracle_bound(step, cost: CostModel, num_workers: int, capacity: int) -> dict
     the bound leaves unused: what one unsplittable long request costs, whatever the policy.
     """
     per_token_full = cost.forward_s(capacity) / capacity
+    xs, ys = cost.num_tokens, cost.ms
+    min_slope_s = min((y1 - y0) / (x1 - x0) for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])) / 1000.0
     alone, work = [], 0.0
     for request in step.requests:
-        length, prefill = step.true_len[request.request_id], cost.forward_s(request.prompt_len)
-        alone.append(prefill + length * cost.forward_s(1))
-        work += prefill + length * per_token_full
+        length = step.true_len[request.request_id]
+        alone.append(cost.forward_s(request.prompt_len) + length * cost.forward_s(1))
+        work += request.prompt_len * min_slope_s + length * per_token_full
     makespan = max(max(alone), work / num_workers)
     return {"policy": "oracle", "workers": num_workers, "samples": len(step.requests), "steps": 1,
             "makespan_s": makespan, "bubble_ratio": max(0.0, 1.0 - sum(alone) / (num_workers * makespan)),
             "tail_s": 0.0, "idle_capacity": max(0.0, 1.0 - work / (num_workers * makespan)),
             "longest_request_s": max(alone), "work_bound_s": work / num_workers}
+
+
+def trace_acceptance(path: str) -> tuple[SpecConfig, str]:
+    """The simulated workers' draft acceptance: what our drafter achieved replaying the
+    RL-loop traces (``benchmarks.drafter_bench``: mean accepted draft tokens per verify
+    at its best fixed draft length), as a per-token acceptance rate."""
+    measured = json.loads(Path(path).read_text())
+    config = measured["rhymerl_best_config"]  # e.g. "all/16": sources / draft tokens
+    num_draft = int(config.rsplit("/", 1)[1])
+    mean_accepted = measured["rhymerl_mean_accepted"]
+    alpha = SpecConfig.alpha_from_mean_accepted(1.0 + mean_accepted, num_draft)
+    return SpecConfig(alpha=alpha, max_draft=num_draft), (
+        f"acceptance from the traces ({mean_accepted:.2f} draft tokens accepted per verify at {num_draft} "
+        f"drafts, {measured['traces']}, commit {measured['git_commit']}: alpha {alpha:.2f})")
 
 
 def oracle_mean(args, make_workload, num_workers: int, epoch: int) -> dict:
@@ -224,12 +245,13 @@ def live_rows(args) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", default="8,64,512,4096")
-    parser.add_argument("--samples-per-worker", type=int, default=32)
+    parser.add_argument("--samples-per-worker", type=int, default=256)
     parser.add_argument("--n", type=int, default=16, help="samples per prompt (GRPO group)")
     parser.add_argument("--capacity", type=int, default=8, help="sequences a worker runs at once")
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--median", type=float, default=600.0, help="heavy_tail: median scale of a prompt")
-    parser.add_argument("--runaway", type=float, default=0.01, help="share of samples that loop to max_tokens")
+    parser.add_argument("--runaway", type=float, default=0.01,
+                        help="heavy_tail_runaways: share of samples that loop to max_tokens (0: leave it out)")
     parser.add_argument("--model", default="7B", choices=["0.5B", "1.5B", "7B"])
     parser.add_argument("--quantum", type=float, default=0.1, help="simulator event batching, seconds")
     parser.add_argument("--seed", type=int, default=0)
@@ -237,6 +259,8 @@ def main() -> int:
     parser.add_argument("--traces", default="benchmarks/data/tiny_grpo_service.npz", help="trace files")
     parser.add_argument("--extra", action="store_true",
                         help="also: first epoch, speculative decoding, cross-step overlap (64 workers)")
+    parser.add_argument("--drafter-results", default="benchmarks/results/drafter.json",
+                        help="--extra: the draft acceptance measured on the traces (benchmarks.drafter_bench)")
     parser.add_argument("--live", action="store_true", help="also run every policy on real CPU workers")
     parser.add_argument("--live-workers", type=int, default=4)
     parser.add_argument("--live-device", default="cpu", choices=["cpu", "cuda"],
@@ -251,12 +275,14 @@ def main() -> int:
     fleets = [int(x) for x in args.workers.split(",")]
     mid = 64 if 64 in fleets else fleets[0]
 
-    def heavy(num_workers: int, epochs: int = 4):
+    def heavy(num_workers: int, epochs: int = 4, runaway: float = 0.0):
         return lambda seed: synthetic_workload(num_workers * args.samples_per_worker // args.n, n=args.n,
                                                num_epochs=epochs, max_tokens=args.max_tokens, seed=seed,
-                                               median_len=args.median, runaway_prob=args.runaway)
+                                               median_len=args.median, runaway_prob=runaway)
 
     workloads = {"heavy_tail": (heavy, EPOCH)}
+    if args.runaway > 0:
+        workloads["heavy_tail_runaways"] = (lambda w: heavy(w, runaway=args.runaway), EPOCH)
     trace_files = sorted(glob.glob(args.traces))
     traced = trace_workload(trace_files) if trace_files else None
     if traced is not None:
@@ -281,9 +307,11 @@ def main() -> int:
             print(table(group, MAIN_COLUMNS), flush=True)
             rows += group
     sections: dict[str, list[dict]] = {}
+    titles: dict[str, str] = {}
     if args.extra:
         def run_section(name: str, title: str, groups) -> None:
             print(f"\n## {title}", flush=True)
+            titles[name] = title
             out = []
             for group in groups:
                 out += with_ratios(group)
@@ -292,8 +320,8 @@ def main() -> int:
 
         run_section("first_epoch", "First epoch (no history), heavy_tail",
                     [[simulate_mean(args, heavy(mid), mid, p, [0]) for p in POLICIES]])
-        spec = SpecConfig(alpha=0.7, max_draft=16)
-        run_section("speculative", "Speculative decoding (acceptance 0.7), heavy_tail",
+        spec, source = trace_acceptance(args.drafter_results)
+        run_section("speculative", f"Speculative decoding, heavy_tail: {source}",
                     [[simulate_mean(args, heavy(mid), mid, p, [EPOCH], spec=spec) for p in POLICIES]])
         multi = heavy(mid, epochs=6)
         run_section("cross_step", f"Four consecutive steps on {mid} workers: sync vs cross-step", [[
@@ -319,6 +347,7 @@ def main() -> int:
         "commit": git_commit(), "wall_s": total,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "workloads": describe, "rows": rows, "targets": targets(rows), "sections": sections,
+        "section_titles": titles,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -373,8 +402,7 @@ def render_markdown(summary: dict, acc_table: str) -> str:
     if summary["targets"]:
         parts.append("## Targets (rhymerl, simulated, 64+ workers)\n\n" + table(summary["targets"], TARGET_COLUMNS)
                      + "\n\n" + target_verdict(summary["targets"]) + "\n")
-    titles = {"first_epoch": "First epoch (no history)", "speculative": "Speculative decoding (alpha 0.7)",
-              "cross_step": "Four consecutive steps: sync vs cross-step overlap"}
+    titles = summary["section_titles"]
     for name, rows in summary["sections"].items():
         columns = MULTI_COLUMNS if name == "cross_step" else MAIN_COLUMNS
         parts.append(f"## {titles.get(name, name)}\n\n{table(rows, columns)}\n")
@@ -415,31 +443,32 @@ The `oracle` rows are a lower bound, not a schedule (true lengths known, perfect
 
 - makespan >= max(longest single request, fleet work / workers). A request alone on a worker
   takes prefill(prompt) + length x forward(1 token): a sequence is sequential, no schedule
-  splits it, so a runaway sample sets the floor. Fleet work counts every request at the
-  cheapest per-token cost of the curve (a full batch of `capacity` sequences).
+  splits it. Fleet work counts every decode token at the cheapest per-token cost of the curve
+  (a full batch of `capacity` sequences) and every prompt token at the curve's smallest slope.
 - bubble >= max(0, 1 - sum(each request alone) / (workers x makespan)): the most busy
-  worker-time the requests can produce is each running alone; it is 0 here because the
-  batch holds far more sequence-time than the fleet has worker-time.
+  worker-time the requests can produce is each running alone; it is 0 here.
 - tail >= 0: perfect packing can end every request at the makespan.
-- `idle_capacity` in the JSON: the share of the fleet's full-batch decode capacity that the
-  bound leaves unused (what one unsplittable long request costs, whatever the policy).
 
-## Why rhymerl misses the bubble and makespan targets
+## What each workload shows
 
-- heavy_tail: 1% of samples loop to max_tokens (16,384 tokens, 84 s alone on a worker:
-  the oracle's floor). A runaway looks like its siblings until it outgrows its prompt's
-  history, so a non-clairvoyant policy starts its dedicated run only once every sample
-  has been exposed; that exposure is what rhymerl's makespan pays over the floor. After
-  it, only the runaways run and most workers are idle: with 23-27 s of full-batch work per
-  worker against an 84 s floor, 68-73% of the fleet's capacity is idle under any schedule
-  (`idle_capacity` of the oracle rows), and the bubble as defined could only be cut by
-  holding samples back to stretch the work out, which risks starting a hidden runaway late.
-- traces: the longest sample (512 tokens) and the fleet's work per worker are about
-  equally long, so packing must be near-perfect; the 0.1 s event quantum and prefill
-  stalls are a visible share of a 2.7 s step.
-- `share_order="spt"` (rhymerl option: in sharing mode a started request keeps its slot and
-  new ones start shortest-predicted first) cut migrations by about 90% at 64 and 512
-  workers with makespan within +-1.5% of the default; the default stays `las`.
+- `heavy_tail`: a sample's length is mostly its prompt's (RhymeRL: few prompts change length
+  rank between epochs), and 3% of prompts jump each epoch. At 256 samples per worker and 8
+  running at once, the fleet's work, not one sample, sets the floor, so a bubble near 0 is
+  possible. rhymerl sends each group's first sample ahead (a scout): a prompt whose length
+  changed shows it within a chunk, and its siblings are pulled forward before they can start
+  late.
+- `heavy_tail_runaways`: the same plus 1% of samples that loop to max_tokens at random. A
+  runaway looks like its siblings until it outgrows its prompt's history, so a policy without
+  foresight finds the last runaways only when most of the step's work is done, and each still
+  needs about 84 s after that. The oracle knows them from the start; no history does. rhymerl
+  runs every exposed runaway first (its prediction jumps to max_tokens), which keeps the
+  bubble low, but its makespan stays near "the step without runaways + one runaway".
+- `traces`: the recorded RL-loop traces, tiled; short responses (median under 100 tokens), so
+  prefills and the event quantum are a visible share of the step.
+- The earlier shape, `--samples-per-worker 32`, puts one 16K-token sample at 3.6x a worker's
+  full-batch share of the work: that sample is the floor, and most of the fleet idles under
+  any schedule that does not hold work back just to look busy.
+- `static` pins each prompt's group to one worker, as veRL's even split of a batch does.
 
 ## How to read these numbers
 

@@ -45,6 +45,7 @@ from services.scheduler.simulator import (
 )
 
 POLICIES = ["static", "seer", "histopipe", "rhymerl"]
+ROW_WORKLOADS = ("heavy_tail", "traces")  # the workloads of the "rows"
 EPOCH = 3  # the simulated step; epochs 0..2 are its history
 
 
@@ -346,7 +347,12 @@ def main() -> int:
         + (f"; live rows: in-process {args.live_device} workers on the same machine" if args.live else ""),
         "commit": git_commit(), "wall_s": total,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "workloads": describe, "rows": rows, "targets": targets(rows), "sections": sections,
+        "workloads": describe, "targets": targets(rows),
+        # the results format: "rows" hold the traces and heavy_tail workloads (and
+        # live); the runaway variant goes with the other sections
+        "rows": [r for r in rows if r["mode"] == "live" or r["workload"] in ROW_WORKLOADS],
+        "sections": {**{name: [r for r in rows if r["mode"] == "sim" and r["workload"] == name]
+                        for name in describe if name not in ROW_WORKLOADS}, **sections},
         "section_titles": titles,
     }
     out = Path(args.out)
@@ -394,7 +400,8 @@ def render_markdown(summary: dict, acc_table: str) -> str:
         "",
     ]
     for name in summary["workloads"]:
-        rows = [r for r in summary["rows"] if r["workload"] == name and r["mode"] == "sim"]
+        rows = [r for r in summary["rows"] + summary["sections"].get(name, [])
+                if r["workload"] == name and r["mode"] == "sim"]
         parts.append(f"## {name} (sim)\n\n{table(rows, MAIN_COLUMNS)}\n")
     live = [r for r in summary["rows"] if r["mode"] == "live"]
     if live:
@@ -404,6 +411,8 @@ def render_markdown(summary: dict, acc_table: str) -> str:
                      + "\n\n" + target_verdict(summary["targets"]) + "\n")
     titles = summary["section_titles"]
     for name, rows in summary["sections"].items():
+        if name in summary["workloads"]:
+            continue  # drawn with the workloads above
         columns = MULTI_COLUMNS if name == "cross_step" else MAIN_COLUMNS
         parts.append(f"## {titles.get(name, name)}\n\n{table(rows, columns)}\n")
     parts.append(f"## Length model accuracy (rhymerl's predictions at step start)\n\n{acc_table}\n")

@@ -60,7 +60,7 @@ class OracleLengths(LengthModel):
         return float(self.true_len[request.request_id])
 
 
-ORACLE = {"runaway_guard": float("inf"), "share_unknown": False}  # rhymerl, longest true length first
+ORACLE = {"runaway_guard": float("inf")}  # rhymerl, longest true length first
 
 
 def simulate(args, workload: Workload, num_workers: int, policy: str, epochs: list[int],

@@ -75,6 +75,8 @@ class LengthModel:
         self._raw: dict[str, list[tuple[float, float]]] = {}
         self._siblings: dict[tuple[str, str], list[int]] = defaultdict(list)
         self._progress: dict[tuple[str, str], int] = {}  # group -> most tokens of an unfinished sibling
+        self.num_finished = 0  # samples observed finishing, all steps
+        self.num_capped = 0  # of those, the ones that ran to max_tokens
         self._combined: dict[tuple[str, str], _WeightedLengths] = {}
         if history:
             self.load_history(history)
@@ -106,6 +108,11 @@ class LengthModel:
         total = sum(weight for _, weight in raw)
         return sum(weight for length, weight in raw if length >= max_tokens) / total
 
+    def finished_cap_hit_rate(self) -> float | None:
+        """Share of the samples observed finishing (all steps, all prompts) that ran to
+        their ``max_tokens``; None before the first."""
+        return self.num_capped / self.num_finished if self.num_finished else None
+
     def num_finished_siblings(self, group_id: tuple[str, str]) -> int:
         return len(self._siblings.get(group_id, ()))
 
@@ -114,6 +121,8 @@ class LengthModel:
         one is not evidence of how long its siblings run, and is ignored)."""
         if request.aborted:
             return
+        self.num_finished += 1
+        self.num_capped += length >= request.max_tokens
         self._siblings[request.group_id].append(int(length))
         self._progress[request.group_id] = max(self._progress.get(request.group_id, 0), int(length))
         self._combined.pop(request.group_id, None)

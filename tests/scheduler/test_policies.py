@@ -307,3 +307,19 @@ def test_rhymerl_scout_that_outruns_its_history_pulls_its_group_forward():
     policy.on_chunk_done(scouts[1].request, "w0", 200, False, 2.0)
     order = [a.request.request_id for a in policy.schedule([WorkerState("w1", 5)], 2.0)]
     assert order == ["s/a/0", "s/a/1", "s/a/2", "s/b/1", "s/b/2"]
+
+
+def test_rhymerl_learns_the_runaway_rate_for_prompts_without_history():
+    """The first step knows nothing and runs as Seer does (probes, longest first); once
+    finished samples show runaways (2 of 4 ran to max_tokens), a later step of new
+    prompts runs in sharing mode, where every request starts early."""
+    policy = make_policy("rhymerl", chunk_size=100)
+    lengths = LengthModel()
+    first = make_requests("s1", 1, 4, max_tokens=100)
+    policy.add_step(first, lengths, 0.0)
+    assert not policy._sharing["s1"]
+    for a, length in zip(policy.schedule([WorkerState("w0", 4)], 0.0), (100, 100, 10, 20)):
+        policy.on_chunk_done(a.request, "w0", length, True, 1.0)
+    assert lengths.finished_cap_hit_rate() == 0.5
+    policy.add_step(make_requests("s2", 2, 2, max_tokens=100), lengths, 2.0)
+    assert policy._sharing["s2"]

@@ -12,11 +12,12 @@
    the step hides runaways: samples that run to ``max_tokens`` although predicted
    under ``runaway_share`` of it (expected count >= ``runaway_guard``). A runaway looks
    like its siblings until it outgrows its prompt's history, and longest-first starts
-   the short groups (and their runaways) last. Such a step, and one whose prompts
-   mostly have no history (``share_unknown``: nothing to rank by), runs in sharing
-   mode: only requests predicted past ``long_share`` of ``max_tokens`` (known long, or
-   outgrown) go longest first; the rest share the fleet fewest-generated-tokens first,
-   so every request starts early and a runaway is exposed within a few chunks. With
+   the short groups (and their runaways) last. A prompt without history counts at the
+   rate of its step's other prompts, else at the rate this run has seen in finished
+   samples (the very first step knows none and runs as Seer does). Such a step runs in
+   sharing mode: only requests predicted past ``long_share`` of ``max_tokens`` (known
+   long, or outgrown) go longest first; the rest share the fleet fewest-generated-tokens
+   first, so every request starts early and a runaway is exposed within a few chunks. With
    ``cross_step=True`` (bounded staleness 1: the caller lets the next step in while
    this one's tail runs) steps alternate long-to-short and short-to-long (HistoPipe's
    complementary order).
@@ -43,7 +44,7 @@ class RhymeRLPolicy(SeerPolicy):
     use_history = True
 
     def __init__(self, chunk_size: int = 1024, cross_step: bool = False, runaway_guard: float = 1.0,
-                 long_share: float = 0.5, runaway_share: float = 0.125, share_unknown: bool = True,
+                 long_share: float = 0.5, runaway_share: float = 0.125,
                  wait_for_home: bool = True, cost: CostModel | None = None, model_shape: str = "7B",
                  share_order: str = "las") -> None:
         if share_order not in ("las", "spt"):
@@ -53,7 +54,6 @@ class RhymeRLPolicy(SeerPolicy):
         self.runaway_guard = runaway_guard
         self.long_share = long_share
         self.runaway_share = runaway_share
-        self.share_unknown = share_unknown
         self.wait_for_home = wait_for_home
         self.share_order = share_order
         self.cost = cost or CostModel.default(model_shape)
@@ -70,9 +70,7 @@ class RhymeRLPolicy(SeerPolicy):
             request.predicted_len = lengths.predict(request)
         for step_id in dict.fromkeys(r.step_id for r in requests):  # arrival order, not hash order
             in_step = [r for r in requests if r.step_id == step_id]
-            unknown = sum(not lengths.has_history(r.prompt_id) for r in in_step)
-            self._sharing[step_id] = (self._expected_runaways(in_step, lengths) >= self.runaway_guard
-                                      or (self.share_unknown and 2 * unknown > len(in_step)))
+            self._sharing[step_id] = self._expected_runaways(in_step, lengths) >= self.runaway_guard
         super().add_step(requests, lengths, now)
 
     def cancel_step(self, step_id: str) -> list[Request]:
@@ -148,11 +146,13 @@ class RhymeRLPolicy(SeerPolicy):
 
     def _expected_runaways(self, requests: list[Request], lengths: LengthModel) -> float:
         """Samples expected to hit ``max_tokens`` although predicted short: the cap-hit
-        rate of their prompt's history (the step's mean rate for prompts without one)."""
-        short = [r for r in requests if r.predicted_len < self.runaway_share * r.max_tokens]
+        rate of their prompt's history (for prompts without one, the step's mean rate, or
+        else the rate among the samples this run has finished so far)."""
+        short = [r for r in requests if r.predicted_len < self.runaway_share * r.max_tokens
+                 or not lengths.has_history(r.prompt_id)]  # without history "long" is a guess
         rates = [lengths.cap_hit_rate(r.prompt_id, r.max_tokens) for r in short]
         known = [rate for rate in rates if rate is not None]
-        default = sum(known) / len(known) if known else 0.0
+        default = sum(known) / len(known) if known else lengths.finished_cap_hit_rate() or 0.0
         return sum(default if rate is None else rate for rate in rates)
 
     def _pays_to_move(self, request: Request, free: LeastLoaded) -> bool:

@@ -98,6 +98,7 @@ class _LengthsSnapshots:
                              "sibling_weight": lengths.sibling_weight}
             out["siblings"] = [[step, prompt, list(found)] for (step, prompt), found in lengths._siblings.items()]
             out["progress"] = [[step, prompt, tokens] for (step, prompt), tokens in lengths._progress.items()]
+            out["finished"] = [lengths.num_finished, lengths.num_capped]
         seen, raw = self._seen[index], lengths._raw
         history: dict[str, list | None] = {}
         for prompt_id, pairs in raw.items():
@@ -269,6 +270,7 @@ class _Replayer:
                 model._siblings[(step, prompt)] = list(found)
             for step, prompt, tokens in snap.get("progress", ()):
                 model._progress[(step, prompt)] = tokens
+            model.num_finished, model.num_capped = snap.get("finished", (0, 0))
             self.models.append(model)
         model = self.models[index]
         for prompt_id, pairs in snap["history"].items():

@@ -12,8 +12,9 @@ A request that has already generated ``g`` tokens without finishing is longer th
 ``g``; its prediction is conditioned on that (the weighted mean of the known lengths
 above ``g``; ``max_tokens`` when it outgrew all of them), so requests that keep running
 rise in priority instead of falling. With history, a request is also predicted at least
-as long as the furthest its unfinished siblings have run (``observe_progress``): a group
-whose first sample outgrows the prompt's history pulls its queued siblings forward.
+as long as the furthest any sibling has run, finished or not (Seer's longest-sibling
+estimate, kept as a floor; ``observe_progress``): a group whose first sample outgrows
+the prompt's history pulls its queued siblings forward.
 
 The model knows nothing about workers or time; the caller loads history in bulk
 (one round trip per step) and tells it which samples finished.
@@ -74,7 +75,7 @@ class LengthModel:
         self._history: dict[str, _WeightedLengths] = {}
         self._raw: dict[str, list[tuple[float, float]]] = {}
         self._siblings: dict[tuple[str, str], list[int]] = defaultdict(list)
-        self._progress: dict[tuple[str, str], int] = {}  # group -> most tokens of an unfinished sibling
+        self._progress: dict[tuple[str, str], int] = {}  # group -> most tokens any sibling reached
         self.num_finished = 0  # samples observed finishing, all steps
         self.num_capped = 0  # of those, the ones that ran to max_tokens
         self._combined: dict[tuple[str, str], _WeightedLengths] = {}

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.provenance import cpu_name, git_commit
+from benchmarks.report import markdown_table
 from services.rollout.drafter import (
     QWEN2_5_0_5B_H100,
     HistoDrafter,
@@ -336,13 +337,6 @@ COLUMNS = [  # (header, result key, format)
 ]
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(c[0] for c in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join(fmt.format(row[key]) for _, key, fmt in COLUMNS) + " |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", help="trace file (benchmarks.traces format); default: synthetic")
@@ -429,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
         "timing_clock": "time.thread_time_ns (CPU time of the replay thread)",
         "rows": rows,
     }
-    text = table(rows)
+    text = markdown_table(rows, COLUMNS)
     print(text)
     print(f"history+siblings+prompt (16) vs best n-gram: {ratio_16:.2f}x")
     out = Path(args.out)

@@ -34,6 +34,7 @@ import numpy as np
 
 from benchmarks.policy import load_example
 from benchmarks.provenance import git_commit
+from benchmarks.report import markdown_table
 from benchmarks.traces import TraceRecord, read_traces
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -142,13 +143,6 @@ _COLUMNS = (
 )
 
 
-def format_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(name for name, _, _ in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    for row in rows:
-        lines.append("| " + " | ".join(fmt.format(row[key]) for _, key, fmt in _COLUMNS) + " |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", help="trace files (.npz, benchmarks/traces.py format)")
@@ -163,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows = trace_similarity(records)
         lengths = length_stats(records)
         files[str(path)] = {"epochs": rows, **lengths}
-        table = format_table(rows)
+        table = markdown_table(rows, _COLUMNS)
         tail = (f"Response lengths over all epochs: median {lengths['median_length']:.1f}, "
                 f"max {lengths['max_length']} ({lengths['num_at_max_length']} responses that long), "
                 f"max / median "

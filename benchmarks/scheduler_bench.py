@@ -64,9 +64,15 @@ ORACLE = {"runaway_guard": float("inf")}  # rhymerl, longest true length first
 
 
 def simulate(args, workload: Workload, num_workers: int, policy: str, epochs: list[int],
-             spec: SpecConfig | None = None, overlap: bool = False, oracle: bool = False, **policy_kw) -> dict:
-    """One run: returns its metrics as a flat dict (the JSON row)."""
+             spec: SpecConfig | None = None, overlap: bool = False, oracle: bool = False,
+             known_law: int = 0, **policy_kw) -> dict:
+    """One run: returns its metrics as a flat dict (the JSON row). ``known_law=k``
+    replaces each step's history by k draws per prompt from the law its samples come
+    from (``Workload.known_law_history``)."""
     steps = [workload.step(e, history_lag=1 if overlap else 0) for e in epochs]
+    for epoch, step in zip(epochs, steps):
+        if known_law:
+            step.history = workload.known_law_history(epoch, known_law, seed=args.seed)
     if oracle:
         policy_kw = {**policy_kw, **ORACLE}
     sim = Simulator(make_policy(policy, **policy_kw), CostModel.default(args.model), num_workers,
@@ -77,7 +83,7 @@ def simulate(args, workload: Workload, num_workers: int, policy: str, epochs: li
     acc = accuracy(result.predicted, result.actual)
     return {
         "policy": ("oracle" if oracle else policy) + ("(cross_step)" if policy_kw.get("cross_step") else "")
-        + ("+overlap" if overlap else ""),
+        + ("+overlap" if overlap else "") + (f"(known law x{known_law})" if known_law else ""),
         "workers": num_workers, "samples": len(result.actual), "steps": len(epochs),
         "makespan_s": first.makespan_s, "bubble_ratio": first.bubble_ratio, "tail_s": first.tail_time_s,
         "migrations": result.num_migrations, "reprefill_tokens": result.reprefill_tokens,

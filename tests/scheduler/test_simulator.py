@@ -133,3 +133,30 @@ def test_trace_workload_reads_lengths_by_prompt_and_epoch(tmp_path):
     assert step.history["q0"] == [[11, 12], [10, 11]]
     assert sorted(step.true_len.values()) == [12, 13, 22, 23]
     assert len(workload.take(5).lengths) == 5  # tiled with renamed copies
+    with pytest.raises(ValueError, match="length law"):
+        workload.known_law_history(2)
+
+
+def test_known_law_history_draws_from_the_law_the_samples_came_from():
+    """The prediction-limit benchmark's history: fresh draws around each prompt's true
+    scale of that epoch (not its earlier epochs'), reproducible, kept by ``take``."""
+    import numpy as np
+
+    workload = synthetic_workload(400, n=16, num_epochs=3, seed=5, runaway_prob=0.0, jump_prob=0.5)
+    law = workload.law
+    history = workload.known_law_history(2, num_samples=64, seed=1)
+    assert history == workload.known_law_history(2, num_samples=64, seed=1)
+    assert history != workload.known_law_history(2, num_samples=64, seed=2)
+    assert set(history) == set(workload.lengths) and all(len(h) == 1 and len(h[0]) == 64 for h in history.values())
+    uncapped = [p for p in history if law.scales[p][2] < np.log(workload.max_tokens) - 1.5]
+    assert len(uncapped) > 300
+    log_median = {p: float(np.median(np.log(history[p][0]))) for p in uncapped}
+    # the draws sit on this epoch's scale (sampling error of a median of 64: ~0.08) ...
+    errors = [log_median[p] - law.scales[p][2] for p in uncapped]
+    assert abs(statistics.mean(errors)) < 0.02 and max(map(abs, errors)) < 0.4
+    # ... and so do the epoch's real samples, while half the prompts jumped since epoch 1
+    real = [float(np.median(np.log(workload.lengths[p][2]))) - law.scales[p][2] for p in uncapped]
+    assert abs(statistics.mean(real)) < 0.05
+    assert statistics.mean(abs(law.scales[p][2] - law.scales[p][1]) for p in uncapped) > 0.2
+    tiled = workload.take(800)
+    assert tiled.law.scales["p3#1"] == law.scales["p3"]

@@ -27,11 +27,38 @@ class SimStep:
 
 
 @dataclass(frozen=True)
+class LengthLaw:
+    """The distribution a synthetic workload drew its lengths from: per prompt and epoch
+    lognormal(scale, ``sample_sigma``), and ``max_tokens`` with ``runaway_prob``."""
+
+    scales: dict[str, list[float]]  # prompt_id -> per epoch (oldest first) the log-scale mu
+    sample_sigma: float
+    runaway_prob: float
+
+
+@dataclass(frozen=True)
 class Workload:
     lengths: dict[str, list[list[int]]]  # prompt_id -> per epoch (oldest first) its sample lengths
     prompt_lens: dict[str, int]
     max_tokens: int
     source: str
+    law: LengthLaw | None = None  # synthetic workloads only
+
+    def known_law_history(self, epoch: int, num_samples: int = 256, seed: int = 0) -> History:
+        """Per prompt, ``num_samples`` fresh draws from the law its epoch-``epoch`` samples
+        came from: the best history there can be (it knows each prompt's length
+        distribution this epoch, not which of its samples will be long)."""
+        if self.law is None:
+            raise ValueError(f"{self.source}: only a synthetic workload knows its length law")
+        rng = np.random.default_rng([seed, epoch, 1])  # not the stream the workload drew from
+        history = {}
+        for prompt_id, scales in self.law.scales.items():
+            if epoch >= len(scales):
+                continue
+            lengths = np.exp(scales[epoch] + rng.normal(0.0, self.law.sample_sigma, num_samples))  # [num_samples]
+            lengths[rng.random(num_samples) < self.law.runaway_prob] = self.max_tokens
+            history[prompt_id] = [np.clip(lengths, 1, self.max_tokens).astype(np.int64).tolist()]
+        return history
 
     @property
     def num_epochs(self) -> int:
@@ -69,9 +96,12 @@ class Workload:
         for i in range(num_prompts):
             name = names[i % len(names)]
             chosen[name if i < len(names) else f"{name}#{i // len(names)}"] = name
+        law = self.law and LengthLaw({new: self.law.scales[old] for new, old in chosen.items()},
+                                     self.law.sample_sigma, self.law.runaway_prob)
         return Workload({new: self.lengths[old] for new, old in chosen.items()},
                         {new: self.prompt_lens[old] for new, old in chosen.items()},
-                        self.max_tokens, self.source if num_prompts <= len(names) else self.source + " (tiled)")
+                        self.max_tokens, self.source if num_prompts <= len(names) else self.source + " (tiled)",
+                        law)
 
 
 def synthetic_workload(num_prompts: int, n: int = 16, num_epochs: int = 4, max_tokens: int = 16384,
@@ -90,12 +120,13 @@ def synthetic_workload(num_prompts: int, n: int = 16, num_epochs: int = 4, max_t
     rng = np.random.default_rng(seed)
     mu = rng.normal(np.log(median_len), prompt_sigma, num_prompts)  # [num_prompts]
     prompt_lens = rng.integers(64, 1024, num_prompts)  # [num_prompts]
-    per_epoch = []
+    per_epoch, scales = [], []
     for epoch in range(num_epochs):
         if epoch:
             mu = mu + rng.normal(np.log1p(growth), drift_sigma, num_prompts)
             jumps = rng.random(num_prompts) < jump_prob
             mu = mu + jumps * rng.normal(0.0, jump_sigma, num_prompts)
+        scales.append(mu)
         lengths = np.exp(mu[:, None] + rng.normal(0.0, sample_sigma, (num_prompts, n)))  # [num_prompts, n]
         lengths[rng.random((num_prompts, n)) < runaway_prob] = max_tokens
         per_epoch.append(np.clip(lengths, 1, max_tokens).astype(np.int64))
@@ -103,7 +134,9 @@ def synthetic_workload(num_prompts: int, n: int = 16, num_epochs: int = 4, max_t
     return Workload({name: [per_epoch[e][i].tolist() for e in range(num_epochs)] for i, name in enumerate(names)},
                     {name: int(prompt_lens[i]) for i, name in enumerate(names)}, max_tokens,
                     f"synthetic(seed={seed}, median={median_len:g}, prompt_sigma={prompt_sigma}, "
-                    f"sample_sigma={sample_sigma}, runaway={runaway_prob})")
+                    f"sample_sigma={sample_sigma}, runaway={runaway_prob})",
+                    LengthLaw({name: [float(scales[e][i]) for e in range(num_epochs)] for i, name in enumerate(names)},
+                              sample_sigma, runaway_prob))
 
 
 def trace_workload(paths: Iterable[str | Path], max_tokens: int | None = None) -> Workload:

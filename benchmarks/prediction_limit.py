@@ -110,10 +110,10 @@ def main() -> int:
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     out.with_suffix(".md").write_text("\n".join([
         "# rhymerl with its history vs with each prompt's true length law\n",
-        f"Command: `{summary['command']}`, commit {summary['commit']}, {total:.0f} s wall. "
-        f"Device: {summary['device']}.\n",
-        f"Workload: `heavy_tail`, {summary['workload']}; {args.samples_per_worker} samples per worker, "
-        f"capacity {args.capacity}; makespan vs oracle per seed (oracle: true lengths, perfect packing).\n",
+        (f"Command: `{summary['command']}`, commit {summary['commit']}, {total:.0f} s wall. "
+         f"Device: {summary['device']}.\n"),
+        (f"Workload: `heavy_tail`, {summary['workload']}; {args.samples_per_worker} samples per worker, "
+         f"capacity {args.capacity}; makespan vs oracle per seed (oracle: true lengths, perfect packing).\n"),
         "## Mean over seeds\n", mean_table, "", "## Every run\n", run_table, "", NOTES]))
     print(f"\nwrote {out}.md and {out}.json in {total:.0f} s")
     return 0

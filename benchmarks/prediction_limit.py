@@ -1,17 +1,20 @@
 """How much of rhymerl's tail is prediction, not scheduling? The same policy fed a perfect
 length predictor for each prompt, side by side with its real history.
 
-On ``heavy_tail`` (benchmarks/scheduler_bench.py's synthetic workload, epoch 3) the
-generator knows each prompt's length law this epoch (lognormal scale and spread). Per
-fleet size three rows, all in the simulator with the same policy objects:
+On ``heavy_tail`` and ``heavy_tail_runaways`` (benchmarks/scheduler_bench.py's
+synthetic workloads, epoch 3) the generator knows each prompt's length law this epoch
+(lognormal scale and spread, and the runaway rate). Per workload and fleet size, all in
+the simulator with the same policy objects:
 
-- ``rhymerl``: its history is what the history service holds, the prompt's samples of
+- ``rhymerl, earlier epochs``: its history is what the history service holds, the prompt's samples of
   the earlier epochs (16 per epoch, drifting, 3% of prompts jumping);
-- ``rhymerl(known law x256)``: its history is 256 fresh draws from the law of *this*
+- ``rhymerl, known law x256``: its history is 256 fresh draws from the law of *this*
   epoch: as good as any history-based predictor can be. It still does not know which
-  of a group's samples will be long (no scheduler without foresight can), so the gap
-  to the oracle left in this row is what within-group randomness costs;
-- ``oracle``: true lengths known, perfect packing (``scheduler_bench.oracle_bound``).
+  of a group's samples will be long or will loop to ``max_tokens`` (no scheduler without
+  foresight can), so the gap to the oracle left in this row is what that randomness
+  costs;
+- ``oracle``: true lengths known, perfect packing (``scheduler_bench.oracle_bound``);
+- ``static``: the baseline the tail target is measured against.
 
     python -m benchmarks.prediction_limit [--workers 64,512,4096] [--seeds 3] [--jobs 2]
 
@@ -33,27 +36,34 @@ from benchmarks.scheduler_bench import EPOCH, oracle_bound, simulate
 from services.scheduler.cost_model import CostModel
 from services.scheduler.simulator import synthetic_workload
 
-COLUMNS = [("workers", "workers", "{}"), ("seed", "seed", "{}"), ("history", "history", "{}"),
+COLUMNS = [("workload", "workload", "{}"), ("workers", "workers", "{}"), ("seed", "seed", "{}"), ("run", "history", "{}"),
            ("makespan s", "makespan_s", "{:.1f}"), ("vs oracle", "makespan_vs_oracle", "{:.3f}"),
            ("bubble", "bubble_ratio", "{:.3f}"), ("tail s", "tail_s", "{:.1f}"),
-           ("Spearman", "spearman", "{:.3f}"), ("sim wall s", "sim_wall_s", "{:.0f}")]
+           ("tail cut vs static", "tail_cut", "{:.1%}"), ("Spearman", "spearman", "{:.3f}"), ("sim wall s", "sim_wall_s", "{:.0f}")]
 MEAN_COLUMNS = [c for c in COLUMNS if c[1] not in ("seed", "sim_wall_s")] + [("seeds", "seeds", "{}")]
+RUNAWAY = {"heavy_tail": 0.0, "heavy_tail_runaways": 0.01}  # as in scheduler_bench
 
 
-def workload(args, num_workers: int, seed: int):
+def workload(args, name: str, num_workers: int, seed: int):
     return synthetic_workload(num_workers * args.samples_per_worker // args.n, n=args.n, num_epochs=EPOCH + 1,
-                              max_tokens=args.max_tokens, seed=seed, median_len=args.median, runaway_prob=0.0)
+                              max_tokens=args.max_tokens, seed=seed, median_len=args.median,
+                              runaway_prob=RUNAWAY[name])
 
 
-def run_one(args, num_workers: int, seed: int, known_law: int) -> dict:
-    """One simulation (run in a worker process: the fleets are independent)."""
-    row = simulate(argparse.Namespace(**{**vars(args), "seed": seed}), workload(args, num_workers, seed),
-                   num_workers, "rhymerl", [EPOCH], known_law=known_law)
-    return {**row, "seed": seed, "history": f"known law x{known_law}" if known_law else "earlier epochs"}
+def run_one(args, name: str, num_workers: int, seed: int, known_law: int | None) -> dict:
+    """One simulation (run in a worker process: the fleets are independent); ``known_law``
+    None runs ``static``, the baseline of the tail target."""
+    row = simulate(argparse.Namespace(**{**vars(args), "seed": seed}), workload(args, name, num_workers, seed),
+                   num_workers, "rhymerl" if known_law is not None else "static", [EPOCH],
+                   known_law=known_law or 0)
+    history = ("static" if known_law is None else f"rhymerl, known law x{known_law}" if known_law
+               else "rhymerl, earlier epochs")
+    return {**row, "workload": name, "seed": seed, "history": history}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default=",".join(RUNAWAY))
     parser.add_argument("--workers", default="64,512,4096")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per fleet of <= --seeds-up-to workers")
     parser.add_argument("--seeds-up-to", type=int, default=512, help="larger fleets run one seed")
@@ -71,36 +81,44 @@ def main() -> int:
     args = parser.parse_args()
     started = time.perf_counter()
     fleets = [int(x) for x in args.workers.split(",")]
-    runs = [(w, seed, draws) for w in sorted(fleets, reverse=True)  # biggest first: they set the wall time
+    names = args.workloads.split(",")
+    runs = [(name, w, seed, draws) for w in sorted(fleets, reverse=True)  # biggest first: they set the wall time
+            for name in names
             for seed in range(args.seed, args.seed + (args.seeds if w <= args.seeds_up_to else 1))
-            for draws in (0, args.known_draws)]
+            for draws in (0, args.known_draws, None)]
     rows = []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = [pool.submit(run_one, args, *run) for run in runs]
         for i, future in enumerate(futures):
             rows.append(future.result())
             r = rows[-1]
-            print(f"[{i + 1}/{len(runs)}] {r['workers']} workers, seed {r['seed']}, {r['history']}: "
+            print(f"[{i + 1}/{len(runs)}] {r['workload']}, {r['workers']} workers, seed {r['seed']}, {r['history']}: "
                   f"bubble {r['bubble_ratio']:.3f}, makespan {r['makespan_s']:.1f} s", flush=True)
     cost = CostModel.default(args.model)
-    oracle = {(w, s): oracle_bound(workload(args, w, s).step(EPOCH), cost, w, args.capacity)["makespan_s"]
-              for w, s, _ in runs}
+    oracle = {(name, w, s): oracle_bound(workload(args, name, w, s).step(EPOCH), cost, w, args.capacity)
+              for name, w, s, _ in runs}
     for r in rows:
-        r["makespan_vs_oracle"] = r["makespan_s"] / oracle[(r["workers"], r["seed"])]
+        r["oracle_makespan_s"] = oracle[(r["workload"], r["workers"], r["seed"])]["makespan_s"]
+        r["makespan_vs_oracle"] = r["makespan_s"] / r["oracle_makespan_s"]
+        static = next(x for x in rows if x["history"] == "static"
+                      and (x["workload"], x["workers"], x["seed"]) == (r["workload"], r["workers"], r["seed"]))
+        r["tail_cut"] = 1.0 - r["tail_s"] / static["tail_s"]
     means = []
-    for w in sorted(fleets):
-        for history in dict.fromkeys(r["history"] for r in rows):
-            mine = [r for r in rows if r["workers"] == w and r["history"] == history]
-            means.append({"workers": w, "history": history, "seeds": len(mine),
-                          **{key: sum(r[key] for r in mine) / len(mine) for _, key, _ in MEAN_COLUMNS
-                             if key not in ("workers", "history", "seeds")}})
-    rows.sort(key=lambda r: (r["workers"], r["seed"], r["history"]))
+    for name in names:
+        for w in sorted(fleets):
+            for history in dict.fromkeys(r["history"] for r in rows):
+                mine = [r for r in rows if (r["workload"], r["workers"], r["history"]) == (name, w, history)]
+                means.append({"workload": name, "workers": w, "history": history, "seeds": len(mine),
+                              **{key: sum(r[key] for r in mine) / len(mine) for _, key, _ in MEAN_COLUMNS
+                                 if key not in ("workload", "workers", "history", "seeds")}})
+    rows.sort(key=lambda r: (names.index(r["workload"]), r["workers"], r["seed"], r["history"]))
     total = time.perf_counter() - started
     summary = {
         "command": ("python -m benchmarks.prediction_limit " + " ".join(sys.argv[1:])).strip(),
         "device": f"simulated fleet of H100 workers ({args.model} cost curve, DESIGN.md) on {cpu_name()}",
         "commit": git_commit(), "wall_s": total, "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "workload": workload(args, fleets[0], args.seed).source + f", epoch {EPOCH}",
+        "workloads": {name: workload(args, name, fleets[0], args.seed).source + f", epoch {EPOCH}"
+                      for name in names},
         "means": means, "runs": rows,
     }
     mean_table, run_table = markdown_table(means, MEAN_COLUMNS), markdown_table(rows, COLUMNS)
@@ -112,8 +130,9 @@ def main() -> int:
         "# rhymerl with its history vs with each prompt's true length law\n",
         (f"Command: `{summary['command']}`, commit {summary['commit']}, {total:.0f} s wall. "
          f"Device: {summary['device']}.\n"),
-        (f"Workload: `heavy_tail`, {summary['workload']}; {args.samples_per_worker} samples per worker, "
-         f"capacity {args.capacity}; makespan vs oracle per seed (oracle: true lengths, perfect packing).\n"),
+        *[f"- `{name}`: {source}" for name, source in summary["workloads"].items()], "",
+        (f"{args.samples_per_worker} samples per worker, capacity {args.capacity}; makespan vs oracle per "
+         "seed (oracle: true lengths, perfect packing).\n"),
         "## Mean over seeds\n", mean_table, "", "## Every run\n", run_table, "", NOTES]))
     print(f"\nwrote {out}.md and {out}.json in {total:.0f} s")
     return 0

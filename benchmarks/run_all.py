@@ -9,7 +9,8 @@ import sys
 CPU = [
     ["benchmarks.trace_similarity", "benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_cpu.npz"],
     ["benchmarks.drafter_bench", "--traces", "benchmarks/data/tiny_grpo_service.npz"],
-    ["benchmarks.scheduler_bench"],
+    ["benchmarks.scheduler_bench", "--live", "--extra"],
+    ["benchmarks.prediction_limit"],
     ["benchmarks.engine_bench", "--device", "cpu"],
 ]
 GPU = [

@@ -471,7 +471,11 @@ The `oracle` rows are a lower bound, not a schedule (true lengths known, perfect
   running at once, the fleet's work, not one sample, sets the floor, so a bubble near 0 is
   possible. rhymerl sends each group's first sample ahead (a scout): a prompt whose length
   changed shows it within a chunk, and its siblings are pulled forward before they can start
-  late.
+  late. At 4,096 workers a step holds 1M samples and its makespan is set by one or two samples
+  4-5 sigma above their own group's median that started in the step's last fifth;
+  `python -m benchmarks.prediction_limit` (results/prediction_limit.md) runs the same policy
+  with each prompt's true length law as its history, to separate what better prediction
+  could win from what no scheduler without foresight can.
 - `heavy_tail_runaways`: the same plus 1% of samples that loop to max_tokens at random. A
   runaway looks like its siblings until it outgrows its prompt's history, so a policy without
   foresight finds the last runaways only when most of the step's work is done, and each still

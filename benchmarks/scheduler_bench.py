@@ -96,9 +96,9 @@ def simulate(args, workload: Workload, num_workers: int, policy: str, epochs: li
 
 
 def simulate_mean(args, make_workload, num_workers: int, policy: str, epochs: list[int], **kw) -> dict:
-    """``simulate`` averaged over seeds: ``--seeds`` of them on fleets up to 64 workers
+    """``simulate`` averaged over seeds: ``--seeds`` of them on fleets up to ``--seeds-up-to`` workers
     (small fleets hold few runaways, so one seed is noise), one seed above."""
-    seeds = range(args.seed, args.seed + (args.seeds if num_workers <= 64 else 1))
+    seeds = range(args.seed, args.seed + (args.seeds if num_workers <= args.seeds_up_to else 1))
     rows = [simulate(args, make_workload(seed), num_workers, policy, epochs, **kw) for seed in seeds]
     mean = dict(rows[0])
     for key, value in rows[0].items():
@@ -184,7 +184,7 @@ def trace_acceptance(path: str) -> tuple[SpecConfig, str]:
 
 
 def oracle_mean(args, make_workload, num_workers: int, epoch: int) -> dict:
-    seeds = range(args.seed, args.seed + (args.seeds if num_workers <= 64 else 1))
+    seeds = range(args.seed, args.seed + (args.seeds if num_workers <= args.seeds_up_to else 1))
     rows = [oracle_bound(make_workload(seed).step(epoch), CostModel.default(args.model), num_workers,
                          args.capacity) for seed in seeds]
     mean = dict(rows[0])
@@ -262,7 +262,8 @@ def main() -> int:
     parser.add_argument("--model", default="7B", choices=["0.5B", "1.5B", "7B"])
     parser.add_argument("--quantum", type=float, default=0.1, help="simulator event batching, seconds")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seeds", type=int, default=3, help="seeds averaged on fleets of <= 64 workers")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds averaged on fleets of <= --seeds-up-to workers")
+    parser.add_argument("--seeds-up-to", type=int, default=512, help="larger fleets run one seed (minutes each)")
     parser.add_argument("--traces", default="benchmarks/data/tiny_grpo_service.npz", help="trace files")
     parser.add_argument("--extra", action="store_true",
                         help="also: first epoch, speculative decoding, cross-step overlap (64 workers)")
@@ -396,7 +397,7 @@ def render_markdown(summary: dict, acc_table: str) -> str:
          f"{summary['wall_s']:.0f} s wall. Device: {summary['device']}.\n"),
         (f"Simulated batch: {c['samples_per_worker']} samples per worker in groups of n={c['n']}, capacity "
          f"{c['capacity']} sequences per worker, {c['model']} H100 cost curve (weights only: attention time "
-         f"not modelled), event quantum {c['quantum']} s; {c['seeds']} seeds averaged up to 64 workers, one "
+         f"not modelled), event quantum {c['quantum']} s; {c['seeds']} seeds averaged up to {c['seeds_up_to']} workers, one "
          "above.\n"),
         "Workloads:\n",
         *[f"- `{name}`: {d['source']}, epoch {d['epoch']} (earlier epochs are history); median "
@@ -475,7 +476,8 @@ The `oracle` rows are a lower bound, not a schedule (true lengths known, perfect
   4-5 sigma above their own group's median that started in the step's last fifth;
   `python -m benchmarks.prediction_limit` (results/prediction_limit.md) runs the same policy
   with each prompt's true length law as its history, to separate what better prediction
-  could win from what no scheduler without foresight can.
+  could win from what no scheduler without foresight can; results/prediction_limit_4096.md
+  has three seeds at 4,096 workers, where the rows above run one.
 - `heavy_tail_runaways`: the same plus 1% of samples that loop to max_tokens at random. A
   runaway looks like its siblings until it outgrows its prompt's history, so a policy without
   foresight finds the last runaways only when most of the step's work is done, and each still

@@ -507,8 +507,9 @@ The `oracle` rows are a lower bound, not a schedule (true lengths known, perfect
   that leaves workers idle puts more sequences in each step of the busy ones, takes
   fewer steps in all and finishes sooner (histopipe, bubble 0.3, at about half the others'
   makespan with 4 workers; with `--live-workers 2` all four policies land within 15%).
-  Placement quality is what the simulated rows measure, and the live GPU run in
-  `make bench-gpu`, where each worker owns its share of a GPU.
+  Placement quality is what the simulated rows measure. The live GPU run in
+  `make bench-gpu` uses the same in-process cluster, so it shares this caveat in part
+  (the kernels run in parallel; the Python between them does not).
 """
 
 

@@ -70,8 +70,8 @@ def simulate(args, workload: Workload, num_workers: int, policy: str, epochs: li
     replaces each step's history by k draws per prompt from the law its samples come
     from (``Workload.known_law_history``)."""
     steps = [workload.step(e, history_lag=1 if overlap else 0) for e in epochs]
-    for epoch, step in zip(epochs, steps):
-        if known_law:
+    if known_law:
+        for epoch, step in zip(epochs, steps):
             step.history = workload.known_law_history(epoch, known_law, seed=args.seed)
     if oracle:
         policy_kw = {**policy_kw, **ORACLE}

@@ -96,8 +96,8 @@ class Workload:
         for i in range(num_prompts):
             name = names[i % len(names)]
             chosen[name if i < len(names) else f"{name}#{i // len(names)}"] = name
-        law = self.law and LengthLaw({new: self.law.scales[old] for new, old in chosen.items()},
-                                     self.law.sample_sigma, self.law.runaway_prob)
+        law = None if self.law is None else LengthLaw(
+            {new: self.law.scales[old] for new, old in chosen.items()}, self.law.sample_sigma, self.law.runaway_prob)
         return Workload({new: self.lengths[old] for new, old in chosen.items()},
                         {new: self.prompt_lens[old] for new, old in chosen.items()},
                         self.max_tokens, self.source if num_prompts <= len(names) else self.source + " (tiled)",

@@ -32,22 +32,19 @@ from pathlib import Path
 
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
-from benchmarks.scheduler_bench import EPOCH, oracle_bound, simulate
+from benchmarks.scheduler_bench import EPOCH, heavy_tail, oracle_bound, seeds_for, simulate
 from services.scheduler.cost_model import CostModel
-from services.scheduler.simulator import synthetic_workload
 
 COLUMNS = [("workload", "workload", "{}"), ("workers", "workers", "{}"), ("seed", "seed", "{}"), ("run", "history", "{}"),
            ("makespan s", "makespan_s", "{:.1f}"), ("vs oracle", "makespan_vs_oracle", "{:.3f}"),
            ("bubble", "bubble_ratio", "{:.3f}"), ("tail s", "tail_s", "{:.1f}"),
            ("tail cut vs static", "tail_cut", "{:.1%}"), ("Spearman", "spearman", "{:.3f}"), ("sim wall s", "sim_wall_s", "{:.0f}")]
 MEAN_COLUMNS = [c for c in COLUMNS if c[1] not in ("seed", "sim_wall_s")] + [("seeds", "seeds", "{}")]
-RUNAWAY = {"heavy_tail": 0.0, "heavy_tail_runaways": 0.01}  # as in scheduler_bench
+WORKLOADS = ("heavy_tail", "heavy_tail_runaways")
 
 
 def workload(args, name: str, num_workers: int, seed: int):
-    return synthetic_workload(num_workers * args.samples_per_worker // args.n, n=args.n, num_epochs=EPOCH + 1,
-                              max_tokens=args.max_tokens, seed=seed, median_len=args.median,
-                              runaway_prob=RUNAWAY[name])
+    return heavy_tail(args, num_workers, seed, runaway=args.runaway if name == "heavy_tail_runaways" else 0.0)
 
 
 def run_one(args, name: str, num_workers: int, seed: int, known_law: int | None) -> dict:
@@ -63,7 +60,7 @@ def run_one(args, name: str, num_workers: int, seed: int, known_law: int | None)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workloads", default=",".join(RUNAWAY))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--workers", default="64,512,4096")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per fleet of <= --seeds-up-to workers")
     parser.add_argument("--seeds-up-to", type=int, default=512, help="larger fleets run one seed")
@@ -73,6 +70,7 @@ def main() -> int:
     parser.add_argument("--capacity", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--median", type=float, default=600.0)
+    parser.add_argument("--runaway", type=float, default=0.01, help="heavy_tail_runaways: share of runaways")
     parser.add_argument("--model", default="7B", choices=["0.5B", "1.5B", "7B"])
     parser.add_argument("--quantum", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
@@ -84,7 +82,7 @@ def main() -> int:
     names = args.workloads.split(",")
     runs = [(name, w, seed, draws) for w in sorted(fleets, reverse=True)  # biggest first: they set the wall time
             for name in names
-            for seed in range(args.seed, args.seed + (args.seeds if w <= args.seeds_up_to else 1))
+            for seed in seeds_for(args, w)
             for draws in (0, args.known_draws, None)]
     rows = []
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
@@ -96,7 +94,7 @@ def main() -> int:
                   f"bubble {r['bubble_ratio']:.3f}, makespan {r['makespan_s']:.1f} s", flush=True)
     cost = CostModel.default(args.model)
     oracle = {(name, w, s): oracle_bound(workload(args, name, w, s).step(EPOCH), cost, w, args.capacity)
-              for name, w, s, _ in runs}
+              for name, w, s in dict.fromkeys(run[:3] for run in runs)}  # once per workload, not per run
     for r in rows:
         r["oracle_makespan_s"] = oracle[(r["workload"], r["workers"], r["seed"])]["makespan_s"]
         r["makespan_vs_oracle"] = r["makespan_s"] / r["oracle_makespan_s"]

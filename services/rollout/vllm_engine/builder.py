@@ -17,7 +17,9 @@ PROPOSER = "services.rollout.vllm_engine.proposer.HistoryProposer"
 
 def engine_args(settings, proposer: str | None) -> dict:
     """LLMEngine arguments; ``proposer`` is "rhymerl", "ngram", "suffix" or None."""
-    args = dict(model=settings.model_path, skip_tokenizer_init=True, dtype=settings.dtype,
+    # float32 on the CPU as the native engine uses (bf16 matmuls are slow there)
+    dtype = "float32" if settings.dtype == "auto" and settings.device in ("auto", "cpu") else settings.dtype
+    args = dict(model=settings.model_path, skip_tokenizer_init=True, dtype=dtype,
                 max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
                 gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
                 distributed_executor_backend="uni", enable_prefix_caching=True, seed=0)

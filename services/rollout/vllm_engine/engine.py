@@ -47,7 +47,6 @@ class VllmEngine:
         self.eos_token_ids = eos_token_ids
         self.speculative = speculative
         self._running: dict[str, _Running] = {}
-        self._by_vllm_id: dict[str, str] = {}
         self._aborted: list[RequestOutput] = []
         self.drafter = _RemoteDrafter(llm_engine) if speculative else None
         if self.drafter is not None:
@@ -75,7 +74,6 @@ class VllmEngine:
             output_kind=RequestOutputKind.CUMULATIVE)
         vllm_id = self.llm.add_request(req.request_id, {"prompt_token_ids": context}, params)
         self._running[req.request_id] = _Running(req, vllm_id)
-        self._by_vllm_id[vllm_id] = req.request_id
         if self.drafter is not None:
             self._rpc("register", vllm_id, Registration(req.prompt_id, len(req.prompt_token_ids),
                                                         len(context) + req.max_new_tokens, frozenset(stops)))
@@ -116,8 +114,7 @@ class VllmEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         for out in self.llm.step():
-            rid = self._by_vllm_id.get(out.request_id)
-            run = self._running.get(rid) if rid is not None else None
+            run = self._running.get(out.request_id)  # vLLM reports the id we passed, not its own
             if run is None:
                 continue
             completion = out.outputs[0]
@@ -138,7 +135,6 @@ class VllmEngine:
 
     def _finish(self, run: _Running, reason: str | None) -> RequestOutput:
         self._running.pop(run.req.request_id, None)
-        self._by_vllm_id.pop(run.vllm_id, None)
         steps = drafts = accepted = 0
         if self.drafter is not None:
             steps, drafts, accepted = self._rpc("counters", run.vllm_id)[0] or (0, 0, 0)

@@ -53,7 +53,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = save_tiny_vllm_model(Path(tmp) / "tiny")
-        settings = WorkerSettings(model_path=str(path), engine="vllm", max_num_seqs=16, max_draft_len=4)
+        settings = WorkerSettings(model_path=str(path), engine="vllm", max_num_seqs=16, max_draft_len=4,
+                                  speculative=args.proposer != "none")
         started = time.monotonic()
         engine = build_vllm_engine(settings, None if args.proposer == "none" else args.proposer)
         print(f"engine up in {time.monotonic() - started:.1f}s")

@@ -32,6 +32,7 @@ class LocalCluster:
     chunk_tokens: int = 64
     log_dir: Path = ROOT / "runs" / "local"
     extra_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, dict] = field(default_factory=dict)  # per worker name, over extra_env
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)
@@ -63,16 +64,16 @@ class LocalCluster:
                 "RHYMERL_WORKER_DTYPE": "float32", "RHYMERL_WORKER_MAX_NUM_SEQS": 64,
                 "RHYMERL_WORKER_NUM_KV_BLOCKS": 1024,
                 "RHYMERL_WORKER_SCHEDULER_ADDRESS": self.scheduler_address,
-                "RHYMERL_WORKER_HISTORY_ADDRESS": history})
+                "RHYMERL_WORKER_HISTORY_ADDRESS": history}, self.worker_env.get(name, {}))
         deadline = time.monotonic() + timeout_s
         for name, port in self.ports.items():
             self._wait_serving(name, port, deadline)
         self._wait_registered(deadline)
         return self
 
-    def _spawn(self, name: str, command: str, env: dict) -> None:
+    def _spawn(self, name: str, command: str, env: dict, own: dict | None = None) -> None:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    **{k: str(v) for k, v in env.items()}, **self.extra_env}
+                    **{k: str(v) for k, v in {**env, **self.extra_env, **(own or {})}.items()}}
         log = open(self.log_dir / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", command],
                                             cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)

@@ -492,3 +492,16 @@ def test_auth_reads_trainer_tokens_from_a_secret(gpu_objects, render, validate, 
 def test_auth_without_tokens_fails_at_render(render):
     with pytest.raises(Exception, match="auth.existingSecret or at least one entry in auth.tokens"):
         render(set={"auth.enabled": True})
+
+
+def test_vllm_profile_runs_the_vllm_image_with_the_vllm_engine(render, default_objects):
+    """worker.engine reaches the worker as RHYMERL_WORKER_ENGINE; an unknown engine is refused."""
+    c = container(workload(render(HERE / "values-vllm-cpu.yaml"), "worker"))
+    assert env_of(c)["RHYMERL_WORKER_ENGINE"] == "vllm"
+    assert env_of(c)["RHYMERL_WORKER_VLLM_KV_CACHE_GIB"] == "4"
+    assert c["image"].startswith("rhymerl/worker-vllm:")
+    assert env_of(container(workload(default_objects, "worker")))["RHYMERL_WORKER_ENGINE"] == "rhymerl"
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert schema_errors(deep_merge(defaults, yaml.safe_load((HERE / "values-vllm-cpu.yaml").read_text())), schema) == []
+    assert schema_errors(deep_merge(defaults, {"worker": {"engine": "sglang"}}), schema)

@@ -45,6 +45,19 @@ def eos_token_ids(model_path: str) -> frozenset[int]:
     return frozenset(ids)
 
 
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the checkpoint vLLM started from: what a weight push must match."""
+    from safetensors import safe_open
+
+    from services.rollout.weights import safetensors_files
+
+    shapes = {}
+    for f in safetensors_files(model_path):
+        with safe_open(str(f), "pt") as st:
+            shapes.update({name: tuple(st.get_slice(name).get_shape()) for name in st.keys()})
+    return shapes
+
+
 def build_vllm_engine(settings, proposer: str | None = None):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if settings.vllm_multiprocessing else "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
@@ -52,9 +65,13 @@ def build_vllm_engine(settings, proposer: str | None = None):
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from services.rollout.vllm_engine.engine import VllmEngine
+    from services.rollout.vllm_engine.stats import EngineStats
 
     if proposer is None and settings.speculative:
         proposer = "rhymerl"
-    llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(settings, proposer)))
+    stats = EngineStats()
+    llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(settings, proposer), disable_log_stats=False),
+                                     stat_loggers=[stats.logger_factory()])
     return VllmEngine(llm, speculative=proposer == "rhymerl", eos_token_ids=eos_token_ids(settings.model_path),
-                      max_model_len=llm.model_config.max_model_len)
+                      max_model_len=llm.model_config.max_model_len, stats=stats,
+                      weight_shapes=checkpoint_shapes(settings.model_path))

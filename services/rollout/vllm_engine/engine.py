@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.vllm_engine.proposer import Registration, call
+from services.rollout.vllm_engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,14 @@ class _Running:
 
 
 class VllmEngine:
-    def __init__(self, llm_engine, *, speculative: bool, eos_token_ids: frozenset[int], max_model_len: int):
+    def __init__(self, llm_engine, *, speculative: bool, eos_token_ids: frozenset[int], max_model_len: int,
+                 stats: EngineStats | None = None, weight_shapes: dict[str, tuple[int, ...]] | None = None):
         self.llm = llm_engine
+        self.stats = stats or EngineStats()  # filled by vLLM's scheduler stats each step
         hf = llm_engine.model_config.hf_config
         self.model = types.SimpleNamespace(config=hf)  # what the servicer reads: vocab, max length
         self.max_model_len = max_model_len
+        self.weight_shapes = weight_shapes or {}
         self.eos_token_ids = eos_token_ids
         self.speculative = speculative
         self._running: dict[str, _Running] = {}
@@ -100,13 +104,25 @@ class VllmEngine:
         return len(self._running)
 
     def num_waiting(self) -> int:
-        return 0
+        return self.stats.num_waiting
 
     def kv_cache_usage(self) -> float:
-        return 0.0
+        return self.stats.kv_cache_usage
 
     def load_weights(self, state_dict) -> None:
-        """Between samples (the loop calls it while idle): vLLM's model takes HF names."""
+        """Between samples (the loop calls it while idle): vLLM's model takes HF names.
+
+        vLLM loads whatever names it is given and keeps the rest, so a push is checked
+        whole against the starting checkpoint first: a partial one would mix versions.
+        """
+        if self.weight_shapes:
+            missing = sorted(set(self.weight_shapes) - set(state_dict))
+            unknown = sorted(set(state_dict) - set(self.weight_shapes))
+            bad = sorted(n for n in set(state_dict) & set(self.weight_shapes)
+                         if tuple(state_dict[n].shape) != self.weight_shapes[n])
+            if missing or unknown or bad:
+                raise ValueError(f"weights do not match the model: missing {missing[:3]}, unknown {unknown[:3]}, "
+                                 f"mis-shaped {bad[:3]}")
         self.llm.collective_rpc(_load_weights, args=(state_dict,))
         self.llm.reset_prefix_cache()
 
@@ -159,4 +175,6 @@ class _RemoteDrafter:
 
 
 def _load_weights(worker, state_dict) -> None:
-    worker.model_runner.model.load_weights(state_dict.items())
+    # vLLM's in-place reload: on the CPU, loading repacks linear layers into its kernels'
+    # layout, which drops the loaders a plain model.load_weights would need a second time.
+    worker.model_runner.reload_weights(weights_iterator=iter(state_dict.items()), is_checkpoint_format=True)

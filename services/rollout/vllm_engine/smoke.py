@@ -66,6 +66,7 @@ def main() -> None:
             print(rid, out.finish_reason, out.token_ids[:12], f"logprob[0]={out.logprobs[0]:.3f}",
                   f"drafts={out.num_draft_tokens} accepted={out.num_accepted_tokens}")
         again = run_all(engine, [request("c1b", prompt, seed=0, max_new=16, generated=first.token_ids)])["c1b"]
+        print("vLLM's scheduler stats:", engine.stats)
         print("first chunk == first 16 of the whole sample:", first.token_ids == whole["s0"].token_ids[:16])
         print("resumed chunk identical on rerun:", rest.token_ids == again.token_ids)
 

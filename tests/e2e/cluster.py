@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.rollout.models.config import ModelConfig
+from services.rollout.vllm_engine.smoke import TINY_VLLM
 
-TINY = dict(architecture="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-            rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=False, attention_bias=True,
-            qk_norm=False, eos_token_ids=(1,), bos_token_id=None, dtype="float32")
+# The vLLM smoke model's shape, narrower (rhymerl's engine takes head_dim 16; vLLM's CPU attention does not).
+TINY = {**TINY_VLLM, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16}
 
 
 def save_tiny_model(path: Path, seed: int = 0) -> Path:

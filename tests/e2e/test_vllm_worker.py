@@ -57,6 +57,16 @@ def test_every_sample_returned_exactly_once_with_logprobs(client):
     assert all(len(v) == 3 for v in by_prompt.values())
 
 
+def test_metrics_carry_rhymerl_and_vllm_series(cluster, client):
+    """The worker's /metrics: rhymerl's series as on the native worker, vLLM's beside them."""
+    from tests.e2e.test_local_processes import metric, scrape
+
+    client.rollout("metrics", prompts(2, offset=400), n=2, sampling=SAMPLED)
+    texts = [scrape(cluster.metrics_ports[f"worker-{i}"]) for i in range(2)]
+    assert sum(metric(t, "rhymerl:generation_tokens_total") for t in texts) >= 4 * SAMPLED.max_tokens
+    assert all("vllm:" in t for t in texts)
+
+
 def test_history_drafts_are_accepted_and_greedy_output_is_unchanged(client):
     """Epoch 2 drafts from epoch 1's greedy rollouts; its tokens are epoch 1's, whichever
     worker (with or without the proposer) ran each chunk."""

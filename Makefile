@@ -60,7 +60,7 @@ test: install install-vllm
 test-fast: install
 	$(PYTHON) -m pytest -q -x -m "not slow"
 
-bench: install
+bench: install install-vllm
 	$(PYTHON) -m benchmarks.run_all --device cpu
 
 bench-gpu: install

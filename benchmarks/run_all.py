@@ -12,6 +12,7 @@ CPU = [
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],
     ["benchmarks.engine_bench", "--device", "cpu"],
+    ["benchmarks.vllm_bench"],  # vLLM's engine with each proposer beside ours (make install-vllm)
 ]
 GPU = [
     # The issue-3 policy on one GPU (target: under 10 minutes); train_log.json has the time.

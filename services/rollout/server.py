@@ -256,7 +256,7 @@ def build_engine(settings: WorkerSettings, worker_id: str):
     if settings.engine == "vllm":
         from services.rollout.vllm_engine.builder import build_vllm_engine
 
-        return build_vllm_engine(settings)
+        return build_vllm_engine(settings, worker_id=worker_id)
     if settings.engine != "rhymerl":
         raise ValueError(f"RHYMERL_WORKER_ENGINE must be 'rhymerl' or 'vllm', not {settings.engine!r}")
     from services.rollout.drafter import HistoDrafter

@@ -58,7 +58,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_vllm_engine(settings, proposer: str | None = None):
+def build_vllm_engine(settings, proposer: str | None = None, worker_id: str = "vllm"):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if settings.vllm_multiprocessing else "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
     from vllm import EngineArgs
@@ -74,4 +74,4 @@ def build_vllm_engine(settings, proposer: str | None = None):
                                      stat_loggers=[stats.logger_factory()])
     return VllmEngine(llm, speculative=proposer == "rhymerl", eos_token_ids=eos_token_ids(settings.model_path),
                       max_model_len=llm.model_config.max_model_len, stats=stats,
-                      weight_shapes=checkpoint_shapes(settings.model_path))
+                      weight_shapes=checkpoint_shapes(settings.model_path), worker_id=worker_id)

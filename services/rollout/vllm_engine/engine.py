@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import types
 from dataclasses import dataclass, field
 
+from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.vllm_engine.proposer import Registration, call
 from services.rollout.vllm_engine.stats import EngineStats
@@ -41,13 +43,15 @@ class _Running:
 
 class VllmEngine:
     def __init__(self, llm_engine, *, speculative: bool, eos_token_ids: frozenset[int], max_model_len: int,
-                 stats: EngineStats | None = None, weight_shapes: dict[str, tuple[int, ...]] | None = None):
+                 stats: EngineStats | None = None, weight_shapes: dict[str, tuple[int, ...]] | None = None,
+                 worker_id: str = "vllm"):
         self.llm = llm_engine
         self.stats = stats or EngineStats()  # filled by vLLM's scheduler stats each step
         hf = llm_engine.model_config.hf_config
         self.model = types.SimpleNamespace(config=hf)  # what the servicer reads: vocab, max length
         self.max_model_len = max_model_len
         self.weight_shapes = weight_shapes or {}
+        self.metrics = EngineMetrics(worker_id)  # the same rhymerl:* series as the native engine
         self.eos_token_ids = eos_token_ids
         self.speculative = speculative
         self._running: dict[str, _Running] = {}
@@ -129,7 +133,13 @@ class VllmEngine:
     # --- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
-        for out in self.llm.step():
+        started = time.perf_counter()
+        step_outputs = self.llm.step()
+        st = self.stats
+        self.metrics.on_step("prefill" if st.step_prompt_tokens else "decode", time.perf_counter() - started,
+                             st.step_prompt_tokens, st.step_generation_tokens, st.num_running, st.num_waiting,
+                             st.kv_cache_usage)
+        for out in step_outputs:
             run = self._running.get(out.request_id)  # vLLM reports the id we passed, not its own
             if run is None:
                 continue

@@ -19,6 +19,9 @@ class EngineStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # tokens of the last step (vLLM's iteration stats), for the worker's rhymerl:* series
+    step_prompt_tokens: int = 0
+    step_generation_tokens: int = 0
 
     def logger_factory(self):
         """A vLLM StatLoggerFactory whose loggers write into this object."""
@@ -33,6 +36,8 @@ class EngineStats:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if scheduler_stats is not None:
                     stats.update(scheduler_stats)
+                stats.step_prompt_tokens = iteration_stats.num_prompt_tokens if iteration_stats else 0
+                stats.step_generation_tokens = iteration_stats.num_generation_tokens if iteration_stats else 0
 
             def log_engine_initialized(self):
                 pass

@@ -182,6 +182,7 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
     spec_ms = no_spec_ms = 0.0
     memory: list[int] = []
     memory_bytes: list[int] = []
+    global_tokens = 0
     load_ns = load_tokens = 0
     calls: list[tuple[int, int, int]] = []  # (ns, sequences, draft tokens) per propose call
     for epoch in sorted(by_epoch):
@@ -240,6 +241,8 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
             memory_bytes += [drafter.memory_bytes(pid) for pid in prompt_ids]
             for pid in prompt_ids:
                 drafter.release_prompt(pid)
+        if hasattr(drafter, "global_tokens"):
+            global_tokens = max(global_tokens, drafter.global_tokens())
         for t in records:
             history[t.prompt_id].append((t.epoch, t.token_ids, t.reward))
     # propose time ~ a * sequences + b * draft tokens (least squares over the calls)
@@ -269,5 +272,6 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
         "memory_tokens_mean": float(np.mean(memory)) if memory else 0.0,
         "memory_tokens_max": int(max(memory)) if memory else 0,
         "memory_bytes_per_token": float(sum(memory_bytes) / sum(memory)) if memory and sum(memory) else 0.0,
+        "global_tokens_max": global_tokens,
         "cost_model_speedup": no_spec_ms / spec_ms if spec_ms else 0.0,
     }

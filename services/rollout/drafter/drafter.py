@@ -284,6 +284,8 @@ class HistoDrafter:
             sources.append(source)
         glob = request.glob
         if glob is not None:
+            if glob.flips != self._global.flips:  # generations changed since its last tokens
+                self._global.follow(glob, seq.tokens, 0)
             for index, state, length in zip(self._global.generations, glob.states, glob.lens):
                 source = prepare(index, state, length, cfg.global_match_len_prior, cfg.min_match_len, num_tokens)
                 if source is not None:

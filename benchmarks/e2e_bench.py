@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -147,14 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         notes=[
             "Wall time is the trainer's rollout call (submit to the last sample), one system at a time, "
             "alternating which goes first.",
-            "Both systems sample the same policy with the same seeds; identical share < 1 comes from "
-            "floating-point differences between batch shapes (not batch-invariant kernels), not from the "
-            "speculation, which is lossless.",
-        ] + (["CPU timing on a machine shared with other jobs: the ratios are noisy (a few tens of percent "
-              "run to run)."] if args.device == "cpu" else []))
+            "Both systems sample the same policy with the same seeds; where the identical share is below 1, "
+            "floating-point differences between batch shapes (the kernels are not batch-invariant) made "
+            "the difference, not the speculation, which is lossless.",
+        ] + ([f"CPU timing on a machine shared with other jobs (load average {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} cores at the start): single epochs' ratios are noisy; the whole-run ratio is "
+              f"the steadier figure."] if args.device == "cpu" else []))
     rows: list[dict] = []
     out = Path(args.out)
     start = time.monotonic()
+    # SIGTERM (a time limit) unwinds: both clusters stop their processes; finished epochs are written.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     trainer = load_example("grpo_trainer")
     from rhymerl import RolloutClient
 

@@ -20,6 +20,7 @@ import argparse
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -54,18 +55,24 @@ def run(mode: str, runtime: GPURuntime, out: Path, extra: list[str]) -> None:
         command += ["--out", str(out)]
     print(f"$ {' '.join(command)}", flush=True)
     start = time.monotonic()
-    code = subprocess.run(command, cwd=ROOT, env=runtime.env()).returncode
+    child = subprocess.Popen(command, cwd=ROOT, env=runtime.env())
+    try:
+        code = child.wait()
+    finally:  # stopped (a time limit's SIGTERM): the child stops its own processes and writes what it has
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
     print(f"({mode}: exit {code} after {time.monotonic() - start:.0f} s)", flush=True)
-    if mode == "test":
-        summary = summarize_tests(out / "gpu_tests.xml", out, " ".join(command))
-        if summary["passed"] == 0:
-            raise NotReady("the GPU test tier ran no test (all skipped or none collected)")
-    if mode == "train":
-        log = ROOT / "models/small/train_log.json"
-        if log.exists():
-            shutil.copy2(log, out / "train_small.json")
+    summary = summarize_tests(out / "gpu_tests.xml", out, " ".join(command)) if mode == "test" else None
+    if mode == "train" and (ROOT / "models/small/train_log.json").exists():
+        shutil.copy2(ROOT / "models/small/train_log.json", out / "train_small.json")
     if code != 0:
         raise NotReady(f"`{mode}` failed (exit {code}); its output is above")
+    if summary is not None and summary["passed"] == 0:
+        raise NotReady("the GPU test tier ran no test (all skipped or none collected)")
 
 
 def summarize_tests(xml: Path, out: Path, command: str) -> dict:
@@ -119,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copy-to", help="copy the result files this run wrote to this folder")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     start = time.time()
+
+    def stopped(signum, frame):
+        raise NotReady(f"stopped by signal {signum} (a time limit?); the results written so far are kept")
+
+    signal.signal(signal.SIGTERM, stopped)
     try:
         runtime = GPURuntime(Path(args.bundle), Path(args.site) if args.site else None)
         print(f"rhymerl GPU run `{args.mode}`: Python {sys.version.split()[0]} ({sys.executable}) "

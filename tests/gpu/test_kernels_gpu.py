@@ -13,8 +13,6 @@ import torch
 
 from kernels import paged_attention as pa
 from kernels import sampling as sp
-from tests.kernels.test_paged_attention import TOLERANCE, make_batch
-from tests.kernels.test_sampling import params
 
 pytestmark = pytest.mark.gpu
 
@@ -25,10 +23,19 @@ HEADS = [pytest.param((14, 2, 64), id="14-2-64"), pytest.param((28, 4, 128), id=
 CONTEXT_LENS, QUERY_LENS = [2048, 1, 513, 900, 17, 1500], [1, 1, 9, 16, 17, 300]
 
 
+def kernel_tests():
+    """tests/kernels' batch builders and tolerances, imported when a test runs: imported at
+    collection, the CPU suite would reuse those modules bound to kernels decorated before
+    tests/kernels/conftest.py switches to Triton's interpreter."""
+    from tests.kernels import test_paged_attention, test_sampling
+
+    return test_paged_attention, test_sampling
+
+
 def _batch(device, dtype, heads, seed=0):
     num_heads, num_kv_heads, head_dim = heads
-    paged, _ = make_batch(CONTEXT_LENS, QUERY_LENS, num_heads, num_kv_heads, head_dim, 16, dtype, device=device,
-                          seed=seed)
+    paged, _ = kernel_tests()[0].make_batch(CONTEXT_LENS, QUERY_LENS, num_heads, num_kv_heads, head_dim, 16, dtype,
+                                            device=device, seed=seed)
     return paged, head_dim ** -0.5
 
 
@@ -39,7 +46,7 @@ def test_paged_attention_at_serving_sizes(device, dtype, heads, num_kv_splits):
     paged, scale = _batch(device, dtype, heads)
     ref = pa.paged_attention_reference(*paged, scale)
     out = pa.paged_attention_triton(*paged, scale, max(QUERY_LENS), num_kv_splits=num_kv_splits)
-    tol = TOLERANCE[dtype]
+    tol = kernel_tests()[0].TOLERANCE[dtype]
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
@@ -67,7 +74,8 @@ def test_paged_attention_replayed_from_a_cuda_graph(device, dtype):
     graph.replay()
     torch.cuda.synchronize()
     expected = pa.paged_attention_reference(*fresh[:3], *rest, scale)
-    torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    tol = kernel_tests()[0].TOLERANCE[dtype]
+    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -93,8 +101,8 @@ def test_sampling_with_a_qwen_vocabulary(device, dtype):
     n = 64
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(n, 151_936, generator=gen) * 4).to(dtype).to(device)
-    args = params(n, temperature=[0.0, 0.7, 1.0, 1.3] * (n // 4), top_k=[0, 0, 50, 0] * (n // 4),
-                  top_p=[0.0, 0.95, 0.0, 0.9] * (n // 4), min_p=[0.0, 0.0, 0.0, 0.05] * (n // 4))
+    args = kernel_tests()[1].params(n, temperature=[0.0, 0.7, 1.0, 1.3] * (n // 4), top_k=[0, 0, 50, 0] * (n // 4),
+                                    top_p=[0.0, 0.95, 0.0, 0.9] * (n // 4), min_p=[0.0, 0.0, 0.0, 0.05] * (n // 4))
     args = tuple(a.to(device) for a in args)
     ref_tokens, ref_lp = sp.sample_reference(logits, *args)
     tokens, lp = sp.sample_triton(logits, *args)

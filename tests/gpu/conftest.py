@@ -10,8 +10,6 @@ import os
 import pytest
 
 ON_CPU = os.environ.get("RHYMERL_GPU_TESTS_ON_CPU") == "1"
-if ON_CPU:
-    import tests.kernels.conftest  # noqa: F401  (the Triton kernels in Triton's CPU interpreter)
 
 
 @pytest.fixture(scope="session")

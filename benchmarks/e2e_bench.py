@@ -85,8 +85,8 @@ def markdown(result: dict) -> str:
              f"- baseline: {result['baseline']}", f"- rhymerl: {result['rhymerl']}\n",
              markdown_table(result["epochs"], COLUMNS) + "\n"]
     if result["mean_ratio"] is not None:
-        lines.append(f"**Mean ratio (baseline s / rhymerl s): {result['mean_ratio']:.2f}** over {len(result['epochs'])} "
-                     f"epochs; {_fmt(result['mean_ratio_with_history'])} over the epochs with history; whole run "
+        lines.append(f"**Mean ratio (baseline s / rhymerl s): {result['mean_ratio']:.2f}** over "
+                     f"{len(result['epochs'])} epochs; {_fmt(result['mean_ratio_with_history'])} over the epochs with history; whole run "
                      f"{_fmt(result['total_ratio'])}. Samples identical between the two systems: "
                      f"{_fmt(result['mean_identical_share'], '{:.1%}')}; lost samples: {result['aborted']}.\n")
     lines += [f"- {note}" for note in result["notes"]]
@@ -133,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         device_name = torch.cuda.get_device_name()
     else:
         device_name = f"{cpu_name()} CPU"
-    ensure_model(model_dir)
+    if Path(model_dir) == ROOT / "models" / "tiny":
+        ensure_model(model_dir)  # trained on first use, as `make run` does
+    elif not (Path(model_dir) / "config.json").exists():
+        print(f"e2e_bench: no checkpoint at {model_dir}", file=sys.stderr)
+        return 2
     recorded = {r.prompt_id: [int(t) for t in r.prompt_token_ids] for r in read_traces(RECORDED)}
     meta = dict(
         device=device_name, workers=args.workers, commit=git_commit(),

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     recorded = {r.prompt_id: [int(t) for t in r.prompt_token_ids] for r in read_traces(RECORDED)}
     meta = dict(
         device=device_name, workers=args.workers, commit=git_commit(),
-        command="python -m benchmarks.e2e_bench " + " ".join(argv),
+        command=" ".join(["python -m benchmarks.e2e_bench", *argv]),
         ratio_kind=f"a CPU ratio: both systems' workers and the trainer share {os.cpu_count()} CPU cores"
         if args.device == "cpu" else "GPU ratio: the workers share one GPU",
         model=Path(model_dir).name, dtype=args.dtype,

@@ -48,10 +48,10 @@ class _Live:
 
 class HistoryProposer:
     def __init__(self, vllm_config, drafter=None):
-        from services.rollout.drafter import HistoDrafter
+        from services.rollout.drafter import DrafterConfig, HistoDrafter
 
         self.k = vllm_config.speculative_config.num_speculative_tokens
-        self.drafter = drafter or HistoDrafter(max_draft_len=self.k)
+        self.drafter = drafter or HistoDrafter(DrafterConfig(max_draft_len=self.k))
         self.runner = None
         self._registered: dict[str, Registration] = {}
         self._live: dict[str, _Live] = {}

@@ -64,6 +64,7 @@ def build_vllm_engine(settings, proposer: str | None = None, worker_id: str = "v
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    from services.rollout.vllm_engine.cpu_expand import repair
     from services.rollout.vllm_engine.engine import VllmEngine
     from services.rollout.vllm_engine.stats import EngineStats
 
@@ -72,6 +73,8 @@ def build_vllm_engine(settings, proposer: str | None = None, worker_id: str = "v
     stats = EngineStats()
     llm = LLMEngine.from_engine_args(EngineArgs(**engine_args(settings, proposer), disable_log_stats=False),
                                      stat_loggers=[stats.logger_factory()])
+    if settings.device in ("auto", "cpu"):
+        llm.collective_rpc(repair)  # vLLM's CPU sampler at T > 0 with drafts (cpu_expand.py)
     return VllmEngine(llm, speculative=proposer == "rhymerl", eos_token_ids=eos_token_ids(settings.model_path),
                       max_model_len=llm.model_config.max_model_len, stats=stats,
                       weight_shapes=checkpoint_shapes(settings.model_path), worker_id=worker_id)

@@ -61,6 +61,11 @@ def run_row(engine_name: str, proposer: str, args) -> dict:
     if engine_name == "vllm":
         from services.rollout.vllm_engine.builder import build_vllm_engine
 
+        if proposer == "suffix":
+            from benchmarks.peers.suffix_decoding import load_peer
+
+            load_peer()  # puts the built peer on sys.path, where vLLM's suffix method imports it
+
         engine = build_vllm_engine(settings, None if proposer == "none" else proposer)
     else:
         engine = build_engine(settings, "bench")
@@ -90,8 +95,13 @@ def run_row(engine_name: str, proposer: str, args) -> dict:
 def unavailable(engine: str, proposer: str) -> str | None:
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (make install-vllm)"
-    if proposer == "suffix" and importlib.util.find_spec("arctic_inference") is None:
-        return "vLLM's suffix method needs arctic-inference, which is not installed in this environment"
+    if proposer == "suffix":
+        from benchmarks.peers.suffix_decoding import PeerUnavailable, load_peer
+
+        try:
+            load_peer()  # vLLM's suffix method imports arctic_inference.suffix_decoding
+        except PeerUnavailable as exc:
+            return str(exc)
     return None
 
 

@@ -2,6 +2,7 @@
 
 import socket
 
+from pydantic import field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.security import TLSSettings
@@ -24,6 +25,7 @@ class WorkerSettings(TLSSettings):
     engine: str = "rhymerl"
     vllm_gpu_memory_utilization: float = 0.3
     vllm_kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on the CPU build
+    # vLLM's engine-core process (its default) is refused: see _vllm_in_process.
     vllm_multiprocessing: bool = False
     dtype: str = "auto"
     max_num_seqs: int = 256
@@ -45,6 +47,17 @@ class WorkerSettings(TLSSettings):
     drain_timeout_s: float = 60.0
     # Policy version of the checkpoint at model_path.
     initial_version: int = 0
+
+    @field_validator("vllm_multiprocessing")
+    @classmethod
+    def _vllm_in_process(cls, value: bool) -> bool:
+        # The vLLM worker is built and tested in-process only (the proposer, its history,
+        # weight pushes and the CPU sampler repair all reach vLLM's model runner through
+        # collective_rpc, never exercised across vLLM's engine-core process here).
+        if value:
+            raise ValueError("RHYMERL_WORKER_VLLM_MULTIPROCESSING=true is not supported: the vLLM worker runs "
+                             "vLLM in-process only (docs/vllm.md)")
+        return value
 
     def worker_id(self, port: int) -> str:
         return self.id or f"{socket.gethostname()}:{port}"

@@ -67,9 +67,12 @@ def test_metrics_carry_rhymerl_and_vllm_series(cluster, client):
     assert all("vllm:" in t for t in texts)
 
 
-def test_history_drafts_are_accepted_and_greedy_output_is_unchanged(client):
+def test_history_drafts_are_accepted_and_greedy_output_is_unchanged(cluster, client):
     """Epoch 2 drafts from epoch 1's greedy rollouts; its tokens are epoch 1's, whichever
-    worker (with or without the proposer) ran each chunk."""
+    worker (with or without the proposer) ran each chunk. The drafting worker reports its
+    verifies in rhymerl's spec_decode series, fed from vLLM's counts."""
+    from tests.e2e.test_local_processes import metric, scrape
+
     ps = prompts(3, offset=100)
     first = client.rollout("epoch-1", ps, n=2, sampling=GREEDY)
     second = client.rollout("epoch-2", ps, n=2, sampling=GREEDY)
@@ -82,6 +85,10 @@ def test_history_drafts_are_accepted_and_greedy_output_is_unchanged(client):
     assert all(len(v) == 1 for v in by_prompt.values())
     assert second.summary.num_draft_tokens > 0
     assert second.summary.num_accepted_tokens >= 0.9 * second.summary.num_draft_tokens
+    drafting = scrape(cluster.metrics_ports["worker-0"])
+    assert metric(drafting, "rhymerl:spec_decode_num_accepted_tokens_total") >= second.summary.num_accepted_tokens
+    assert metric(drafting, "rhymerl:spec_decode_num_drafts_total") > 0
+    assert metric(scrape(cluster.metrics_ports["worker-1"]), "rhymerl:spec_decode_num_drafts_total") == 0
 
 
 @pytest.mark.parametrize("change, field", [

@@ -47,3 +47,11 @@ def test_expansion_keeps_dtype_and_replaces_greedy_temperature():
     temperature = _expand_batch_to_tokens(torch.tensor([0.0, 2.0, 0.7]), cu, 4, replace_from=0, replace_to=1)
     assert torch.allclose(temperature, torch.tensor([1.0, 0.7, 0.7, 0.7]))
 
+
+
+def test_vllm_engine_core_process_is_refused_naming_the_setting(monkeypatch):
+    from pydantic import ValidationError
+
+    monkeypatch.setenv("RHYMERL_WORKER_VLLM_MULTIPROCESSING", "true")
+    with pytest.raises(ValidationError, match="RHYMERL_WORKER_VLLM_MULTIPROCESSING"):
+        WorkerSettings(engine="vllm")

@@ -52,16 +52,24 @@ class EngineMetrics:
     def on_verify(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
+        self.on_verifies(1, num_draft, num_accepted, [1] * num_accepted)
+
+    def on_verifies(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
+                    accepted_per_pos: list[int]) -> None:
+        """Several verified drafts at once: vLLM reports a step's totals, not each draft."""
+        if num_drafts == 0:
+            return
         c = self.counters
-        c.num_drafts += 1
-        c.num_draft_tokens += num_draft
+        c.num_drafts += num_drafts
+        c.num_draft_tokens += num_draft_tokens
         c.num_accepted_tokens += num_accepted
-        self._drafts.inc()
-        self._draft_tokens.inc(num_draft)
+        self._drafts.inc(num_drafts)
+        self._draft_tokens.inc(num_draft_tokens)
         if num_accepted:
             self._accepted.inc(num_accepted)
-        for pos in range(num_accepted):
-            self._per_pos.labels(self._worker, str(pos)).inc()
+        for pos, n in enumerate(accepted_per_pos):
+            if n:
+                self._per_pos.labels(self._worker, str(pos)).inc(n)
 
     def on_step(self, kind: str, seconds: float, num_prompt_tokens: int, num_generation_tokens: int,
                 num_running: int, num_waiting: int, kv_usage: float) -> None:

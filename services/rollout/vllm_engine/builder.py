@@ -2,8 +2,7 @@
 
 In-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the "uni" executor): it starts in
 seconds instead of tens, and the proposer is a shared object reached by plain
-calls. vllm_multiprocessing=True runs vLLM's engine-core process instead; the
-proposer then gets its history through vLLM's RPC (see proposer.py).
+calls. vLLM's engine-core process is refused by the settings (vllm_multiprocessing).
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
 
 
 def build_vllm_engine(settings, proposer: str | None = None, worker_id: str = "vllm"):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1" if settings.vllm_multiprocessing else "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process only (settings.py)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine

@@ -139,6 +139,10 @@ class VllmEngine:
         self.metrics.on_step("prefill" if st.step_prompt_tokens else "decode", time.perf_counter() - started,
                              st.step_prompt_tokens, st.step_generation_tokens, st.num_running, st.num_waiting,
                              st.kv_cache_usage)
+        if st.step_spec is not None:  # every proposer alike (ngram, suffix, ours): rhymerl:spec_decode_*
+            spec = st.step_spec
+            self.metrics.on_verifies(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                     list(spec.num_accepted_tokens_per_pos))
         for out in step_outputs:
             run = self._running.get(out.request_id)  # vLLM reports the id we passed, not its own
             if run is None:

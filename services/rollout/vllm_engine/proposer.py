@@ -6,10 +6,9 @@ and calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, ...)``
 once per step with one row per running request, expecting a draft per row.
 
 Everything reaches it through ``call`` run by ``LLMEngine.collective_rpc`` in the
-process that holds the model runner: in-process mode (the worker's default) that
-is a plain call; with vLLM's engine-core process it is vLLM's own RPC, so the
-step's history crosses the process boundary as token lists, and nothing else
-changes. vLLM passes no request ids to ``propose``; ``attach`` hands the proposer
+process that holds the model runner: the worker runs vLLM in-process (its
+settings refuse the engine-core process), so that is a plain call; history is
+still passed as token lists, as vLLM's RPC would need. vLLM passes no request ids to ``propose``; ``attach`` hands the proposer
 its model runner, whose input batch names each row's request (the same field
 vLLM's own suffix proposer reads).
 

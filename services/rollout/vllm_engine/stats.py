@@ -22,6 +22,7 @@ class EngineStats:
     # tokens of the last step (vLLM's iteration stats), for the worker's rhymerl:* series
     step_prompt_tokens: int = 0
     step_generation_tokens: int = 0
+    step_spec: object = None  # the last step's vLLM SpecDecodingStats (None: no drafts verified)
 
     def logger_factory(self):
         """A vLLM StatLoggerFactory whose loggers write into this object."""
@@ -34,6 +35,7 @@ class EngineStats:
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                stats.step_spec = None
                 if scheduler_stats is not None:
                     stats.update(scheduler_stats)
                 stats.step_prompt_tokens = iteration_stats.num_prompt_tokens if iteration_stats else 0
@@ -49,6 +51,7 @@ class EngineStats:
         self.num_waiting = s.num_waiting_reqs + s.num_skipped_waiting_reqs
         self.kv_cache_usage = float(s.kv_cache_usage)
         spec = s.spec_decoding_stats
+        self.step_spec = spec
         if spec is not None:
             self.num_drafts += spec.num_drafts
             self.num_draft_tokens += spec.num_draft_tokens

@@ -39,7 +39,7 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, block_size: int = 16, kv_cache_memory_fraction: float = 0.8,
                  drafter: Drafter | None = None, speculative: bool = True, max_draft_len: int = 16,
                  cost_model: CostModel | None = None, use_cuda_graphs: bool = True, worker_id: str = "local",
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, batch_invariant: bool = False):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_draft_len < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_draft_len >= 0")
         self.device = _resolve_device(device, model)
@@ -63,7 +63,9 @@ class LLMEngine:
         self.scheduler = BatchScheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.device, num_kv_blocks=num_kv_blocks, block_size=block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                  max_draft_len=max_draft_len, use_cuda_graphs=use_cuda_graphs)
+                                  max_draft_len=max_draft_len, use_cuda_graphs=use_cuda_graphs,
+                                  batch_invariant=batch_invariant)
+        self.batch_invariant = batch_invariant
         self.metrics = EngineMetrics(worker_id)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []

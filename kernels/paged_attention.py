@@ -199,10 +199,13 @@ def paged_attention_triton(
     # A tile's rows are (query token, head of the group) pairs sharing one KV head, so
     # decode with GQA fills the tile with the group's heads instead of padding.
     block_m = max(16, min(64, triton.next_power_of_2(max_query_len * group)))
+    num_m_tiles = triton.cdiv(max_query_len * group, block_m)
     if batch_invariant:
         block_m = INVARIANT_BLOCK_M
+        assert group <= block_m, (group, block_m)
+        # Tiles of whole tokens aligned to absolute positions: a query may straddle one more.
+        num_m_tiles = triton.cdiv(max_query_len, block_m // group) + 1
         num_kv_splits = triton.cdiv(block_tables.shape[1] * block_size, KV_SPLIT_TOKENS)
-    num_m_tiles = triton.cdiv(max_query_len * group, block_m)
     if num_kv_splits is None:
         num_kv_splits = _num_kv_splits(q.device, num_seqs * num_kv_heads * num_m_tiles)
     merge = num_kv_splits > 1 or batch_invariant
@@ -223,7 +226,7 @@ def paged_attention_triton(
         num_tokens * num_heads, num_heads, num_seqs, num_tokens,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32,
-        NUM_KV_SPLITS=num_kv_splits, MERGE=merge, SPLIT_TOKENS=KV_SPLIT_TOKENS if batch_invariant else 0,
+        NUM_KV_SPLITS=num_kv_splits, MERGE=merge, INVARIANT=batch_invariant, SPLIT_TOKENS=KV_SPLIT_TOKENS,
         # Triton's CPU interpreter multiplies bf16 dot operands as their raw uint16 bits.
         DOT_F32=not q.is_cuda,
         # float32 caches (tests, debugging) get exact products, not TF32.
@@ -317,7 +320,7 @@ if triton is not None:
         rows_per_split, num_heads, num_seqs, num_tokens,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_KV_SPLITS: tl.constexpr, MERGE: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+        NUM_KV_SPLITS: tl.constexpr, MERGE: tl.constexpr, INVARIANT: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
         DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -332,13 +335,32 @@ if triton is not None:
             if (seq == num_seqs) & (tl.program_id(2) == 0):
                 _zero_rows(out_ptr, q_start, num_tokens, kv_head * GROUP, stride_o_tok, stride_o_head,
                            GROUP, HEAD_DIM, BLOCK_D, BLOCK_M)
-        if tile * BLOCK_M < query_len * GROUP:
-            context_len = tl.load(seq_lens_ptr + seq)
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-            token = rows // GROUP  # [BLOCK_M], index within the sequence's query
-            head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
-            row_ok = token < query_len
-            q_pos = context_len - query_len + token  # [BLOCK_M]
+        context_len = tl.load(seq_lens_ptr + tl.minimum(seq, num_seqs - 1))
+        if INVARIANT:
+            # Tiles hold whole query tokens and start at absolute positions that are
+            # multiples of TOKENS: a row sits at the same place in its tile (and so goes
+            # through the same lanes of every dot) whatever its query's length.
+            TOKENS: tl.constexpr = BLOCK_M // GROUP
+            first_tile = (context_len - query_len) // TOKENS
+            has_work = (query_len > 0) & ((first_tile + tile) * TOKENS < context_len)
+        else:
+            has_work = tile * BLOCK_M < query_len * GROUP
+        if has_work:
+            if INVARIANT:
+                r = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+                q_pos = (first_tile + tile) * TOKENS + r // GROUP  # [BLOCK_M], absolute positions
+                token = q_pos - (context_len - query_len)  # [BLOCK_M], index within the sequence's query
+                head = kv_head * GROUP + r % GROUP  # [BLOCK_M]
+                row_ok = (r < TOKENS * GROUP) & (token >= 0) & (token < query_len)
+                last_pos = tl.minimum((first_tile + tile + 1) * TOKENS - 1, context_len - 1)
+            else:
+                rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+                token = rows // GROUP  # [BLOCK_M], index within the sequence's query
+                head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
+                row_ok = token < query_len
+                q_pos = context_len - query_len + token  # [BLOCK_M]
+                last_pos = tl.minimum(context_len - query_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP,
+                                      context_len - 1)
             dims = tl.arange(0, BLOCK_D)
             dim_ok = dims < HEAD_DIM
             q_off = (q_start + token)[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
@@ -348,8 +370,7 @@ if triton is not None:
 
             # Keys past the tile's last query position are masked for every row; the
             # remaining key tiles are cut into NUM_KV_SPLITS contiguous runs, one per program.
-            last_pos = tl.minimum(context_len - query_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP, context_len - 1)
-            if SPLIT_TOKENS > 0:  # batch-invariant: split boundaries fixed in absolute positions
+            if INVARIANT:  # split boundaries fixed in absolute positions
                 n_begin = split * SPLIT_TOKENS
                 n_end = tl.minimum(n_begin + SPLIT_TOKENS, last_pos + 1)
             else:
@@ -436,7 +457,7 @@ if triton is not None:
             for s in range(0, num_real_splits):
                 row = s * rows_per_split + token * num_heads + head
                 w = tl.exp2(tl.load(part_lse_ptr + row) - lse_ref)
-                acc += tl.load(part_out_ptr + row * BLOCK_D + dims, mask=(dims < BLOCK_D) & (w > 0), other=0.0) * w
+                acc += tl.where(w > 0, tl.load(part_out_ptr + row * BLOCK_D + dims) * w, 0.0)
                 weight_sum += w
             out = acc / tl.where(weight_sum == 0.0, 1.0, weight_sum)  # [BLOCK_D]
         else:

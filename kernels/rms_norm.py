@@ -56,6 +56,8 @@ if triton is not None:
         ok = cols < hidden
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)  # [BLOCK]
         mean_sq = tl.sum(x * x, axis=0) / hidden
-        normed = (x * tl.math.rsqrt(mean_sq + eps)).to(out_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        tl.store(out_ptr + row * stride_o + cols, w * normed, mask=ok)
+        # Rounded to the output dtype before the scale, as the model's formula does; the
+        # product itself in float32 (one rounding, like torch's bf16 multiply).
+        normed = (x * tl.math.rsqrt(mean_sq + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)

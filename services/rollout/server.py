@@ -30,6 +30,8 @@ from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
 from services.rollout.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+LOGPROBS_MODE_NAMES = {common_pb2.LOGPROBS_MODE_UNSPECIFIED: "raw", common_pb2.LOGPROBS_MODE_RAW: "raw",
+                       common_pb2.LOGPROBS_MODE_PROCESSED: "processed"}
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, None: common_pb2.FINISH_REASON_UNSPECIFIED}
 MAX_PROMPTS_IN_DRAFTER = 10_000
@@ -115,7 +117,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             generated_token_ids=list(item.generated_token_ids), temperature=p.temperature,
             top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p, seed=p.seed, max_tokens=p.max_tokens,
             max_new_tokens=item.max_new_tokens, stop_token_ids=frozenset(p.stop_token_ids),
-            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+            logprobs_mode=LOGPROBS_MODE_NAMES[p.logprobs_mode])
 
     def _chunk_result(self, out) -> worker_pb2.ChunkResult:
         if isinstance(out, Aborted):
@@ -261,7 +264,8 @@ def build_engine(settings: WorkerSettings, worker_id: str):
         settings.model_path, device=settings.device, dtype=dtype, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
         block_size=settings.block_size, drafter=HistoDrafter(max_draft_len=settings.max_draft_len),
-        speculative=settings.speculative, max_draft_len=settings.max_draft_len, worker_id=worker_id)
+        speculative=settings.speculative, max_draft_len=settings.max_draft_len, worker_id=worker_id,
+        batch_invariant=settings.batch_invariant)
 
 
 async def start_worker(settings: WorkerSettings, engine=None):

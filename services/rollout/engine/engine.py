@@ -25,6 +25,7 @@ from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBat
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
 from services.rollout.engine.drafter import Drafter
+from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
 from services.rollout.engine.request import EngineRequest, RequestOutput
@@ -72,12 +73,10 @@ class LLMEngine:
 
     @classmethod
     def from_path(cls, model_path, device="auto", dtype=None, **kw) -> "LLMEngine":
-        from services.rollout.loader import load_model
+        from services.rollout.loader import load_model, worker_dtype
 
         dev = _resolve_device(device, None)
-        if dtype is None and dev.type == "cpu":
-            dtype = torch.float32  # bf16 matmuls are slow on CPU
-        return cls(load_model(model_path, dev, dtype), device=dev, **kw)
+        return cls(load_model(model_path, dev, dtype or worker_dtype(dev)), device=dev, **kw)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -260,6 +259,8 @@ class LLMEngine:
             raise ValueError(f"seed: {req.seed} does not fit in int64")
         if req.temperature < 0 or not 0 <= req.top_p <= 1 or not 0 <= req.min_p <= 1 or req.min_tokens < 0:
             raise ValueError("temperature/top_p/min_p/min_tokens: out of range")
+        if req.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: {req.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         bm = self.block_manager
         if bm.num_blocks_for(num_tokens + 1) > bm.num_blocks:
             raise ValueError(f"prompt_token_ids: needs {bm.num_blocks_for(num_tokens + 1)} KV blocks, "

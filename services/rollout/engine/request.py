@@ -31,6 +31,7 @@ class EngineRequest:
     min_tokens: int
     ignore_eos: bool
     logprobs: bool
+    logprobs_mode: str = "raw"  # "raw" | "processed" (services/rollout/engine/logprobs.py)
 
 
 @dataclass

@@ -11,7 +11,8 @@ and logprob for logprob, with and without speculation, for greedy and sampled de
 alike: lossless by construction, and reproducible from the seed.
 
 Before min_tokens, stop tokens are masked out of the distribution (vLLM's rule), also
-on draft rows, so the same positions see the same distribution either way.
+on draft rows, so the same positions see the same distribution either way. The rows'
+inputs come from ``SamplingRows`` (logprobs.py), which the trainer's reference shares.
 
 This module knows nothing about KV blocks or scheduling.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling import sample
+from services.rollout.engine.logprobs import SamplingRows
 from services.rollout.engine.sequence import Sequence
 
 
@@ -53,36 +55,14 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
     """
     if not seqs:
         return []
-    temperature, top_k, top_p, min_p, seeds, positions = [], [], [], [], [], []
-    masked_rows: list[tuple[int, list[int]]] = []
-    row = 0
+    rows = SamplingRows()
     for seq in seqs:
-        req = seq.req
         for j in range(1 + len(seq.draft_token_ids)):
-            temperature.append(req.temperature)
-            top_k.append(max(req.top_k, 0))
-            top_p.append(req.top_p)
-            min_p.append(req.min_p)
-            seeds.append(req.seed)
-            positions.append(seq.num_tokens + j)  # absolute position of the token sampled here
-            masked = seq.masked_token_ids(seq.num_generated + j)
-            if masked:
-                masked_rows.append((row, sorted(masked)))
-            row += 1
-    assert row == logits.shape[0], (row, logits.shape)
-    if masked_rows:
-        logits = logits.clone()
-        for r, ids in masked_rows:
-            logits[r, [i for i in ids if i < logits.shape[1]]] = float("-inf")
+            # the token sampled here sits at absolute position num_tokens + j
+            rows.add(seq.req, seq.num_tokens + j, seq.masked_token_ids(seq.num_generated + j))
+    assert len(rows) == logits.shape[0], (len(rows), logits.shape)
     dev = logits.device
-    tokens, logprobs = sample(
-        logits,
-        torch.tensor(temperature, dtype=torch.float32, device=dev),
-        torch.tensor(top_k, dtype=torch.int32, device=dev),
-        torch.tensor(top_p, dtype=torch.float32, device=dev),
-        torch.tensor(min_p, dtype=torch.float32, device=dev),
-        torch.tensor(seeds, dtype=torch.int64, device=dev),
-        torch.tensor(positions, dtype=torch.int64, device=dev))
+    tokens, logprobs = sample(rows.mask(logits), *rows.params(dev), *rows.keys(dev), rows.processed_rows(dev))
     tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
     verdicts, row = [], 0
     for seq in seqs:

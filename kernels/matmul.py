@@ -27,7 +27,7 @@ try:
 except ImportError:  # the reference path needs no Triton
     triton = None
 
-ROW_TILE = 64  # rows per MKL call on the CPU; chosen by benchmarks/batch_invariant_bench.py
+ROW_TILE = 16  # rows per MKL call on the CPU: 8-16 cost least (benchmarks/batch_invariant_bench.py)
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64  # the Triton tile: never a function of M
 
 

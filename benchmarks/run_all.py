@@ -12,6 +12,7 @@ CPU = [
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],
     ["benchmarks.engine_bench", "--device", "cpu"],
+    ["benchmarks.batch_invariant_bench", "--device", "cpu"],
 ]
 GPU = [
     # The issue-3 policy on one GPU (target: under 10 minutes); train_log.json has the time.
@@ -21,6 +22,7 @@ GPU = [
     ["benchmarks.scheduler_bench", "--workers", "8", "--live", "--live-device", "cuda", "--live-workers", "8",
      "--out", "benchmarks/results/scheduler_gpu_live"],
     ["benchmarks.engine_bench", "--device", "cuda"],
+    ["benchmarks.batch_invariant_bench", "--device", "cuda"],
 ]
 
 

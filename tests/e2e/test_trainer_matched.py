@@ -131,3 +131,21 @@ def test_without_a_seed_each_step_samples_fresh_noise_and_a_regenerated_step_rep
     seeded = SamplingParams(**{**SAMPLING.__dict__, "seed": 123})
     a, b = (client.rollout(f"seeded-{i}", step_prompts, n=4, sampling=seeded) for i in (0, 1))
     assert tokens(a) == tokens(b)
+
+
+def test_async_client_reports_logprobs_too(client, cluster):
+    """AsyncRolloutClient.report_logprobs: the same figures as the sync client's."""
+    import asyncio
+
+    from rhymerl import AsyncRolloutClient
+
+    result = client.rollout("async-report", prompts(1, offset=30), n=2, sampling=SAMPLING)
+    samples = [(s.prompt_id, s.sample_index, [lp - 0.5 for lp in s.logprobs]) for s in result.samples]
+
+    async def report():
+        async with AsyncRolloutClient(cluster.address, timeout_s=60) as aclient:
+            return await aclient.report_logprobs("async-report", samples)
+
+    mismatch = asyncio.run(report())
+    assert mismatch == client.report_logprobs("async-report", samples)
+    assert mismatch.num_samples == 2 and mismatch.mean_abs_diff == pytest.approx(0.5, rel=1e-5)

@@ -6,9 +6,11 @@ policy's own token s_j at every row with ``kernels.sampling.sample``, keyed on (
 absolute position): exactly the token a run without speculation would draw there. The
 draft is accepted for the longest prefix with d_{j+1} == s_j; the committed tokens are
 s_0..s_a (a accepted drafts, then one recovered token if a draft was rejected, or the
-bonus token if all were accepted). The output is therefore identical, token for token
-and logprob for logprob, with and without speculation, for greedy and sampled decoding
-alike: lossless by construction, and reproducible from the seed.
+bonus token if all were accepted). Every token is therefore drawn from the policy's own
+distribution at its position, with and without speculation, greedy or sampled: lossless
+by construction, and reproducible from the seed. Token for token and logprob for logprob
+the same output needs the verify rows' logits to equal the decode rows' bit for bit,
+which batch-invariant mode guarantees (docs/sampling.md).
 
 Before min_tokens, stop tokens are masked out of the distribution (vLLM's rule), also
 on draft rows, so the same positions see the same distribution either way. The rows'

@@ -80,9 +80,10 @@ def paged_attention_invariant_reference(
             visible = kv_pos[None, :] <= pos[:, None]  # [r, KV_TILE]
             blocks = tables.gather(1, (kv_pos // block_size).clamp(max=width - 1).expand(n, -1))  # [r, KV_TILE]
             slots = blocks * block_size + kv_pos % block_size  # [r, KV_TILE]
-            # Invisible slots may hold anything (other sequences' KV): zero them, so that a
-            # zero probability times them is an exact 0.
-            k = k_flat[slots].float().where(visible[..., None, None], 0.0)  # [r, KV_TILE, kvh, d]
+            # Invisible slots may hold anything (other sequences' KV, even NaN): their scores
+            # are replaced by -inf below, and their values zeroed, so that a zero
+            # probability times them is an exact 0.
+            k = k_flat[slots].float()  # [r, KV_TILE, kvh, d]
             v = v_flat[slots].float().where(visible[..., None, None], 0.0)
             k = k.permute(0, 2, 1, 3)[:, :, None]  # [r, kvh, 1, KV_TILE, d]
             v = v.permute(0, 2, 1, 3)[:, :, None]  # [r, kvh, 1, KV_TILE, d]

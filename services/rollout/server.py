@@ -16,12 +16,7 @@ import grpc
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    Unavailable,
-    grpc_errors,
-)
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
 from services.common.grpc_server import Server, channel, run_until_signal
 from services.common.security import TLSConfig
 from services.common.validation import check_sampling, check_token_ids
@@ -30,8 +25,6 @@ from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
 from services.rollout.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
-LOGPROBS_MODE_NAMES = {common_pb2.LOGPROBS_MODE_UNSPECIFIED: "raw", common_pb2.LOGPROBS_MODE_RAW: "raw",
-                       common_pb2.LOGPROBS_MODE_PROCESSED: "processed"}
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, None: common_pb2.FINISH_REASON_UNSPECIFIED}
 MAX_PROMPTS_IN_DRAFTER = 10_000
@@ -118,7 +111,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p, seed=p.seed, max_tokens=p.max_tokens,
             max_new_tokens=item.max_new_tokens, stop_token_ids=frozenset(p.stop_token_ids),
             min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, logprobs=p.logprobs,
-            logprobs_mode=LOGPROBS_MODE_NAMES[p.logprobs_mode])
+            logprobs_mode="processed" if p.logprobs_mode == common_pb2.LOGPROBS_MODE_PROCESSED else "raw")
 
     def _chunk_result(self, out) -> worker_pb2.ChunkResult:
         if isinstance(out, Aborted):

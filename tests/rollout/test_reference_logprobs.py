@@ -85,8 +85,8 @@ class SiblingDrafter:
         return out
 
 
-def rollout(model, reqs, drafter=None, **kw) -> dict:
-    engine = LLMEngine(model, device="cpu", num_kv_blocks=256, block_size=8, max_num_seqs=64,
+def rollout(model, reqs, drafter=None, device="cpu", **kw) -> dict:
+    engine = LLMEngine(model, device=device, num_kv_blocks=256, block_size=8, max_num_seqs=64,
                        max_num_batched_tokens=96, batch_invariant=True, drafter=drafter,
                        speculative=drafter is not None, cost_model=CostModel(((1, 1.0), (512, 1.0))), **kw)
     for r in reqs:
@@ -150,3 +150,21 @@ def test_processed_logprobs_are_larger_than_raw(model):
     processed = reference_logprobs(model, [(prompt, tokens)], sampling)[0]
     raw = reference_logprobs(model, [(prompt, tokens)], SamplingParams(**{**sampling.__dict__, "logprobs_mode": "raw"}))[0]
     assert all(p >= r for p, r in zip(processed, raw)) and any(p > r for p, r in zip(processed, raw))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_reference_equals_rollout_with_cuda_graphs_and_drafts(model):
+    """bf16 on the GPU, CUDA graphs on, drafts verified: the reference (Triton kernels,
+    one prefill) equals the rollout's logprobs bit for bit."""
+    gpu_model = init_random_model(CONFIG, seed=5).to("cuda", torch.bfloat16)
+    sampling = SAMPLINGS["raw"]
+    ps = prompts(9)
+    reqs = lambda: [request(i, p, sampling) for i, p in enumerate(ps)]  # noqa: E731
+    plain = rollout(gpu_model, reqs(), device="cuda", use_cuda_graphs=True)
+    drafted = rollout(gpu_model, reqs(), device="cuda", use_cuda_graphs=True,
+                      drafter=SiblingDrafter([plain[f"r{i}"].token_ids for i in range(len(ps))]))
+    expected = reference_logprobs(gpu_model, [(p, plain[f"r{i}"].token_ids) for i, p in enumerate(ps)], sampling,
+                                  device="cuda")
+    for outputs in (plain, drafted):
+        assert [outputs[f"r{i}"].logprobs for i in range(len(ps))] == expected

@@ -59,7 +59,7 @@ class LLMEngine:
                                                                  measure=True)
         if num_kv_blocks is None:
             num_kv_blocks = default_num_kv_blocks(self.model, self.device, block_size, max_num_batched_tokens,
-                                                  kv_cache_memory_fraction)
+                                                  kv_cache_memory_fraction, batch_invariant=batch_invariant)
         self.block_manager = BlockManager(num_kv_blocks, block_size)
         self.scheduler = BatchScheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.device, num_kv_blocks=num_kv_blocks, block_size=block_size,

@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
         "# Batch-invariant mode: what it costs\n", f"- device: {meta['device']}", f"- commit: {meta['commit']}",
         f"- command: `{meta['command']}`", f"- torch {meta['torch']}\n",
         f"cpu_slowdown: {section.get('cpu_slowdown', 'not measured')}; gpu_slowdown: "
-        f"{gpu if gpu is not None else 'not measured (' + GPU_NOT_MEASURED + ')'}\n", table, "",
+        f"{gpu if gpu is not None else 'not measured (' + GPU_NOT_MEASURED + ')'}\n",
+        "Seconds: " + ("wall time" if args.device == "cuda" else "CPU time of the process (one torch thread)")
+        + f", fastest of {args.repeats} alternating runs per mode.\n", table, "",
         "Check (a probe's logits alone vs in a batch vs under 8 and 16 verified drafts, bit for bit):", "",
         *[f"- {c['mode']}: {'bitwise equal' if c['invariant'] else 'differs'} (max |diff| "
           f"{max(c['max_abs_diff'].values()):.2e})" for c in checks],

@@ -39,6 +39,10 @@ class WorkerSettings(TLSSettings):
     # HistoryService for drafts from earlier epochs; empty = siblings and prompt only.
     history_address: str = ""
     history_epochs: int = 4
+    # At each step start, this many of the history service's most recent responses to any
+    # prompt (at most this many tokens) feed the drafter's global index; 0: own samples only.
+    global_recent_responses: int = 512
+    global_recent_tokens: int = 131072
     drain_timeout_s: float = 60.0
     # Policy version of the checkpoint at model_path.
     initial_version: int = 0

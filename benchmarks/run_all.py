@@ -16,6 +16,7 @@ CPU = [
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],
     ["benchmarks.engine_bench", "--device", "cpu"],
+    ["benchmarks.batch_invariant_bench", "--device", "cpu"],
     ["benchmarks.e2e_bench"],
 ]
 # `make bench-gpu` (deploy/gpu/launch.py bench): every GPU figure of engine.json first, then
@@ -23,6 +24,7 @@ CPU = [
 # policy's training are campaign steps of their own (docs/gpu.md).
 GPU = [
     ["benchmarks.engine_bench", "--device", "cuda"],
+    ["benchmarks.batch_invariant_bench", "--device", "cuda"],
     ["benchmarks.kernels_bench", "--quick"],
 ]
 

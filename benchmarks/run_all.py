@@ -16,6 +16,7 @@ CPU = [
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],
     ["benchmarks.engine_bench", "--device", "cpu"],
+    ["benchmarks.batch_invariant_bench", "--device", "cpu"],
     ["benchmarks.e2e_bench"],
     ["benchmarks.vllm_bench"],  # vLLM's engine with each proposer beside ours (make install-vllm)
 ]
@@ -24,6 +25,7 @@ CPU = [
 # policy's training are campaign steps of their own (docs/gpu.md).
 GPU = [
     ["benchmarks.engine_bench", "--device", "cuda"],
+    ["benchmarks.batch_invariant_bench", "--device", "cuda"],
     ["benchmarks.kernels_bench", "--quick"],
 ]
 

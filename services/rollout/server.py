@@ -16,12 +16,7 @@ import grpc
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    Unavailable,
-    grpc_errors,
-)
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
 from services.common.grpc_server import Server, channel, run_until_signal
 from services.common.security import TLSConfig
 from services.common.validation import check_sampling, check_token_ids
@@ -124,7 +119,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             generated_token_ids=list(item.generated_token_ids), temperature=p.temperature,
             top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p, seed=p.seed, max_tokens=p.max_tokens,
             max_new_tokens=item.max_new_tokens, stop_token_ids=frozenset(p.stop_token_ids),
-            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, logprobs=p.logprobs)
+            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, logprobs=p.logprobs,
+            logprobs_mode="processed" if p.logprobs_mode == common_pb2.LOGPROBS_MODE_PROCESSED else "raw")
 
     def _chunk_result(self, out) -> worker_pb2.ChunkResult:
         if isinstance(out, Aborted):
@@ -278,8 +274,8 @@ def build_engine(settings: WorkerSettings, worker_id: str):
     engine = LLMEngine.from_path(
         settings.model_path, device=settings.device, dtype=dtype, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
-        block_size=settings.block_size, drafter=drafter,
-        speculative=settings.speculative, max_draft_len=settings.max_draft_len, worker_id=worker_id)
+        block_size=settings.block_size, drafter=drafter, speculative=settings.speculative,
+        max_draft_len=settings.max_draft_len, worker_id=worker_id, batch_invariant=settings.batch_invariant)
     # The drafter prices draft tokens on the engine's own cost model (its measured curve),
     # which exists only once the engine has sized it for the loaded model.
     drafter.config = dataclasses.replace(drafter.config, cost_model=engine.cost_model)

@@ -35,6 +35,12 @@ class WorkerSettings(TLSSettings):
     block_size: int = 16
     speculative: bool = True
     max_draft_len: int = 16
+    # Batch-invariant kernels: a sample's logits, tokens and logprobs are bitwise the same
+    # whatever it is batched with, verified with, or where it resumes, and equal to
+    # services/rollout/engine/logprobs.py's trainer reference. Off: identical in
+    # distribution only. The default and its cost: docs/sampling.md.
+    batch_invariant: bool = False
+
     # Registers with this scheduler on start and leaves on SIGTERM; empty = static config.
     scheduler_address: str = ""
     # HistoryService for drafts from earlier epochs; empty = siblings and prompt only.

@@ -135,6 +135,7 @@ class Dispatcher:
                 f"{num_samples} samples would exceed the queue limit ({queued} of {self.max_queued_samples} used)",
                 "prompts")
         samples, seen = [], set()
+        step_seed = req.sampling.seed if req.sampling.HasField("seed") else None
         for i, prompt in enumerate(req.prompts):
             field = f"prompts[{i}]"
             check_token_ids(prompt.token_ids, f"{field}.token_ids", vocab)
@@ -154,7 +155,8 @@ class Dispatcher:
             for k in range(req.n):
                 r = Request(request_id=request_id(req.step_id, pid, k), step_id=req.step_id, prompt_id=pid,
                             sample_index=k, prompt_len=len(tokens), max_tokens=req.sampling.max_tokens)
-                samples.append(SampleProgress(r, tokens, sample_seed(req.sampling.seed, pid, k)))
+                seed = sample_seed(step_seed, req.step_id, pid, k)
+                samples.append(SampleProgress(r, tokens, seed))
         return samples
 
     async def _load_lengths(self, run: StepRun) -> None:

@@ -16,6 +16,7 @@ from services.common.errors import InvalidArgument, NotFound, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.security import BearerTokenAuth, parse_tokens
 from services.scheduler.dispatcher import Dispatcher
+from services.scheduler.mismatch import MismatchTracker
 from services.scheduler.policies import make_policy, policy_options
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.weights import WeightFanout
@@ -30,6 +31,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.dispatcher = dispatcher
         self.weights = weights
         self.history = history
+        self.mismatch = MismatchTracker(dispatcher.steps)
 
     @grpc_errors
     async def SubmitStep(self, request, context):
@@ -56,6 +58,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             return rollout_pb2.ReportRewardsResponse(num_recorded=0)
         rows = [(r.prompt_id, request.step_id, r.sample_index, r.reward) for r in request.rewards]
         return rollout_pb2.ReportRewardsResponse(num_recorded=await self.history.put_rewards(rows))
+
+    @grpc_errors
+    async def ReportLogprobs(self, request, context):
+        return self.mismatch.report(request)
 
     @grpc_errors
     async def PushWeights(self, request_iterator, context):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sampling import uniform_noise
+from kernels.sampling import gumbel_noise
 from services.rollout.models.base import DenseCausalAttention
 
 # (logit tolerance: how close two tokens' scores may be for a divergence to be a tie,
@@ -29,8 +29,8 @@ def reference_scores(model, req, generated: list[int]) -> torch.Tensor:  # [voca
     logits = model.compute_logits(model.forward(torch.tensor(tokens), torch.arange(len(tokens)), attn)[-1:])[0].float()
     if req.temperature == 0:
         return logits
-    u = uniform_noise(torch.tensor([req.seed]), torch.tensor([len(tokens)]), logits.shape[-1])[0]  # [vocab]
-    return logits / req.temperature - torch.log(-torch.log(u))
+    noise = gumbel_noise(torch.tensor([req.seed]), torch.tensor([len(tokens)]), logits.shape[-1])[0]  # [vocab]
+    return logits / req.temperature + noise
 
 
 def assert_agree(got: dict, want: dict, reqs, cpu_model, dtype: torch.dtype) -> int:

@@ -5,6 +5,8 @@ proposer, worker-1 runs vLLM without speculation. One cluster for the module
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 from rhymerl import Prompt, RolloutClient, SamplingParams
@@ -106,6 +108,17 @@ def test_bad_input_names_the_field(cluster, change, field):
             c.rollout(**args)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert err.value.details().startswith(field + ":"), err.value.details()
+
+
+def test_logprobs_vllm_cannot_return_are_refused_per_sample_naming_the_field(client):
+    # vLLM's logprobs mode is engine-wide: raw logprobs under top_k cannot be had; the
+    # engine-specific refusal is the worker's, so it comes back as each sample's error
+    params = SamplingParams(temperature=1.0, top_k=5, max_tokens=8, seed=1, logprobs=True)
+    result = client.rollout("raw-topk", prompts(1), n=2, sampling=params)
+    errors = [s.error for s in result.samples]
+    assert len(errors) == 2 and all("logprobs_mode: raw logprobs with top_k" in e for e in errors), errors
+    ok = client.rollout("processed-topk", prompts(1), n=2, sampling=dataclasses.replace(params, logprobs_mode="processed"))
+    assert all(not s.error and len(s.logprobs) == len(s.token_ids) == 8 for s in ok.samples)
 
 
 def test_weight_push_and_load_swap_vllm_weights_with_the_version_reported(client, cluster, tmp_path):

@@ -21,7 +21,9 @@ def engine_args(settings, proposer: str | None) -> dict:
     args = dict(model=settings.model_path, skip_tokenizer_init=True, dtype=dtype,
                 max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
                 gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
-                distributed_executor_backend="uni", enable_prefix_caching=True, seed=0)
+                distributed_executor_backend="uni", enable_prefix_caching=True, seed=0,
+                # temperature-scaled: rhymerl's logprobs (engine.check_logprobs_mode), vLLM's raw are not
+                logprobs_mode="processed_logprobs")
     k = settings.max_draft_len
     if proposer == "rhymerl":
         args["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}

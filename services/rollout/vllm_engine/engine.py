@@ -33,6 +33,29 @@ def chunk_seed(seed: int, num_generated: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def check_logprobs_mode(req: EngineRequest, vocab_size: int) -> None:
+    """Refuse logprobs this engine cannot return as rhymerl defines them.
+
+    vLLM's logprobs mode is engine-wide, and its "raw" ignores the temperature, so the
+    engine runs in "processed_logprobs": log softmax(logits / T) after min_p, then
+    top-k, then top-p (stop tokens masked before min_tokens, as ours). With no filter
+    that is rhymerl's raw and processed alike; with filters it is processed, except
+    that vLLM applies min_p before top-k/top-p and rhymerl after.
+    """
+    if not req.logprobs or req.temperature == 0:  # greedy: T' = 1, no filter applies
+        return
+    topk = 0 < req.top_k < vocab_size
+    topp = req.top_p < 1.0
+    if req.logprobs_mode == "raw" and (topk or topp or req.min_p > 0):
+        raise ValueError("logprobs_mode: raw logprobs with top_k / top_p / min_p are not available on a vLLM "
+                         "worker (its logprobs mode is engine-wide); ask for processed or drop the filters")
+    if req.logprobs_mode == "processed" and req.min_p > 0 and (topk or topp):
+        raise ValueError("logprobs_mode: processed logprobs with min_p and top_k / top_p are not available on a "
+                         "vLLM worker (it applies min_p first, rhymerl last)")
+    if req.logprobs_mode not in ("raw", "processed"):
+        raise ValueError(f"logprobs_mode: {req.logprobs_mode!r} is not one of ('raw', 'processed')")
+
+
 @dataclass
 class _Running:
     req: EngineRequest
@@ -73,6 +96,7 @@ class VllmEngine:
         context = list(req.prompt_token_ids) + list(req.generated_token_ids)
         if len(context) + req.max_new_tokens > self.max_model_len:
             raise ValueError(f"max_new_tokens: the chunk would pass the maximum length {self.max_model_len}")
+        check_logprobs_mode(req, self.model.config.vocab_size)
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
         params = SamplingParams(
             n=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
+from services.rollout.vllm_engine.builder import intel_openmp_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = [("vllm", "none"), ("vllm", "ngram"), ("vllm", "suffix"), ("vllm", "rhymerl"),
@@ -92,6 +94,10 @@ def run_row(engine_name: str, proposer: str, args) -> dict:
                 greedy={k: o.token_ids for k, o in greedy_out.items()})
 
 
+def fmt_load(load) -> str:
+    return "/".join(f"{x:.1f}" for x in load)
+
+
 def unavailable(engine: str, proposer: str) -> str | None:
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (make install-vllm)"
@@ -123,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     ensure_model(args.model_dir)
     command = "python -m benchmarks.vllm_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    load_before = os.getloadavg()  # the machine is shared: a loaded run shows here
     rows = []
     for engine, proposer in ROWS:
         reason = unavailable(engine, proposer)
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "--row-json", f.name, "--model-dir", args.model_dir, "--prompts", str(args.prompts),
                          "--samples", str(args.samples), "--max-tokens", str(args.max_tokens),
                          "--draft-len", str(args.draft_len)]
-                done = subprocess.run(child, capture_output=True, text=True)
+                done = subprocess.run(child, capture_output=True, text=True, env=intel_openmp_env(os.environ))
                 if done.returncode == 0:
                     rows.append(json.loads(Path(f.name).read_text()))
                     continue
@@ -153,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
                   rows=[{k: v for k, v in r.items() if k != "greedy"} for r in rows], command=command,
                   commit=git_commit(), workload=f"{args.prompts} prompts x {args.samples} samples, T=1, max "
                   f"{args.max_tokens} tokens, draft length {args.draft_len}, tiny SFT policy, recorded history",
+                  load_average_before=load_before, load_average_after=os.getloadavg(),
                   not_measured={"gpu": "vLLM's CUDA wheel cannot travel to the lent GPU machine"})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     notes = "\n".join(f"- {r['engine']} / {r['proposer']}: not measured: {r['not_measured']}"
                       for r in result["rows"] if r.get("not_measured"))
     (out / "vllm.md").write_text(f"# vLLM as the rollout engine (CPU)\n\n{result['workload']}; vLLM "
-                                 f"{vllm_version}; {result['device']}; commit {result['commit']}.\n\n"
+                                 f"{vllm_version}; {result['device']}; commit {result['commit']}; load average (1, 5, 15 min) "
+                                 f"{fmt_load(load_before)} before, {fmt_load(result['load_average_after'])} after.\n\n"
                                  f"    {command}\n\n{table}\n\n{notes}\n\nGPU: not measured ("
                                  f"{result['not_measured']['gpu']}).\n")
     print(table)

@@ -74,6 +74,10 @@ class LocalCluster:
     def _spawn(self, name: str, command: str, env: dict, own: dict | None = None) -> None:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     **{k: str(v) for k, v in {**env, **self.extra_env, **(own or {})}.items()}}
+        if full_env.get("RHYMERL_WORKER_ENGINE") == "vllm":
+            from services.rollout.vllm_engine.builder import intel_openmp_env
+
+            full_env = intel_openmp_env(full_env)
         log = open(self.log_dir / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", command],
                                             cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)

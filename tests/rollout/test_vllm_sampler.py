@@ -55,3 +55,17 @@ def test_vllm_engine_core_process_is_refused_naming_the_setting(monkeypatch):
     monkeypatch.setenv("RHYMERL_WORKER_VLLM_MULTIPROCESSING", "true")
     with pytest.raises(ValidationError, match="RHYMERL_WORKER_VLLM_MULTIPROCESSING"):
         WorkerSettings(engine="vllm")
+
+
+def test_vllm_workers_get_intel_openmp_preloaded_once(monkeypatch, tmp_path):
+    # without it vLLM's speculative steps on the CPU wait on two OpenMP runtimes (docs/vllm.md)
+    from services.rollout.vllm_engine.builder import intel_openmp_env
+
+    (tmp_path / "lib").mkdir()
+    lib = tmp_path / "lib" / "libiomp5.so"
+    monkeypatch.setattr("sys.prefix", str(tmp_path))
+    assert intel_openmp_env({"A": "1"}) == {"A": "1"}  # no Intel OpenMP here: nothing to preload
+    lib.touch()
+    assert intel_openmp_env({"A": "1"}) == {"A": "1", "LD_PRELOAD": str(lib)}
+    assert intel_openmp_env({"LD_PRELOAD": "/x/libtcmalloc.so"})["LD_PRELOAD"] == f"{lib}:/x/libtcmalloc.so"
+    assert intel_openmp_env({"LD_PRELOAD": "/y/libiomp5.so"})["LD_PRELOAD"] == "/y/libiomp5.so"

@@ -53,7 +53,7 @@ def workload(args, temperature: float):
 
 def run_row(engine_name: str, proposer: str, args) -> dict:
     """One row, in this process: greedy (for identical_greedy), then the timed T=1 run."""
-    from services.rollout.server import build_engine
+    from services.rollout.engine_choice import build_engine
     from services.rollout.settings import WorkerSettings
     from services.rollout.vllm_engine.smoke import run_all
 

@@ -21,6 +21,7 @@ from services.common.grpc_server import Server, channel, run_until_signal
 from services.common.security import TLSConfig
 from services.common.validation import check_sampling, check_token_ids
 from services.rollout import weights
+from services.rollout.engine_choice import build_engine
 from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
 from services.rollout.global_feed import GlobalFeed
 from services.rollout.settings import WorkerSettings
@@ -255,31 +256,6 @@ async def _register(settings: WorkerSettings, servicer: WorkerServicer, address:
                 await asyncio.sleep(1.0)
     finally:
         await ch.close()
-
-
-def build_engine(settings: WorkerSettings, worker_id: str):
-    if settings.engine == "vllm":
-        from services.rollout.vllm_engine.builder import build_vllm_engine
-
-        return build_vllm_engine(settings, worker_id=worker_id)
-    if settings.engine != "rhymerl":
-        raise ValueError(f"RHYMERL_WORKER_ENGINE must be 'rhymerl' or 'vllm', not {settings.engine!r}")
-    import dataclasses
-
-    from services.rollout.drafter import DrafterConfig, HistoDrafter
-    from services.rollout.engine import LLMEngine
-
-    dtype = None if settings.dtype == "auto" else settings.dtype
-    drafter = HistoDrafter(DrafterConfig(max_draft_len=settings.max_draft_len))
-    engine = LLMEngine.from_path(
-        settings.model_path, device=settings.device, dtype=dtype, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
-        block_size=settings.block_size, drafter=drafter, speculative=settings.speculative,
-        max_draft_len=settings.max_draft_len, worker_id=worker_id, batch_invariant=settings.batch_invariant)
-    # The drafter prices draft tokens on the engine's own cost model (its measured curve),
-    # which exists only once the engine has sized it for the loaded model.
-    drafter.config = dataclasses.replace(drafter.config, cost_model=engine.cost_model)
-    return engine
 
 
 async def start_worker(settings: WorkerSettings, engine=None):

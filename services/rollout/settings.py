@@ -1,6 +1,7 @@
 """Rollout worker settings (environment variables prefixed RHYMERL_WORKER_)."""
 
 import socket
+from typing import Literal
 
 from pydantic import field_validator
 from pydantic_settings import SettingsConfigDict
@@ -22,7 +23,7 @@ class WorkerSettings(TLSSettings):
     model_path: str = ""
     device: str = "auto"
     # "rhymerl" (its own engine) or "vllm" (vLLM's V1 engine, `make install-vllm`; docs/vllm.md).
-    engine: str = "rhymerl"
+    engine: Literal["rhymerl", "vllm"] = "rhymerl"
     vllm_gpu_memory_utilization: float = 0.3
     vllm_kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on the CPU build
     # vLLM's engine-core process (its default) is refused: see _vllm_in_process.

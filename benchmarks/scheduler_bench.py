@@ -57,7 +57,7 @@ class OracleLengths(LengthModel):
         self.true_len = true_len
 
     def predict(self, request, use_history: bool = True) -> float:
-        return float(self.true_len[request.request_id])
+        return float(self.true_len[request.key])
 
 
 ORACLE = {"runaway_guard": float("inf")}  # rhymerl, longest true length first
@@ -171,7 +171,7 @@ def oracle_bound(step, cost: CostModel, num_workers: int, capacity: int) -> dict
     min_slope_s = min((y1 - y0) / (x1 - x0) for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])) / 1000.0
     alone, work = [], 0.0
     for request in step.requests:
-        length = step.true_len[request.request_id]
+        length = step.true_len[request.key]
         alone.append(cost.forward_s(request.prompt_len) + length * cost.forward_s(1))
         work += request.prompt_len * min_slope_s + length * per_token_full
     makespan = max(max(alone), work / num_workers)

@@ -52,6 +52,10 @@ migrations_total = Counter(NS + "migrations", "Chunks that resumed on another wo
 workers_registered = Gauge(NS + "workers_registered", "Workers known to the scheduler", ["healthy"])
 step_spec_draft_tokens = Gauge(NS + "step_spec_draft_tokens", "Draft tokens of the last finished step")
 step_spec_accepted_tokens = Gauge(NS + "step_spec_accepted_tokens", "Accepted draft tokens of the last step")
+step_log_writes = Counter(NS + "step_log_writes",
+                          "Finished samples written to the step log in Redis (ok), or not (failed, skipped)",
+                          ["result"])
+samples_in_flight = Gauge(NS + "samples_in_flight", "Samples admitted and not finished, all steps")
 
 # --- history ------------------------------------------------------------------------
 worker_step_failures = Counter(NS + "worker_step_failures", "Engine steps that raised (the batch is re-run in halves)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import OrderedDict
 
@@ -50,6 +51,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.history_epochs = history_epochs
         self.max_num_seqs = max_num_seqs
         self.accepting = True
+        self.registered = False
         self.num_runs = 0
         self.num_generated_tokens = 0
         self.spec = common_pb2.SpecCounters()
@@ -206,7 +208,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _apply(self, version: int, read) -> None:
         started = time.monotonic()
-        state = await asyncio.to_thread(read)
+        state = await asyncio.to_thread(lambda: weights.check_finite(read()))
 
         def load() -> None:
             try:
@@ -231,23 +233,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             accepting=self.accepting)
 
 
-async def _register(settings: WorkerSettings, servicer: WorkerServicer, address: str) -> None:
-    """Registers with the scheduler, retrying until it answers."""
+async def _keep_registered(settings: WorkerSettings, servicer: WorkerServicer, address: str) -> None:
+    """Registers with the scheduler, and again every ``heartbeat_s`` for as long as the
+    worker runs: a scheduler that restarted (and forgot its fleet) gets it back within
+    one interval. Unanswered attempts back off exponentially, with jitter, up to it."""
     request = worker_pb2.RegisterRequest(
-        worker_id=servicer.worker_id, address=address, policy_version=servicer.version,
-        max_num_seqs=settings.max_num_seqs, vocab_size=servicer.config.vocab_size,
-        max_model_len=servicer.config.max_position_embeddings)
+        worker_id=servicer.worker_id, address=address, max_num_seqs=settings.max_num_seqs,
+        vocab_size=servicer.config.vocab_size, max_model_len=servicer.config.max_position_embeddings)
     ch = channel(settings.scheduler_address, settings.tls())
+    stub = worker_pb2_grpc.RegistryServiceStub(ch)
+    failures = 0
     try:
-        for attempt in range(10_000):
+        while True:
+            request.policy_version = servicer.version
             try:
-                await worker_pb2_grpc.RegistryServiceStub(ch).Register(request, timeout=5)
-                log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
-                return
+                await stub.Register(request, timeout=5)
+                if failures or not servicer.registered:
+                    log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
+                servicer.registered, failures, delay = True, 0, settings.heartbeat_s
             except grpc.RpcError as err:
-                if attempt % 10 == 0:
-                    log.info("scheduler not reachable yet (%s); retrying", err.code())
-                await asyncio.sleep(1.0)
+                failures += 1
+                if failures == 1 or failures % 30 == 0:
+                    log.info("scheduler %s not answering (%s); retrying", settings.scheduler_address, err.code())
+                delay = min(settings.heartbeat_s, 0.05 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
+            await asyncio.sleep(delay)
     finally:
         await ch.close()
 
@@ -286,7 +295,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         servicer.worker_id = settings.worker_id(port)
     registration = None
     if settings.scheduler_address:
-        registration = asyncio.create_task(_register(settings, servicer, settings.address(port)))
+        registration = asyncio.create_task(_keep_registered(settings, servicer, settings.address(port)))
     log.info("worker %s listening on port %d", servicer.worker_id, port)
 
     async def stop() -> None:

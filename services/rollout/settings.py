@@ -30,6 +30,9 @@ class WorkerSettings(TLSSettings):
     max_draft_len: int = 16
     # Registers with this scheduler on start and leaves on SIGTERM; empty = static config.
     scheduler_address: str = ""
+    # Re-registers this often for as long as it runs (a restarted scheduler gets the
+    # worker back within one interval); unanswered attempts back off up to it.
+    heartbeat_s: float = 2.0
     # HistoryService for drafts from earlier epochs; empty = siblings and prompt only.
     history_address: str = ""
     history_epochs: int = 4

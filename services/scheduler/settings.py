@@ -22,10 +22,23 @@ class SchedulerSettings(TLSSettings):
     chunk_tokens: int = 0
     # A worker that fails health checks this long is dropped and its work re-queued.
     worker_timeout_s: float = 30.0
-    # Finished steps kept for idempotent re-submission.
+    # Finished steps kept in memory for idempotent re-submission: at most this many, and
+    # at most this many bytes of samples (the oldest go first; the step log still has them).
     max_steps_retained: int = 64
-    # Most samples queued over all running steps (RESOURCE_EXHAUSTED beyond).
-    max_queued_samples: int = 1_000_000
+    max_retained_bytes: int = 512 * 1024 * 1024
+    # Most samples admitted and unfinished over all steps (RESOURCE_EXHAUSTED beyond): what
+    # bounds the scheduler's memory (about 1 KiB per sample plus its tokens).
+    max_samples_in_flight: int = 262_144
+    # Redis for the step log: every finished sample is kept there, so a step re-submitted
+    # after a scheduler restart replays them and generates only the missing ones. Empty: no
+    # step log (a restart regenerates every sample of an unfinished step).
+    redis_url: str = ""
+    # How long a step's log outlives its last sample.
+    step_log_ttl_s: float = 86_400.0
+    # When a weight push applies: after_steps (synchronous RL: it waits for the running
+    # steps, whose chunks keep dispatching) or between_chunks (bounded staleness: it waits
+    # only for the chunks in flight; samples spanning it report per-token versions).
+    weight_updates: str = "after_steps"
     # Bounded staleness 1 (rhymerl policy): when a trainer submits step N+1 before step N
     # has finished, alternate each step's order (short-first, then long-first) so one
     # step's tail overlaps the next one's head. Off: every step long-first.

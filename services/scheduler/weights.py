@@ -1,32 +1,47 @@
 """Fans a weight update out to every worker, keeping the fleet on one version.
 
-A push is streamed through: each chunk from the trainer is forwarded to every
-worker as it arrives (the scheduler never holds the whole model). Workers check
-size and SHA-256 themselves and switch only when the payload is complete, so an
-interrupted or corrupt push leaves the previous version serving everywhere.
+A push is streamed through: each chunk from the trainer is forwarded to every worker
+as it arrives (the scheduler never holds the whole model). Workers check size,
+SHA-256 and finiteness themselves and switch only when the payload is complete.
+
+When a push applies, by ``mode``:
+  - ``after_steps`` (synchronous RL): it waits for the steps running when it arrived
+    to finish, while their chunks keep dispatching; steps submitted meanwhile wait for
+    the push and then sample the new version.
+  - ``between_chunks`` (bounded staleness): it waits only for the chunks in flight;
+    unfinished samples continue on the new version, and their per-token versions say so.
+Either way, a push that fails or is cancelled (the trainer's deadline) leaves dispatch
+running and the old version serving. Re-pushing the version that serves, with the same
+bytes, is acknowledged (the SDK retries pushes) and catches up workers that lag.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 from rhymerl.v1 import common_pb2
 
-from services.common import metrics
-from services.common.errors import FailedPrecondition, InvalidArgument, RhymerlError, Unavailable
-from services.scheduler.dispatcher import Dispatcher
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, RhymerlError, Unavailable
+from services.scheduler.core import SchedulerCore
 from services.scheduler.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
+MODES = ("after_steps", "between_chunks")
 _END = object()
 
 
 class WeightFanout:
-    def __init__(self, dispatcher: Dispatcher):
-        self.dispatcher = dispatcher
+    def __init__(self, core: SchedulerCore, mode: str = "after_steps"):
+        if mode not in MODES:
+            raise ValueError(f"weight update mode must be one of {MODES}, got {mode!r}")
+        self.core, self.mode = core, mode
+        self.sha256 = ""  # of the version serving, when it was pushed (re-push check)
+        self.path = ""  # of the version serving, when it was loaded from a path (catch-up)
         self._lock = asyncio.Lock()
 
     async def push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
@@ -34,76 +49,142 @@ class WeightFanout:
         if first is None or not first.HasField("header"):
             raise InvalidArgument("the first message must be a header", "header")
         header = first.header
+        sha256 = header.sha256.lower()
         async with self._lock:
-            workers = await self._prepare(header.version)
-            queues = [asyncio.Queue(maxsize=4) for _ in workers]
-
-            async def forward(q: asyncio.Queue) -> AsyncIterator[common_pb2.WeightChunk]:
-                yield first
-                while (item := await q.get()) is not _END:
-                    yield item
-
-            calls = [asyncio.ensure_future(w.stub.PushWeights(forward(q))) for w, q in zip(workers, queues)]
-            try:
-                async for chunk in chunks:
-                    if chunk.HasField("header"):
-                        raise InvalidArgument("only the first message may be a header", "header")
-                    await asyncio.gather(*(q.put(chunk) for q in queues))
-            except BaseException:
-                # The trainer's stream broke: end the workers' streams short, so each
-                # rejects the incomplete payload and keeps serving its version.
-                for call in calls:
-                    call.cancel()
-                await asyncio.gather(*calls, return_exceptions=True)
-                self.dispatcher.resume()
-                raise
-            for q in queues:
-                await q.put(_END)
-            return await self._finish(header.version, workers, calls)
+            re_push = self._check(header.version, sha256=sha256)
+            async with self._window(re_push):
+                workers = self._targets(header.version)
+                if not workers:  # every worker serves it already: read the payload, check it, ack
+                    await _drain(header, chunks)
+                    return self._ack()
+                queues = [asyncio.Queue(maxsize=4) for _ in workers]
+                calls = [asyncio.ensure_future(self.core.link.stub(w).PushWeights(_forward(first, q)))
+                         for w, q in zip(workers, queues)]
+                try:
+                    async for chunk in chunks:
+                        if chunk.HasField("header"):
+                            raise InvalidArgument("only the first message may be a header", "header")
+                        await asyncio.gather(*(q.put(chunk) for q in queues))
+                except BaseException:
+                    for call in calls:  # the workers' streams end short: each keeps its version
+                        call.cancel()
+                    await asyncio.gather(*calls, return_exceptions=True)
+                    raise
+                for q in queues:
+                    await q.put(_END)
+                return await self._finish(header.version, workers, calls, sha256=sha256)
 
     async def load(self, request: common_pb2.LoadWeightsRequest) -> common_pb2.WeightUpdateResponse:
         if not request.path:
             raise InvalidArgument("must be non-empty", "path")
         async with self._lock:
-            workers = await self._prepare(request.version)
-            calls = [asyncio.ensure_future(w.stub.LoadWeights(request)) for w in workers]
-            return await self._finish(request.version, workers, calls)
+            re_load = self._check(request.version, path=request.path)
+            async with self._window(re_load):
+                workers = self._targets(request.version)
+                if not workers:
+                    return self._ack()
+                calls = [asyncio.ensure_future(self.core.link.stub(w).LoadWeights(request)) for w in workers]
+                return await self._finish(request.version, workers, calls, path=request.path)
 
-    async def _prepare(self, version: int) -> list[WorkerHandle]:
-        if version <= self.dispatcher.policy_version:
-            raise FailedPrecondition(
-                f"must be greater than the version serving ({self.dispatcher.policy_version})", "version")
-        workers = self.dispatcher.workers.usable()
+    async def catch_up(self, worker: WorkerHandle) -> None:
+        """Loads the serving version into a worker that lags (e.g. restarted), when that
+        version came from a path every worker can read; a pushed version cannot be
+        replayed (the scheduler keeps no copy): such a worker waits for the next push."""
+        if not self.path or worker.policy_version == self.core.policy_version or self._lock.locked():
+            return
+        async with self._lock:
+            version = self.core.policy_version
+            request = common_pb2.LoadWeightsRequest(version=version, path=self.path)
+            try:
+                worker.policy_version = (await self.core.link.stub(worker).LoadWeights(request, timeout=600)).version
+                log.info("worker %s caught up to version %d", worker.worker_id, version)
+            except grpc.RpcError as err:
+                log.warning("worker %s could not catch up to version %d: %s", worker.worker_id, version, err.code())
+        self.core.wake()
+
+    def _check(self, version: int, sha256: str = "", path: str = "") -> bool:
+        """True for a re-send of the serving version (same bytes or path); raises for an
+        older version, or the serving one with other content."""
+        serving = self.core.policy_version
+        same = bool((sha256 and sha256 == self.sha256) or (path and path == self.path))
+        if version < serving or (version == serving and not same):
+            raise FailedPrecondition(f"must be greater than the version serving ({serving}), got {version}",
+                                     "version")
+        if not self.core.workers.usable():
+            raise Unavailable("no rollout worker is registered and healthy")
+        return version == serving
+
+    def _targets(self, version: int) -> list[WorkerHandle]:
+        """The usable workers not on ``version`` yet (chosen once the push may apply)."""
+        workers = self.core.workers.usable()
         if not workers:
             raise Unavailable("no rollout worker is registered and healthy")
-        await self.dispatcher.exclusive()
-        return workers
+        return [w for w in workers if w.policy_version != version]
 
-    async def _finish(self, version: int, workers: list[WorkerHandle], calls) -> common_pb2.WeightUpdateResponse:
+    @contextlib.asynccontextmanager
+    async def _window(self, re_push: bool):
+        """The moment the push applies (see the module docstring); always released. A
+        re-push only updates workers that get no work (they lag): it needs no window."""
+        core = self.core
+        if re_push:
+            yield
+            return
+        try:
+            if self.mode == "after_steps":
+                core.hold_new_steps = True
+                await asyncio.gather(*(run.finished.wait() for run in list(core.active.values())))
+            core.paused = True
+            await core.runs.drained()
+            yield
+        finally:
+            core.paused = False
+            core.hold_new_steps = False
+            core.release_held()
+            core.wake()
+
+    async def _finish(self, version: int, workers: list[WorkerHandle], calls, *, sha256: str = "",
+                      path: str = "") -> common_pb2.WeightUpdateResponse:
         results = await asyncio.gather(*calls, return_exceptions=True)
-        updated, errors = 0, []
-        for w, res in zip(workers, results):
-            if isinstance(res, BaseException):
-                errors.append((w, res))
-            else:
-                w.policy_version = res.version
-                updated += 1
-        if updated == 0:
-            self.dispatcher.resume()
+        errors = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
+        for w, r in zip(workers, results):
+            if not isinstance(r, BaseException):
+                w.policy_version = r.version
+        if len(errors) == len(workers):
             err = errors[0][1]
-            if isinstance(err, grpc.aio.AioRpcError):
-                raise _as_error(err)
-            raise err
+            raise _as_error(err) if isinstance(err, grpc.aio.AioRpcError) else err
         for w, err in errors:
             log.error("worker %s did not take version %d (%s); it gets no work until updated",
                       w.worker_id, version, err)
-        self.dispatcher.resume(version)
-        metrics.weight_version.labels(component="scheduler").set(version)
-        return common_pb2.WeightUpdateResponse(version=version, num_workers_updated=updated)
+        if version != self.core.policy_version:
+            self.sha256, self.path = sha256, path
+            self.core.set_version(version)
+        return self._ack()
+
+    def _ack(self) -> common_pb2.WeightUpdateResponse:
+        version = self.core.policy_version
+        return common_pb2.WeightUpdateResponse(version=version, num_workers_updated=sum(
+            w.policy_version == version for w in self.core.workers.usable()))
+
+
+async def _forward(first: common_pb2.WeightChunk, q: asyncio.Queue) -> AsyncIterator[common_pb2.WeightChunk]:
+    yield first
+    while (item := await q.get()) is not _END:
+        yield item
+
+
+async def _drain(header: common_pb2.WeightHeader, chunks: AsyncIterator[common_pb2.WeightChunk]) -> None:
+    """Reads a re-sent payload to its end and checks it is the one announced."""
+    digest, size = hashlib.sha256(), 0
+    async for chunk in chunks:
+        digest.update(chunk.data)
+        size += len(chunk.data)
+    if size != header.total_bytes or digest.hexdigest() != header.sha256.lower():
+        raise DataLoss(f"re-push of version {header.version} incomplete or corrupt "
+                       f"({size} of {header.total_bytes} bytes)", "header.sha256")
 
 
 def _as_error(err: grpc.aio.AioRpcError) -> RhymerlError:
     """Re-raises a worker's status to the trainer with the same code."""
-    exc = RhymerlError(f"worker rejected the update: {err.details()}")
+    exc = RhymerlError(err.details())  # the worker's message names the field
     exc.code = err.code()
     return exc

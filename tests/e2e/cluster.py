@@ -15,6 +15,13 @@ TINY = dict(architecture="qwen2", vocab_size=96, hidden_size=64, intermediate_si
             qk_norm=False, eos_token_ids=(1,), bos_token_id=None, dtype="float32")
 
 
+def prompts(k: int, length: int = 6, offset: int = 0):
+    """``k`` distinct prompts p{offset}.. of ``length`` tokens inside the tiny vocabulary."""
+    from rhymerl import Prompt
+
+    return [Prompt(f"p{offset + i}", [2 + (7 * (offset + i) + 3 * j) % 90 for j in range(length)]) for i in range(k)]
+
+
 def save_tiny_model(path: Path, seed: int = 0) -> Path:
     from services.rollout.loader import init_random_model, save_model
 
@@ -52,22 +59,15 @@ class Cluster:
     async def _start(self) -> None:
         from services.history.server import start_history
         from services.history.settings import HistorySettings
-        from services.scheduler.server import start_scheduler
-        from services.scheduler.settings import SchedulerSettings
 
         _, history_port, stop = await start_history(
             HistorySettings(host="127.0.0.1", port=0, metrics_port=0, redis_url=self.redis_url, **self.tls))
         self.stops.append(stop)
         self.history_address = f"127.0.0.1:{history_port}"
-        self.scheduler, port, stop = await start_scheduler(SchedulerSettings(
-            host="127.0.0.1", port=0, metrics_port=0, history_address=self.history_address,
-            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls,
-            **self.scheduler_settings))
-        self.stops.append(stop)
-        self.address = f"127.0.0.1:{port}"
+        await self._start_scheduler()
         for i in range(self.num_workers):
             await self.add_worker(f"w{i}")
-        while len(self.scheduler.dispatcher.workers.usable()) < self.num_workers:
+        while len(self.scheduler.core.workers.usable()) < self.num_workers:
             await asyncio.sleep(0.05)
 
     async def add_worker(self, worker_id: str):
@@ -82,6 +82,31 @@ class Cluster:
         server, port, stop = await _start_worker_advertised(settings, start_worker)
         self.workers[worker_id] = (server, stop)
         return server
+
+    def crash_scheduler(self) -> None:
+        """Stops the scheduler abruptly (no grace, nothing saved), like kill -9 of its pod."""
+        server = self.scheduler
+        self.stops.remove(self._scheduler_stop)
+
+        async def crash():
+            await server.server.stop(0)
+            await server.core.stop()
+        self.run(crash())
+
+    def start_scheduler(self) -> None:
+        """Starts a fresh scheduler on the address the workers know."""
+        self.run(self._start_scheduler(int(self.address.rsplit(":", 1)[1])))
+
+    async def _start_scheduler(self, port: int = 0) -> None:
+        from services.scheduler.server import start_scheduler
+        from services.scheduler.settings import SchedulerSettings
+
+        self.scheduler, port, self._scheduler_stop = await start_scheduler(SchedulerSettings(
+            host="127.0.0.1", port=port, metrics_port=0, history_address=self.history_address,
+            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls,
+            **self.scheduler_settings))
+        self.stops.append(self._scheduler_stop)
+        self.address = f"127.0.0.1:{port}"
 
     def kill_worker(self, worker_id: str) -> None:
         """Stops a worker abruptly (no draining), like a crashed pod."""

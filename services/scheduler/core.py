@@ -29,7 +29,7 @@ from services.common import metrics
 from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.scheduler import intake
 from services.scheduler.delivery import Delivery
-from services.scheduler.fair_share import step_quota
+from services.scheduler.fair_share import step_quotas
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies.base import Assignment, Policy
 from services.scheduler.run_calls import RunCalls
@@ -126,7 +126,10 @@ class SchedulerCore:
             raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content",
                                      "step_id")
         done = logged is not None and logged.summary is not None
-        samples = intake.split(req, intake.Fleet(0, 0) if done else self._fleet())
+        samples = []
+        for group in intake.split(req, intake.Fleet(0, 0) if done else self._fleet()):
+            samples += group
+            await asyncio.sleep(0)  # a huge step's intake takes a while: let health checks in
         restored = {(s.prompt_id, s.sample_index): s for s in logged.samples} if logged else {}
         missing = [s for s in samples if (s.request.prompt_id, s.request.sample_index) not in restored]
         in_flight = len(self.unfinished)
@@ -172,7 +175,6 @@ class SchedulerCore:
                 log.warning("history lookup failed for step %s: %s", run.step_id, exc)
         run.history_hit_rate = len(lengths) / len(prompt_ids)
         self.lengths.load_history(lengths)
-        await asyncio.sleep(0)  # a huge step's intake is long: let health checks in
 
     def _hand_to_policy(self, run: StepRun) -> None:
         run.in_policy = True
@@ -209,13 +211,14 @@ class SchedulerCore:
             return
         running = {step_id: run.num_running for step_id, run in self.active.items()}
         queued = {step_id: run.num_unfinished - run.num_running for step_id, run in self.active.items()}
-        quota = step_quota(sum(w.state.capacity for w in workers if w.state.healthy), running, queued)
-        now = time.monotonic()
-        by_worker: dict[str, list[Assignment]] = defaultdict(list)
-        for a in self.policy.schedule([w.state for w in workers], now, quota):
-            by_worker[a.worker_id].append(a)
-        for worker_id, assignments in by_worker.items():
-            self.runs.start(self.workers.workers[worker_id], assignments, now)
+        quotas = step_quotas(sum(w.state.capacity for w in workers), running, queued)
+        now, states = time.monotonic(), [w.state for w in workers]
+        for quota in [None] if quotas is None else [q for _, q in quotas]:
+            by_worker: dict[str, list[Assignment]] = defaultdict(list)
+            for a in self.policy.schedule(states, now, quota):
+                by_worker[a.worker_id].append(a)
+            for worker_id, assignments in by_worker.items():  # books the slots before the next step's turn
+                self.runs.start(self.workers.workers[worker_id], assignments, now)
 
     # --- cancel, weights, no workers ---------------------------------------------------
     async def cancel(self, step_id: str) -> int:

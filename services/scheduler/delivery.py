@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ABORT = common_pb2.FINISH_REASON_ABORT
+CANCEL_BATCH = 2048
 
 
 class Delivery:
@@ -131,7 +132,9 @@ class Delivery:
                 running[s.request.last_worker].append(s.dispatch_id)
         for prog in queued:
             prog.finish_reason, prog.error = ABORT, error
-        await self.finish(run, queued)
+        for i in range(0, len(queued), CANCEL_BATCH):  # a huge step: let other work in between
+            await self.finish(run, queued[i:i + CANCEL_BATCH])
+            await asyncio.sleep(0)
         for worker_id, dispatch_ids in running.items():
             worker = core.workers.workers.get(worker_id)
             if worker is not None:

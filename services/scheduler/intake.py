@@ -6,6 +6,7 @@ Knows no gRPC and nothing of placement.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rhymerl.v1 import rollout_pb2
@@ -51,12 +52,13 @@ def check_step(req: rollout_pb2.SubmitStepRequest, serving_version: int) -> None
             "policy_version")
 
 
-def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> list[SampleProgress]:
-    """One SampleProgress per (prompt, sample), each with its own seed (fixed by the step
-    seed, the prompt id and the sample index, never by placement)."""
+def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[SampleProgress]]:
+    """Per prompt, one SampleProgress per sample, each with its own seed (fixed by the step
+    seed, the prompt id and the sample index, never by placement). A generator, so the
+    caller can let other work in between the prompts of a huge step."""
     check_sampling(req.sampling, "sampling", fleet.vocab_size)
     max_len, max_tokens = fleet.max_model_len, req.sampling.max_tokens
-    samples, seen = [], set()
+    seen = set()
     for i, prompt in enumerate(req.prompts):
         field = f"prompts[{i}]"
         check_token_ids(prompt.token_ids, f"{field}.token_ids", fleet.vocab_size)
@@ -75,10 +77,8 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> list[SampleProgre
             raise InvalidArgument(f"duplicate prompt_id {pid!r}", f"{field}.prompt_id")
         seen.add(pid)
         tokens = list(prompt.token_ids)
-        for k in range(req.n):
-            request = Request(req.step_id, pid, k, prompt_len=len(tokens), max_tokens=max_tokens)
-            samples.append(SampleProgress(request, tokens, sample_seed(req.sampling.seed, pid, k)))
-    return samples
+        yield [SampleProgress(Request(req.step_id, pid, k, prompt_len=len(tokens), max_tokens=max_tokens), tokens,
+                              sample_seed(req.sampling.seed, pid, k)) for k in range(req.n)]
 
 
 def check_rewards(req: rollout_pb2.ReportRewardsRequest) -> None:

@@ -7,6 +7,7 @@ a scheduler restart counts its replayed samples like the ones generated since.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from rhymerl.v1 import common_pb2, rollout_pb2
 
@@ -49,8 +50,8 @@ def export(summary: rollout_pb2.StepSummary, totals: common_pb2.SpecCounters) ->
 
 
 def count_samples(samples: list[rollout_pb2.SampleResult]) -> None:
-    for s in samples:
-        metrics.samples_total.labels(finish_reason=FINISH_NAMES.get(s.finish_reason, "abort")).inc()
+    for reason, num in Counter(FINISH_NAMES.get(s.finish_reason, "abort") for s in samples).items():
+        metrics.samples_total.labels(finish_reason=reason).inc(num)
 
 
 async def record_history(history, run: StepRun) -> None:

@@ -165,7 +165,7 @@ def test_a_small_step_beside_a_huge_one_gets_its_share_and_health_answers(cluste
             stub = health_pb2_grpc.HealthStub(channel)
             while not stop.is_set():
                 try:
-                    stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                    stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)  # a hang guard
                 except grpc.RpcError as err:  # noqa: PERF203 - every miss is reported
                     health_errors.append(err.code())
                 stop.wait(0.1)

@@ -12,6 +12,8 @@ CPU = [
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],
     ["benchmarks.engine_bench", "--device", "cpu"],
+    # The long fault campaign (make test runs a short one): separate processes, kill -9s.
+    ["benchmarks.chaos", "--seed", "1", "--faults", "200", "--steps", "50"],
 ]
 GPU = [
     # The issue-3 policy on one GPU (target: under 10 minutes); train_log.json has the time.

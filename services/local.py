@@ -163,12 +163,13 @@ class LocalCluster:
             self._poll(name, deadline, lambda: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
                        .status == health_pb2.HealthCheckResponse.SERVING)
 
-    def wait_registered(self, timeout_s: float) -> float:
-        """Until every running worker is registered and healthy; returns the seconds waited."""
+    def wait_registered(self, timeout_s: float, expected: int | None = None) -> float:
+        """Until ``expected`` workers (default: every running one) are registered and
+        healthy; returns the seconds waited."""
         from rhymerl import RolloutClient
 
         started = time.monotonic()
-        expected = sum(self.is_running(w) for w in self.workers)
+        expected = sum(self.is_running(w) for w in self.workers) if expected is None else expected
         with RolloutClient(self.scheduler_address, timeout_s=5, max_retries=0) as client:
             self._poll("scheduler", started + timeout_s,
                        lambda: len([w for w in client.stats().workers if w.healthy]) >= expected)

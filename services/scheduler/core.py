@@ -98,6 +98,9 @@ class SchedulerCore:
     def register(self, worker_id: str, address: str, capacity: int, version: int, vocab_size: int,
                  max_model_len: int) -> WorkerHandle:
         """A worker announced itself (registration is also its heartbeat)."""
+        known = self.workers.workers.get(worker_id)
+        if known is not None and not known.state.healthy:  # back: likely a new process
+            self.link.reset(worker_id)
         w = self.workers.add(worker_id, address, capacity, version, vocab_size, max_model_len)
         now = time.monotonic()
         self._first_worker_at = self._first_worker_at or now

@@ -1,5 +1,7 @@
 """Scheduler settings (environment variables prefixed RHYMERL_SCHEDULER_)."""
 
+from typing import Literal
+
 from pydantic_settings import SettingsConfigDict
 
 from services.common.security import TLSSettings
@@ -38,7 +40,7 @@ class SchedulerSettings(TLSSettings):
     # When a weight push applies: after_steps (synchronous RL: it waits for the running
     # steps, whose chunks keep dispatching) or between_chunks (bounded staleness: it waits
     # only for the chunks in flight; samples spanning it report per-token versions).
-    weight_updates: str = "after_steps"
+    weight_updates: Literal["after_steps", "between_chunks"] = "after_steps"
     # Bounded staleness 1 (rhymerl policy): when a trainer submits step N+1 before step N
     # has finished, alternate each step's order (short-first, then long-first) so one
     # step's tail overlaps the next one's head. Off: every step long-first.

@@ -43,6 +43,7 @@ class WeightFanout:
         self.sha256 = ""  # of the version serving, when it was pushed (re-push check)
         self.path = ""  # of the version serving, when it was loaded from a path (catch-up)
         self._lock = asyncio.Lock()
+        self._catching_up: set[str] = set()  # worker ids
 
     async def push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
         first = await anext(aiter(chunks), None)
@@ -89,17 +90,20 @@ class WeightFanout:
     async def catch_up(self, worker: WorkerHandle) -> None:
         """Loads the serving version into a worker that lags (e.g. restarted), when that
         version came from a path every worker can read; a pushed version cannot be
-        replayed (the scheduler keeps no copy): such a worker waits for the next push."""
-        if not self.path or worker.policy_version == self.core.policy_version or self._lock.locked():
+        replayed (the scheduler keeps no copy): such a worker waits for the next push.
+        Not under the push lock: a push waiting for steps may need this worker to end them."""
+        version = self.core.policy_version
+        if not self.path or worker.policy_version >= version or worker.worker_id in self._catching_up:
             return
-        async with self._lock:
-            version = self.core.policy_version
+        self._catching_up.add(worker.worker_id)
+        try:
             request = common_pb2.LoadWeightsRequest(version=version, path=self.path)
-            try:
-                worker.policy_version = (await self.core.link.stub(worker).LoadWeights(request, timeout=600)).version
-                log.info("worker %s caught up to version %d", worker.worker_id, version)
-            except grpc.RpcError as err:
-                log.warning("worker %s could not catch up to version %d: %s", worker.worker_id, version, err.code())
+            worker.policy_version = (await self.core.link.stub(worker).LoadWeights(request, timeout=600)).version
+            log.info("worker %s caught up to version %d", worker.worker_id, version)
+        except grpc.RpcError as err:
+            log.warning("worker %s could not catch up to version %d: %s", worker.worker_id, version, err.code())
+        finally:
+            self._catching_up.discard(worker.worker_id)
         self.core.wake()
 
     def _check(self, version: int, sha256: str = "", path: str = "") -> bool:

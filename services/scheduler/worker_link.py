@@ -8,6 +8,7 @@ in-process fake workers that yield the same events.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -126,6 +127,13 @@ class GrpcWorkerLink:
                 worker_pb2.WorkerStatsRequest(), timeout=5)
         finally:
             await ch.close()
+
+    def reset(self, worker_id: str) -> None:
+        """The worker came back (a new process): the next call opens a fresh channel
+        instead of waiting out the old one's reconnect backoff."""
+        known = self._channels.pop(worker_id, None)
+        if known is not None:
+            asyncio.ensure_future(known[1].close())
 
     async def forget(self, worker_id: str) -> None:
         known = self._channels.pop(worker_id, None)

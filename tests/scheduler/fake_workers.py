@@ -67,6 +67,9 @@ class FakeLink:
     async def abort(self, worker, dispatch_ids):
         self.aborted += dispatch_ids
 
+    def reset(self, worker_id):
+        pass
+
     async def forget(self, worker_id):
         pass
 

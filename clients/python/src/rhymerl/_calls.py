@@ -20,6 +20,10 @@ WEIGHT_CHUNK_BYTES = 4 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    # A restarted scheduler is reconnected within seconds (gRPC's default backoff grows to
+    # 120 s, failing every retry fast until it expires).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 
 

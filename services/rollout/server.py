@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import OrderedDict
 
-import grpc
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
@@ -23,11 +21,11 @@ from services.common.errors import (
     Unavailable,
     grpc_errors,
 )
-from services.common.grpc_server import Server, channel, run_until_signal
-from services.common.security import TLSConfig
+from services.common.grpc_server import Server, run_until_signal
 from services.common.validation import check_sampling, check_token_ids
 from services.rollout import weights
 from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
+from services.rollout.registration import deregister, keep_registered
 from services.rollout.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -51,7 +49,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.history_epochs = history_epochs
         self.max_num_seqs = max_num_seqs
         self.accepting = True
-        self.registered = False
         self.num_runs = 0
         self.num_generated_tokens = 0
         self.spec = common_pb2.SpecCounters()
@@ -233,34 +230,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             accepting=self.accepting)
 
 
-async def _keep_registered(settings: WorkerSettings, servicer: WorkerServicer, address: str) -> None:
-    """Registers with the scheduler, and again every ``heartbeat_s`` for as long as the
-    worker runs: a scheduler that restarted (and forgot its fleet) gets it back within
-    one interval. Unanswered attempts back off exponentially, with jitter, up to it."""
-    request = worker_pb2.RegisterRequest(
-        worker_id=servicer.worker_id, address=address, max_num_seqs=settings.max_num_seqs,
-        vocab_size=servicer.config.vocab_size, max_model_len=servicer.config.max_position_embeddings)
-    ch = channel(settings.scheduler_address, settings.tls())
-    stub = worker_pb2_grpc.RegistryServiceStub(ch)
-    failures = 0
-    try:
-        while True:
-            request.policy_version = servicer.version
-            try:
-                await stub.Register(request, timeout=5)
-                if failures or not servicer.registered:
-                    log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
-                servicer.registered, failures, delay = True, 0, settings.heartbeat_s
-            except grpc.RpcError as err:
-                failures += 1
-                if failures == 1 or failures % 30 == 0:
-                    log.info("scheduler %s not answering (%s); retrying", settings.scheduler_address, err.code())
-                delay = min(settings.heartbeat_s, 0.05 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
-            await asyncio.sleep(delay)
-    finally:
-        await ch.close()
-
-
 def build_engine(settings: WorkerSettings, worker_id: str):
     from services.rollout.drafter import HistoDrafter
     from services.rollout.engine import LLMEngine
@@ -295,7 +264,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         servicer.worker_id = settings.worker_id(port)
     registration = None
     if settings.scheduler_address:
-        registration = asyncio.create_task(_keep_registered(settings, servicer, settings.address(port)))
+        registration = asyncio.create_task(keep_registered(settings, servicer, settings.address(port)))
     log.info("worker %s listening on port %d", servicer.worker_id, port)
 
     async def stop() -> None:
@@ -304,7 +273,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         await server.set_serving(False)
         if registration is not None:
             registration.cancel()
-            await _deregister(settings.scheduler_address, servicer.worker_id, settings.tls())
+            await deregister(settings.scheduler_address, servicer.worker_id, settings.tls())
         deadline = time.monotonic() + settings.drain_timeout_s
         while servicer.num_runs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -315,17 +284,6 @@ async def start_worker(settings: WorkerSettings, engine=None):
 
     server.servicer = servicer
     return server, port, stop
-
-
-async def _deregister(address: str, worker_id: str, tls: TLSConfig | None = None) -> None:
-    ch = channel(address, tls)
-    try:
-        await worker_pb2_grpc.RegistryServiceStub(ch).Deregister(
-            worker_pb2.DeregisterRequest(worker_id=worker_id), timeout=5)
-    except grpc.RpcError as err:
-        log.warning("deregistration failed: %s", err.code())
-    finally:
-        await ch.close()
 
 
 async def serve(settings: WorkerSettings) -> None:

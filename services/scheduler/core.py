@@ -31,7 +31,7 @@ from services.scheduler import intake
 from services.scheduler.delivery import Delivery
 from services.scheduler.fair_share import step_quotas
 from services.scheduler.length_model import LengthModel
-from services.scheduler.policies.base import Assignment, Policy
+from services.scheduler.policies.base import Assignment, Policy, RequestKey
 from services.scheduler.run_calls import RunCalls
 from services.scheduler.step import SampleProgress, StepRun, fingerprint
 from services.scheduler.step_log import StepLog
@@ -64,7 +64,7 @@ class SchedulerCore:
         self.policy_version = 0
         self.version_settled = False  # False until a push, or SETTLE_S after the first worker came
         self._first_worker_at: float | None = None
-        self.unfinished: dict = {}  # RequestKey -> (StepRun, SampleProgress)
+        self.unfinished: dict[RequestKey, tuple[StepRun, SampleProgress]] = {}
         self.active: dict[str, StepRun] = {}  # steps whose requests the policy holds, arrival order
         self.held: list[StepRun] = []  # steps admitted while a push waits for the running ones
         self.hold_new_steps = False
@@ -154,7 +154,10 @@ class SchedulerCore:
         await self.delivery.restore(run, samples, restored, logged.summary if logged else None)
         if missing:
             await self._load_lengths(run, missing)
-            self.held.append(run) if self.hold_new_steps else self._hand_to_policy(run)
+            if self.hold_new_steps:  # a weight push waits for the running steps first
+                self.held.append(run)
+            else:
+                self._hand_to_policy(run)
             metrics.steps_total.labels(status="submitted").inc()
         return run
 

@@ -15,6 +15,15 @@ TINY = dict(architecture="qwen2", vocab_size=96, hidden_size=64, intermediate_si
             qk_norm=False, eos_token_ids=(1,), bos_token_id=None, dtype="float32")
 
 
+def expect_status(err, code, field: str) -> None:
+    """``err`` has status ``code`` (a grpc.StatusCode or its name) and names ``field`` first."""
+    import grpc
+
+    code = getattr(grpc.StatusCode, code) if isinstance(code, str) else code
+    assert err.code() == code, (err.code(), err.details())
+    assert err.details().startswith(field + ":"), err.details()
+
+
 def prompts(k: int, length: int = 6, offset: int = 0):
     """``k`` distinct prompts p{offset}.. of ``length`` tokens inside the tiny vocabulary."""
     from rhymerl import Prompt
@@ -82,6 +91,15 @@ class Cluster:
         server, port, stop = await _start_worker_advertised(settings, start_worker)
         self.workers[worker_id] = (server, stop)
         return server
+
+    def wait_running(self, step_id: str | None = None, timeout_s: float = 120.0) -> None:
+        """Until ``step_id`` (or any step) has chunks on the workers; a hang guard."""
+        import time
+
+        core, deadline = self.scheduler.core, time.monotonic() + timeout_s
+        while (step_id is not None and step_id not in core.steps) or not core.runs.num_chunks:
+            assert time.monotonic() < deadline, f"step {step_id} never started"
+            time.sleep(0.01)
 
     def crash_scheduler(self) -> None:
         """Stops the scheduler abruptly (no grace, nothing saved), like kill -9 of its pod."""

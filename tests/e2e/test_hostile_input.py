@@ -5,7 +5,6 @@ UTF-8. Each gets its status naming the field; nothing else is disturbed."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -13,28 +12,16 @@ import redis
 from rhymerl import Prompt, RolloutClient, SamplingParams
 from rhymerl.v1 import rollout_pb2
 
-from tests.e2e.cluster import Cluster, prompts, save_tiny_model
+from tests.e2e.cluster import expect_status, prompts
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, seed=1)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, redis_url):
-    c = Cluster(model_dir=save_tiny_model(tmp_path_factory.mktemp("tiny")), redis_url=redis_url).start()
-    yield c
-    c.stop()
 
 
 @pytest.fixture
 def client(cluster):
     with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as c:
         yield c
-
-
-def _expect(err: grpc.RpcError, code: grpc.StatusCode, field: str) -> None:
-    assert err.code() == code, (err.code(), err.details())
-    assert err.details().startswith(field + ":"), err.details()
 
 
 def test_ids_that_collide_when_joined_are_different_requests(client, cluster):
@@ -78,14 +65,14 @@ def test_oversized_ids_are_invalid_argument(client, cluster, field, change):
     args.update(change)
     with pytest.raises(grpc.RpcError) as err:
         client.rollout(**args)
-    _expect(err.value, grpc.StatusCode.INVALID_ARGUMENT, field)
+    expect_status(err.value, grpc.StatusCode.INVALID_ARGUMENT, field)
     assert not cluster.scheduler.core.steps.get(args["step_id"])
 
 
 def test_negative_policy_version_is_invalid_argument(client):
     with pytest.raises(grpc.RpcError) as err:
         client.rollout("neg-version", prompts(1), n=1, sampling=GREEDY, policy_version=-1)
-    _expect(err.value, grpc.StatusCode.INVALID_ARGUMENT, "policy_version")
+    expect_status(err.value, grpc.StatusCode.INVALID_ARGUMENT, "policy_version")
 
 
 def test_non_utf8_step_id_is_invalid_argument_naming_it(cluster):
@@ -97,13 +84,13 @@ def test_non_utf8_step_id_is_invalid_argument_naming_it(cluster):
                                     response_deserializer=rollout_pb2.StepEvent.FromString)
         with pytest.raises(grpc.RpcError) as err:
             list(call(payload, timeout=30))
-        _expect(err.value, grpc.StatusCode.INVALID_ARGUMENT, "step_id")
+        expect_status(err.value, grpc.StatusCode.INVALID_ARGUMENT, "step_id")
         cancel = channel.unary_unary("/rhymerl.v1.RolloutService/ReportRewards",
                                      response_deserializer=rollout_pb2.ReportRewardsResponse.FromString)
         bad_reward = b"\x0a\x01s" + b"\x12\x04" + b"\x0a\x02\xc3\x28"  # rewards[0].prompt_id = C3 28
         with pytest.raises(grpc.RpcError) as err:
             cancel(bad_reward, timeout=30)
-        _expect(err.value, grpc.StatusCode.INVALID_ARGUMENT, "rewards[0].prompt_id")
+        expect_status(err.value, grpc.StatusCode.INVALID_ARGUMENT, "rewards[0].prompt_id")
 
 
 def test_rewards_are_checked_before_anything_is_stored(client, cluster, redis_url):
@@ -123,7 +110,7 @@ def test_rewards_are_checked_before_anything_is_stored(client, cluster, redis_ur
     for step_id, rewards, code, field in cases:
         with pytest.raises(grpc.RpcError) as err:
             client.report_rewards(step_id, rewards)
-        _expect(err.value, code, field)
+        expect_status(err.value, code, field)
     assert set(redis.Redis.from_url(redis_url).keys("*")) == keys_before
     assert client.report_rewards("rewards", [("p0", 0, 1.0), ("p0", 1, -0.5)]) == 2
 
@@ -173,11 +160,7 @@ def test_a_small_step_beside_a_huge_one_gets_its_share_and_health_answers(cluste
     threads = [threading.Thread(target=big, daemon=True), threading.Thread(target=probe, daemon=True)]
     for t in threads:
         t.start()
-    core = cluster.scheduler.core
-    deadline = time.monotonic() + 120
-    while "huge" not in core.steps or not any(w.state.running for w in core.workers.workers.values()):
-        assert time.monotonic() < deadline, "the huge step never started"
-        time.sleep(0.05)
+    cluster.wait_running("huge")
     with RolloutClient(cluster.address, timeout_s=240, max_retries=0) as c:
         small = c.rollout("small", prompts(2, offset=900), n=2, sampling=GREEDY)
         assert len(small.samples) == 4 and all(s.finish_reason != "abort" for s in small.samples)

@@ -11,15 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rhymerl import RolloutClient, SamplingParams
 
-from tests.e2e.cluster import Cluster, prompts, save_tiny_model
+from tests.e2e.cluster import Cluster, prompts
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, seed=1)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:

@@ -11,21 +11,9 @@ import pytest
 from rhymerl import Prompt, RolloutClient, SamplingParams
 from rhymerl.v1 import common_pb2, rollout_pb2_grpc
 
-from tests.e2e.cluster import TINY, Cluster, prompts, save_tiny_model
+from tests.e2e.cluster import TINY, Cluster, expect_status, prompts
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def cluster(model_dir, redis_url):
-    c = Cluster(model_dir=model_dir, redis_url=redis_url).start()
-    yield c
-    c.stop()
 
 
 @pytest.fixture
@@ -371,11 +359,6 @@ BAD_SUBMITS = [
 ]
 
 
-def _expect(err: grpc.RpcError, code: str, field: str) -> None:
-    assert err.code() == getattr(grpc.StatusCode, code), (err.code(), err.details())
-    assert err.details().startswith(field + ":"), err.details()
-
-
 @pytest.mark.parametrize("case, change, code, field", BAD_SUBMITS, ids=[c[0] for c in BAD_SUBMITS])
 def test_each_bad_submit_gets_its_status_code_naming_the_field(cluster, case, change, code, field):
     """Each bad input of the contract: its own status code, the message starts with the field,
@@ -386,17 +369,17 @@ def test_each_bad_submit_gets_its_status_code_naming_the_field(cluster, case, ch
     with RolloutClient(cluster.address, timeout_s=60, max_retries=0) as c:
         with pytest.raises(grpc.RpcError) as err:
             c.rollout(**args)
-        _expect(err.value, code, field)
+        expect_status(err.value, code, field)
         assert step_id not in cluster.scheduler.core.steps
 
 
 def test_cancel_of_an_unknown_step_is_not_found_naming_the_step_id(client, cluster):
     with pytest.raises(grpc.RpcError) as err:
         client.cancel_step("never-submitted")
-    _expect(err.value, "NOT_FOUND", "step_id")
+    expect_status(err.value, "NOT_FOUND", "step_id")
     with pytest.raises(grpc.RpcError) as err:
         client.cancel_step("")
-    _expect(err.value, "INVALID_ARGUMENT", "step_id")
+    expect_status(err.value, "INVALID_ARGUMENT", "step_id")
     assert "never-submitted" not in cluster.scheduler.core.steps
 
 
@@ -427,22 +410,18 @@ def test_every_bad_input_while_a_step_runs_loses_nothing_in_flight(client, clust
 
     t = threading.Thread(target=run)
     t.start()
-    core = cluster.scheduler.core
-    deadline = time.monotonic() + 30
-    while "in-flight" not in core.steps or not any(w.state.running for w in core.workers.workers.values()):
-        assert time.monotonic() < deadline, "the good step never started"
-        time.sleep(0.01)
-    run_ = core.steps.get("in-flight")
+    cluster.wait_running("in-flight")
+    run_ = cluster.scheduler.core.steps.get("in-flight")
     with RolloutClient(cluster.address, timeout_s=60, max_retries=0) as other:
         for case, change, code, field in BAD_SUBMITS:
             args = dict(step_id=f"bad-in-flight/{case}", prompts=prompts(1), n=1, sampling=GREEDY)
             args.update(change)
             with pytest.raises(grpc.RpcError) as err:
                 other.rollout(**args)
-            _expect(err.value, code, field)
+            expect_status(err.value, code, field)
         with pytest.raises(grpc.RpcError) as err:
             other.cancel_step("no-such-step")
-        _expect(err.value, "NOT_FOUND", "step_id")
+        expect_status(err.value, "NOT_FOUND", "step_id")
         assert _oversized_submit(cluster.address).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert not run_.is_finished, "the good step ended before the bad inputs: the test proves nothing"
     t.join(300)

@@ -13,16 +13,11 @@ import pytest
 from rhymerl import RolloutClient, SamplingParams
 from rhymerl.v1 import common_pb2, rollout_pb2_grpc
 
-from tests.e2e.cluster import TINY, Cluster, prompts, save_tiny_model
+from tests.e2e.cluster import TINY, Cluster, prompts
 
 pytestmark = pytest.mark.timeout(300)
 LONG = SamplingParams(temperature=1.0, max_tokens=160, seed=9, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, seed=1)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def weights(seed: int = 1, poison: float | None = None) -> bytes:
@@ -55,11 +50,7 @@ class Step(threading.Thread):
             self.error = exc
 
     def wait_running(self, cluster: Cluster) -> None:
-        core = cluster.scheduler.core
-        deadline = time.monotonic() + 60
-        while not any(w.state.running for w in core.workers.workers.values()):
-            assert time.monotonic() < deadline, "the step never started"
-            time.sleep(0.01)
+        cluster.wait_running(self.step_id)
 
 
 @pytest.fixture

@@ -4,24 +4,17 @@ sharing, admission, identity and the step log, without gRPC and without a model.
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import pytest
 from rhymerl.v1 import common_pb2
 
 from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.scheduler.fair_share import max_min_shares, step_quotas
+from tests.aio import run_async
 from tests.scheduler.fake_workers import FakeLink, collect, expected_tokens, make_core, step
 
 pytestmark = pytest.mark.timeout(120)
 PROMPTS = {"a": [3, 4, 5], "b": [6, 7], "c": [8, 9, 10, 11]}
-
-
-def run_async(test):
-    @functools.wraps(test)
-    def wrapper(*args, **kwargs):
-        return asyncio.run(asyncio.wait_for(test(*args, **kwargs), 60))  # a hang guard
-    return wrapper
 
 
 def keys(samples) -> list[tuple[str, int]]:

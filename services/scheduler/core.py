@@ -33,6 +33,7 @@ from services.scheduler.fair_share import step_quotas
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies.base import Assignment, Policy, RequestKey
 from services.scheduler.run_calls import RunCalls
+from services.scheduler.serving import ServingVersion
 from services.scheduler.step import SampleProgress, StepRun, fingerprint
 from services.scheduler.step_log import StepLog
 from services.scheduler.step_table import StepTable
@@ -40,10 +41,6 @@ from services.scheduler.timeline import StepTimeline
 from services.scheduler.workers import WorkerHandle, WorkerTable
 
 log = logging.getLogger(__name__)
-# A fresh (or restarted) scheduler learns the serving version from its workers: the
-# newest version registered within this long of the first worker (a restarted worker
-# comes back on its initial weights and must not pull the fleet's version down).
-SETTLE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -61,9 +58,7 @@ class SchedulerCore:
         self.steps = steps or StepTable()
         self.log = step_log or StepLog("")
         self.lengths = LengthModel()
-        self.policy_version = 0
-        self.version_settled = False  # False until a push, or SETTLE_S after the first worker came
-        self._first_worker_at: float | None = None
+        self.serving = ServingVersion()
         self.unfinished: dict[RequestKey, tuple[StepRun, SampleProgress]] = {}
         self.active: dict[str, StepRun] = {}  # steps whose requests the policy holds, arrival order
         self.held: list[StepRun] = []  # steps admitted while a push waits for the running ones
@@ -90,10 +85,20 @@ class SchedulerCore:
     def wake(self) -> None:
         self._wake.set()
 
+    @property
+    def policy_version(self) -> int:
+        return self.serving.version
+
     def set_version(self, version: int) -> None:
-        self.policy_version = version
-        self.version_settled = True
+        """A push made ``version`` serving."""
+        self.serving.pushed(version)
         metrics.weight_version.labels(component="scheduler").set(version)
+
+    def settle_version(self) -> None:
+        """Called periodically (``serving.py`` says why)."""
+        nobody_serves = not self.workers.serving(self.policy_version)
+        if self.serving.settle([w.policy_version for w in self.workers.usable()], nobody_serves, time.monotonic()):
+            self._version_changed("the newest registered")
 
     def register(self, worker_id: str, address: str, capacity: int, version: int, vocab_size: int,
                  max_model_len: int) -> WorkerHandle:
@@ -101,17 +106,16 @@ class SchedulerCore:
         known = self.workers.workers.get(worker_id)
         if known is not None and not known.state.healthy:  # back: likely a new process
             self.link.reset(worker_id)
-        w = self.workers.add(worker_id, address, capacity, version, vocab_size, max_model_len)
-        now = time.monotonic()
-        self._first_worker_at = self._first_worker_at or now
-        settled = self.version_settled or now - self._first_worker_at > SETTLE_S
         nobody_serves = not self.workers.serving(self.policy_version)
-        if version > self.policy_version and (not settled or nobody_serves):
-            self.policy_version = version
-            metrics.weight_version.labels(component="scheduler").set(version)
-            log.info("serving version %d (from worker %s)", version, worker_id)
+        w = self.workers.add(worker_id, address, capacity, version, vocab_size, max_model_len)
+        if self.serving.on_register(version, nobody_serves, time.monotonic()):
+            self._version_changed(f"worker {worker_id}")
         self.wake()
         return w
+
+    def _version_changed(self, source: str) -> None:
+        metrics.weight_version.labels(component="scheduler").set(self.policy_version)
+        log.info("serving version %d (from %s)", self.policy_version, source)
 
     # --- 1. submit -------------------------------------------------------------------
     async def submit(self, req: rollout_pb2.SubmitStepRequest) -> StepRun:

@@ -135,6 +135,7 @@ async def start_scheduler(settings: SchedulerSettings):
         limits=CoreLimits(max_samples_in_flight=settings.max_samples_in_flight, max_attempts=settings.max_attempts,
                           no_worker_timeout_s=settings.worker_timeout_s, history_epochs=settings.history_epochs))
     weights = WeightFanout(core, settings.weight_updates)
+    await weights.restore()
     server_box: list[Server] = []
 
     async def set_ready(ready: bool) -> None:

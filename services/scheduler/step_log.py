@@ -13,6 +13,10 @@ size; braces: one cluster slot), every write refreshing its TTL:
   ``s:<json [prompt_id, sample_index]>``  a SampleResult
   ``summary``   the StepSummary, once the step finished
 
+Beside the steps, ``rhymerl:serving`` records the weight version a push made serving
+(its SHA-256 or the path it was loaded from): a restarted scheduler needs it as much as
+the samples (``serving.py``).
+
 Redis is an aid, never a dependency: while it is down, writes are skipped for
 ``retry_s`` (the trainer still gets every sample live) and reads find nothing.
 """
@@ -33,6 +37,7 @@ from rhymerl.v1 import rollout_pb2
 from services.common import metrics
 
 log = logging.getLogger(__name__)
+SERVING_KEY = "rhymerl:serving"
 
 
 @dataclass
@@ -104,6 +109,22 @@ class StepLog:
 
     async def close(self, step_id: str, summary: rollout_pb2.StepSummary) -> None:
         await self._write(step_key(step_id), {"summary": summary.SerializeToString()})
+
+    async def save_serving(self, version: int, sha256: str, path: str) -> None:
+        await self._write(SERVING_KEY, {"version": str(version), "sha256": sha256, "path": path})
+
+    async def load_serving(self) -> tuple[int, str, str] | None:
+        """(version, sha256, path) of the last push recorded, or None."""
+        if self._client is None:
+            return None
+        try:
+            fields = await asyncio.wait_for(self._client.hgetall(SERVING_KEY), self.timeout_s * 5)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("serving version unreadable: %s", exc)
+            return None
+        if b"version" not in fields:
+            return None
+        return int(fields[b"version"]), fields.get(b"sha256", b"").decode(), fields.get(b"path", b"").decode()
 
     async def shutdown(self) -> None:
         if self._flusher is not None:

@@ -54,6 +54,7 @@ class Watchdog:
                 await self.remove(w, "drained")
             elif w.policy_version < core.policy_version:
                 core.spawn(self.weights.catch_up(w))
+        core.settle_version()
         core.abort_if_no_workers()
         core.wake()
         await self.refresh()

@@ -162,7 +162,16 @@ class WeightFanout:
         if version != self.core.policy_version:
             self.sha256, self.path = sha256, path
             self.core.set_version(version)
+            await self.core.log.save_serving(version, sha256, path)
         return self._ack()
+
+    async def restore(self) -> None:
+        """A restarted scheduler takes up the serving version its predecessor recorded."""
+        record = await self.core.log.load_serving()
+        if record is not None:
+            version, self.sha256, self.path = record
+            self.core.serving.restore(version)
+            log.info("serving version %d (recorded)", version)
 
     def _ack(self) -> common_pb2.WeightUpdateResponse:
         version = self.core.policy_version

@@ -52,16 +52,25 @@ class Ledger:
         self.reference, self.lock = reference, threading.Lock()
         self.steps = self.samples = self.lost = self.duplicated = self.hangs = self.identical = 0
         self.errors: list[str] = []
+        self.mismatches: list[str] = []  # the first samples that differ from the reference, and how
         self.step_seconds: list[float] = []
+
+    def _differs(self, plan: StepPlan, s) -> str:
+        if s.finish_reason == common_pb2.FINISH_REASON_ABORT:
+            return f"aborted: {s.error}"
+        if s.token_policy_versions:
+            return f"versions {sorted(set(s.token_policy_versions))} in one sample"
+        want = self.reference.get((s.policy_version % 2, plan.seed, s.prompt_id, s.sample_index))
+        return "" if list(s.token_ids) == want else f"other tokens at version {s.policy_version}"
 
     def on_step(self, out: StepOutcome) -> None:
         plan = out.plan
         expected = {(p, k) for p in plan.prompts for k in range(plan.n)}
-        identical = sum(
-            s.finish_reason != common_pb2.FINISH_REASON_ABORT and not s.token_policy_versions
-            and list(s.token_ids) == self.reference.get((s.policy_version % 2, plan.seed, s.prompt_id, s.sample_index))
-            for s in out.samples.values())
+        differs = {key: self._differs(plan, s) for key, s in out.samples.items()}
+        identical = sum(not d for d in differs.values())
         with self.lock:
+            self.mismatches += [f"{plan.step_id} {key}: {d}" for key, d in differs.items() if d][:20 - len(
+                self.mismatches)]
             self.steps += out.complete
             self.samples += len(out.samples)
             self.lost += len(expected - set(out.samples))
@@ -129,6 +138,7 @@ def campaign(args, workdir: Path) -> dict:
         "bad_input_mismatch": faults.bad_input_mismatch, "steps": ledger.steps, "samples": ledger.samples,
         "lost": ledger.lost, "duplicated": ledger.duplicated, "hangs": ledger.hangs,
         "identical_share": ledger.identical / max(1, ledger.samples), "errors": ledger.errors,
+        "mismatches": ledger.mismatches,
         "fair_share": fair, "reregister_s": max(faults.reregister_s, default=None),
         "reregister_s_all": [round(s, 2) for s in faults.reregister_s],
         "max_rss_mb": {k: round(v / 2**20) for k, v in rss.items()},

@@ -27,6 +27,10 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# Servers accept the clients' keepalive pings above: gRPC's default (one per 5 minutes
+# without data) answers them with GOAWAY "too_many_pings", dropping idle-then-busy
+# connections (a worker's Run stream among them).
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
 
 
 class Server:
@@ -45,7 +49,7 @@ class Server:
     def __init__(self, servicers: Iterable[tuple[Callable, object]], service_names: Iterable[str],
                  tls: TLSConfig | None = None, interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
                  health_port: int = 0):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS,
+        self.server = grpc.aio.server(options=SERVER_OPTIONS,
                                       interceptors=[*interceptors, MalformedRequests()])
         self.credentials = tls.server_credentials() if tls is not None else None
         for add, servicer in servicers:

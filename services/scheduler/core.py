@@ -60,6 +60,7 @@ class SchedulerCore:
         self.lengths = LengthModel()
         self.serving = ServingVersion()
         self.unfinished: dict[RequestKey, tuple[StepRun, SampleProgress]] = {}
+        self._admitting = 0  # samples of steps in intake, not in ``unfinished`` yet
         self.active: dict[str, StepRun] = {}  # steps whose requests the policy holds, arrival order
         self.held: list[StepRun] = []  # steps admitted while a push waits for the running ones
         self.hold_new_steps = False
@@ -133,17 +134,25 @@ class SchedulerCore:
             raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content",
                                      "step_id")
         done = logged is not None and logged.summary is not None
-        samples = []
-        for group in intake.split(req, intake.Fleet(0, 0) if done else self._fleet()):
-            samples += group
-            await asyncio.sleep(0)  # a huge step's intake takes a while: let health checks in
         restored = {(s.prompt_id, s.sample_index): s for s in logged.samples} if logged else {}
-        missing = [s for s in samples if (s.request.prompt_id, s.request.sample_index) not in restored]
-        in_flight = len(self.unfinished)
-        if in_flight + len(missing) > self.limits.max_samples_in_flight:
-            raise ResourceExhausted(f"{len(missing)} samples would exceed the limit of samples in flight "
+        num_missing = len(req.prompts) * req.n - len(restored)
+        in_flight = len(self.unfinished) + self._admitting
+        if in_flight + num_missing > self.limits.max_samples_in_flight:  # checked before any sample exists
+            raise ResourceExhausted(f"{num_missing} samples would exceed the limit of samples in flight "
                                     f"({in_flight} of {self.limits.max_samples_in_flight} used)", "prompts")
-        run = StepRun(req, samples)
+        self._admitting += num_missing  # other steps' intakes run while this one yields
+        try:
+            samples = []
+            for group in intake.split(req, intake.Fleet(0, 0) if done else self._fleet()):
+                samples += group
+                await asyncio.sleep(0)  # a huge step's intake takes a while: let health checks in
+            run = StepRun(req, samples)
+            missing = [s for s in samples if (s.request.prompt_id, s.request.sample_index) not in restored]
+            for s in missing:
+                self.unfinished[s.request.key] = (run, s)
+        finally:
+            self._admitting -= num_missing
+        metrics.samples_in_flight.set(len(self.unfinished))
         self.steps.add(run)
         self.delivery.timelines[run.step_id] = StepTimeline(run.step_id, list(self.workers.workers))
         if logged is None:
@@ -152,9 +161,6 @@ class SchedulerCore:
             metrics.steps_total.labels(status="resumed").inc()
             log.info("step %s resumed from its log: %d of %d samples done", run.step_id, len(restored),
                      run.num_samples)
-        for s in missing:
-            self.unfinished[s.request.key] = (run, s)
-        metrics.samples_in_flight.set(len(self.unfinished))
         await self.delivery.restore(run, samples, restored, logged.summary if logged else None)
         if missing:
             await self._load_lengths(run, missing)

@@ -72,8 +72,17 @@ class RunEnded:
 LinkEvent = ChunkDone | ChunkFailed | RunEnded
 
 _OUTCOMES = {grpc.StatusCode.INVALID_ARGUMENT: RunOutcome.REJECTED,
-             grpc.StatusCode.INTERNAL: RunOutcome.ENGINE_FAILED, grpc.StatusCode.UNKNOWN: RunOutcome.ENGINE_FAILED,
              grpc.StatusCode.FAILED_PRECONDITION: RunOutcome.WRONG_VERSION}
+
+
+def outcome(code: grpc.StatusCode, details: str) -> RunOutcome:
+    """What a Run call's status means. INTERNAL counts against the samples only when the
+    worker's servicer raised it (``services/common/errors.py`` words it so); a worker
+    killed mid-stream also surfaces as UNKNOWN or INTERNAL from the transport, and a
+    crash is no fault of the samples it ran."""
+    if code == grpc.StatusCode.INTERNAL and (details or "").startswith("internal error in "):
+        return RunOutcome.ENGINE_FAILED
+    return _OUTCOMES.get(code, RunOutcome.LOST)
 
 
 class GrpcWorkerLink:
@@ -105,7 +114,7 @@ class GrpcWorkerLink:
                                     r.policy_version, r.spec.num_verify_steps, r.spec.num_draft_tokens,
                                     r.spec.num_accepted_tokens)
         except grpc.RpcError as err:
-            yield RunEnded(_OUTCOMES.get(err.code(), RunOutcome.LOST), f"{err.code().name}: {err.details()}")
+            yield RunEnded(outcome(err.code(), err.details()), f"{err.code().name}: {err.details()}")
             return
         yield RunEnded(RunOutcome.DONE)
 

@@ -191,6 +191,8 @@ async def _drain(header: common_pb2.WeightHeader, chunks: AsyncIterator[common_p
     async for chunk in chunks:
         digest.update(chunk.data)
         size += len(chunk.data)
+        if size > header.total_bytes:
+            raise InvalidArgument(f"more than total_bytes ({header.total_bytes}) received", "data")
     if size != header.total_bytes or digest.hexdigest() != header.sha256.lower():
         raise DataLoss(f"re-push of version {header.version} incomplete or corrupt "
                        f"({size} of {header.total_bytes} bytes)", "header.sha256")

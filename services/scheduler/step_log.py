@@ -110,8 +110,9 @@ class StepLog:
     async def close(self, step_id: str, summary: rollout_pb2.StepSummary) -> None:
         await self._write(step_key(step_id), {"summary": summary.SerializeToString()})
 
-    async def save_serving(self, version: int, sha256: str, path: str) -> None:
-        await self._write(SERVING_KEY, {"version": str(version), "sha256": sha256, "path": path})
+    async def save_serving(self, version: int, sha256: str, path: str) -> bool:
+        """True once it is in Redis (False: Redis down or no log)."""
+        return await self._write(SERVING_KEY, {"version": str(version), "sha256": sha256, "path": path})
 
     async def load_serving(self) -> tuple[int, str, str] | None:
         """(version, sha256, path) of the last push recorded, or None."""
@@ -132,17 +133,18 @@ class StepLog:
         if self._client is not None:
             await self._client.aclose()
 
-    async def _write(self, key: str, mapping: dict) -> None:
+    async def _write(self, key: str, mapping: dict) -> bool:
+        """True once written; False when skipped (no log, Redis down) or failed."""
         if self._client is None or not mapping:
-            return
+            return False
         if time.monotonic() < self._down_until:
             metrics.step_log_writes.labels(result="skipped").inc(len(mapping))
-            return
+            return False
         done = asyncio.get_running_loop().create_future()
         self._pending.append((key, mapping, done))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        await asyncio.shield(done)  # a cancelled waiter does not cancel the others' write
+        return await asyncio.shield(done)  # a cancelled waiter does not cancel the others' write
 
     async def _flush(self) -> None:
         """Group commit: everything queued while the previous pipeline ran goes in the next."""

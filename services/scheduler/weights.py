@@ -40,10 +40,13 @@ class WeightFanout:
         if mode not in MODES:
             raise ValueError(f"weight update mode must be one of {MODES}, got {mode!r}")
         self.core, self.mode = core, mode
-        self.sha256 = ""  # of the version serving, when it was pushed (re-push check)
-        self.path = ""  # of the version serving, when it was loaded from a path (catch-up)
+        # Where a version came from: its SHA-256 when pushed (re-push check), its path when
+        # loaded (catch-up). Only for ``source[0]``: a version the scheduler learned from
+        # its workers after a restart has no known source.
+        self.source: tuple[int, str, str] = (-1, "", "")  # (version, sha256, path)
         self._lock = asyncio.Lock()
         self._catching_up: set[str] = set()  # worker ids
+        self._unrecorded = False  # the serving version is not in Redis yet
 
     async def push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
         first = await anext(aiter(chunks), None)
@@ -93,11 +96,13 @@ class WeightFanout:
         replayed (the scheduler keeps no copy): such a worker waits for the next push.
         Not under the push lock: a push waiting for steps may need this worker to end them."""
         version = self.core.policy_version
-        if not self.path or worker.policy_version >= version or worker.worker_id in self._catching_up:
+        source_version, _, path = self.source
+        if source_version != version or not path or worker.policy_version >= version \
+                or worker.worker_id in self._catching_up:
             return
         self._catching_up.add(worker.worker_id)
         try:
-            request = common_pb2.LoadWeightsRequest(version=version, path=self.path)
+            request = common_pb2.LoadWeightsRequest(version=version, path=path)
             worker.policy_version = (await self.core.link.stub(worker).LoadWeights(request, timeout=600)).version
             log.info("worker %s caught up to version %d", worker.worker_id, version)
         except grpc.RpcError as err:
@@ -110,7 +115,9 @@ class WeightFanout:
         """True for a re-send of the serving version (same bytes or path); raises for an
         older version, or the serving one with other content."""
         serving = self.core.policy_version
-        same = bool((sha256 and sha256 == self.sha256) or (path and path == self.path))
+        source_version, source_sha256, source_path = self.source
+        same = source_version == version and bool((sha256 and sha256 == source_sha256)
+                                                    or (path and path == source_path))
         if version < serving or (version == serving and not same):
             raise FailedPrecondition(f"must be greater than the version serving ({serving}), got {version}",
                                      "version")
@@ -160,18 +167,25 @@ class WeightFanout:
             log.error("worker %s did not take version %d (%s); it gets no work until updated",
                       w.worker_id, version, err)
         if version != self.core.policy_version:
-            self.sha256, self.path = sha256, path
+            self.source = (version, sha256, path)
             self.core.set_version(version)
-            await self.core.log.save_serving(version, sha256, path)
+            self._unrecorded = True
+            await self.record()
         return self._ack()
+
+    async def record(self) -> None:
+        """Records the serving version for a restarted scheduler; the watchdog calls it
+        again while Redis could not take it (a stale record would make it serve an old one)."""
+        if self._unrecorded and self.source[0] == self.core.policy_version:
+            self._unrecorded = not await self.core.log.save_serving(*self.source)
 
     async def restore(self) -> None:
         """A restarted scheduler takes up the serving version its predecessor recorded."""
         record = await self.core.log.load_serving()
         if record is not None:
-            version, self.sha256, self.path = record
-            self.core.serving.restore(version)
-            log.info("serving version %d (recorded)", version)
+            self.source = record
+            self.core.serving.restore(record[0])
+            log.info("serving version %d (recorded)", record[0])
 
     def _ack(self) -> common_pb2.WeightUpdateResponse:
         version = self.core.policy_version

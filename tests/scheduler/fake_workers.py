@@ -36,6 +36,7 @@ class FakeLink:
         self.gate: asyncio.Event | None = None  # when set (not None), chunks wait for it
         self.versions: dict[str, int] = {}  # worker_id -> the version it reports
         self.aborted: list[str] = []
+        self.loads: list[tuple[str, int, str]] = []  # (worker_id, version, path) of LoadWeights calls
 
     async def run(self, worker, policy_version, chunks):
         for c in chunks:
@@ -69,6 +70,16 @@ class FakeLink:
 
     def reset(self, worker_id):
         pass
+
+    def stub(self, worker):
+        """WorkerService's weight calls: a load always succeeds (``loads`` records it)."""
+        link = self
+
+        class Stub:
+            async def LoadWeights(self, request, timeout=None):  # noqa: N802 - gRPC's name
+                link.loads.append((worker.worker_id, request.version, request.path))
+                return common_pb2.WeightUpdateResponse(version=request.version, num_workers_updated=1)
+        return Stub()
 
     async def forget(self, worker_id):
         pass

@@ -429,7 +429,7 @@ def grpo_part(model_dir: str, device: str, num_prompts: int, samples: int, max_t
 
 
 @torch.inference_mode()
-def batch_invariance(model: CausalLM, label: str, block_size: int = 16) -> dict:
+def batch_invariance(model: CausalLM, label: str, block_size: int = 16, batch_invariant: bool = False) -> dict:
     """Does a sequence's logits row change when other sequences join the batch, or when
     more tokens are verified behind it? The probe sequence's next-token logits are
     computed (a) alone as a decode, (b) in a batch of decodes, (c) as the first row of an
@@ -451,7 +451,7 @@ def batch_invariance(model: CausalLM, label: str, block_size: int = 16) -> dict:
     width = -(-(max(lens) + len(draft)) // block_size)
     cache = KVCache(cfg.num_hidden_layers, len(lens) * width, block_size, cfg.num_key_value_heads, cfg.head_dim,
                     dtype, device)
-    attn = PagedAttention(cache, cfg.head_dim ** -0.5)
+    attn = PagedAttention(cache, cfg.head_dim ** -0.5, batch_invariant=batch_invariant)
     tables = [list(range(s * width, (s + 1) * width)) for s in range(len(lens))]
 
     def forward(items: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
@@ -467,7 +467,8 @@ def batch_invariance(model: CausalLM, label: str, block_size: int = 16) -> dict:
         attn.metadata = AttentionMetadata(t(slots, torch.int64), t([tables[s] for s, _, _ in items], torch.int32),
                                           t(seq_lens, torch.int32), t(cu, torch.int32),
                                           max(b - a for a, b in zip(cu, cu[1:])))
-        logits = model.compute_logits(model.forward(t(ids, torch.int64), t(pos, torch.int64), attn)).float()
+        hidden = model.forward(t(ids, torch.int64), t(pos, torch.int64), attn)
+        logits = model.compute_logits(hidden, batch_invariant).float()
         return [logits[a:b] for a, b in zip(cu, cu[1:])]
 
     for s, p in enumerate(prompts):
@@ -524,12 +525,16 @@ def summarize(device: str, rows: list[dict], grpo: dict, invariance: list[dict])
     return out
 
 
+# The issue's results format; a GPU run fills every one (per shape where it is a dict).
+HEADLINE = ("decode_ms", "floor_ms", "verify_over_decode_16x8", "speedup_vs_hf_b1", "speedup_vs_hf_grpo",
+            "spec_speedup_grpo", "identical_share", "batch_invariant")
+
+
 def markdown(meta: dict, summary: dict, rows: list[dict]) -> str:
     lines = ["# Engine benchmark\n", f"- device: {meta['device']}", f"- commit: {meta['commit']}",
              f"- command: `{meta['command']}`", f"- torch {meta['torch']}\n", "## Headline figures\n",
              "| figure | value |", "|---|---|"]
-    for k in ("decode_ms", "floor_ms", "verify_over_decode_16x8", "speedup_vs_hf_b1", "speedup_vs_hf_grpo",
-              "spec_speedup_grpo", "identical_share", "batch_invariant"):
+    for k in HEADLINE:
         v = summary.get(k)
         if isinstance(v, dict):
             v = ", ".join(f"{a}: {b:.3f}" if isinstance(b, float) else f"{a}: {b}" for a, b in v.items())
@@ -576,6 +581,14 @@ def markdown(meta: dict, summary: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _batch_invariant_mode_keys(path: Path) -> dict:
+    """The batch-invariant mode's figures, written by benchmarks/batch_invariant_bench.py:
+    kept across re-runs of this benchmark."""
+    keys = ("batch_invariant_mode", "batch_invariant", "batch_invariant_check")
+    old = json.loads(path.read_text()) if path.exists() else {}
+    return {k: old[k] for k in keys if k in old and "batch_invariant_mode" in old}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -593,8 +606,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
-        return {}
+        raise SystemExit("engine_bench --device cuda: no CUDA device (torch.cuda.is_available() is False); "
+                         "nothing measured")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     rows: list[dict] = []
@@ -617,8 +630,13 @@ def main(argv: list[str] | None = None) -> dict:
     text = markdown(meta, summary, rows)
     (out / "engine.md").write_text(text)
     result = dict(**meta, **summary, rows=rows)
+    result.update(_batch_invariant_mode_keys(out / "engine.json"))
     (out / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
     print(text)
+    unmeasured = [k for k in HEADLINE if result.get(k) is None or result[k] == {} or (
+        isinstance(result[k], dict) and None in result[k].values())]
+    if args.device == "cuda" and unmeasured:
+        raise SystemExit(f"engine_bench --device cuda: no figure for {', '.join(unmeasured)}")
     return result
 
 

@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from kernels.paged_attention_invariant import paged_attention_invariant_reference
+
 try:
     import triton
     import triton.language as tl
@@ -167,9 +169,16 @@ def _attend_group(q, k_cache, v_cache, block_tables, seqs: list[int], starts: li
 
 def paged_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
-    max_query_len: int | None = None, num_kv_splits: int | None = None,
+    max_query_len: int | None = None, num_kv_splits: int | None = None, batch_invariant: bool = False,
 ) -> torch.Tensor:
-    """The Triton path; ``num_kv_splits`` overrides the split-KV heuristic (tests)."""
+    """The Triton path; ``num_kv_splits`` overrides the split-KV heuristic (tests).
+
+    Batch-invariant mode fixes everything a query row's reduction order could depend
+    on: the row tile (``INVARIANT_BLOCK_M``), the split size (``KV_SPLIT_TOKENS`` key
+    positions per split, from position 0, however many sequences share the GPU), and a
+    merge that adds the splits one by one in order (splits past a row's context add
+    exact zeros). The number of splits launched only has to cover the block tables'
+    width, which is fixed under CUDA graphs."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_seqs = seq_lens.shape[0]
@@ -191,12 +200,19 @@ def paged_attention_triton(
     # decode with GQA fills the tile with the group's heads instead of padding.
     block_m = max(16, min(64, triton.next_power_of_2(max_query_len * group)))
     num_m_tiles = triton.cdiv(max_query_len * group, block_m)
+    if batch_invariant:
+        block_m = INVARIANT_BLOCK_M
+        assert group <= block_m, (group, block_m)
+        # Tiles of whole tokens aligned to absolute positions: a query may straddle one more.
+        num_m_tiles = triton.cdiv(max_query_len, block_m // group) + 1
+        num_kv_splits = triton.cdiv(block_tables.shape[1] * block_size, KV_SPLIT_TOKENS)
     if num_kv_splits is None:
         num_kv_splits = _num_kv_splits(q.device, num_seqs * num_kv_heads * num_m_tiles)
+    merge = num_kv_splits > 1 or batch_invariant
     block_d = triton.next_power_of_2(head_dim)
     # With several splits each program leaves a normalised partial output and its
     # log2-sum-exp; _merge_splits_kernel combines them (flash-decoding).
-    part_out = torch.empty(num_kv_splits if num_kv_splits > 1 else 0, num_tokens, num_heads, block_d,
+    part_out = torch.empty(num_kv_splits if merge else 0, num_tokens, num_heads, block_d,
                            dtype=torch.float32, device=q.device)  # [splits, num_tokens, num_heads, block_d]
     part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=q.device)  # [splits, num_tokens, num_heads]
     # Rows past query_start_loc[-1] (CUDA-graph padding) belong to no sequence: the extra
@@ -210,22 +226,24 @@ def paged_attention_triton(
         num_tokens * num_heads, num_heads, num_seqs, num_tokens,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32,
-        NUM_KV_SPLITS=num_kv_splits,
+        NUM_KV_SPLITS=num_kv_splits, MERGE=merge, INVARIANT=batch_invariant, SPLIT_TOKENS=KV_SPLIT_TOKENS,
         # Triton's CPU interpreter multiplies bf16 dot operands as their raw uint16 bits.
         DOT_F32=not q.is_cuda,
         # float32 caches (tests, debugging) get exact products, not TF32.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    if num_kv_splits > 1:
+    if merge:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, query_start_loc, out.stride(0), out.stride(1),
             num_tokens * num_heads, num_heads, num_seqs,
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_KV_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            NUM_KV_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits), IN_ORDER=batch_invariant,
         )
     return out
 
 
+INVARIANT_BLOCK_M = 64  # batch-invariant mode: one row tile for decode, verify and prefill alike
+KV_SPLIT_TOKENS = 512  # batch-invariant mode: key positions per split (a multiple of BLOCK_N)
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -242,7 +260,7 @@ def _num_kv_splits(device: torch.device, num_programs: int) -> int:
 
 def paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
-    max_query_len: int | None = None,
+    max_query_len: int | None = None, batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows over their sequences' paged KV.
 
@@ -256,13 +274,18 @@ def paged_attention(
         query_start_loc: [num_seqs + 1] int32.
         scale: softmax scale, usually head_dim ** -0.5.
         max_query_len: the largest query_len, if the caller knows it (saves a device sync).
+        batch_invariant: make each query row's output bitwise independent of its batch
+            mates, its sequence's other query rows and the padding (see
+            ``paged_attention_triton`` and ``kernels/paged_attention_invariant.py``).
 
     Returns:
         [num_tokens, num_heads, head_dim] in q's dtype.
     """
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
     if use_triton(q):
-        return paged_attention_triton(*args)
+        return paged_attention_triton(*args, batch_invariant=batch_invariant)
+    if batch_invariant:
+        return paged_attention_invariant_reference(*args[:7])
     return paged_attention_reference(*args)
 
 
@@ -297,7 +320,8 @@ if triton is not None:
         rows_per_split, num_heads, num_seqs, num_tokens,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_KV_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        NUM_KV_SPLITS: tl.constexpr, MERGE: tl.constexpr, INVARIANT: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+        DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -307,17 +331,36 @@ if triton is not None:
         # The program after the last sequence (seq == num_seqs) has query_len 0: it only
         # zeroes the padding rows (unless the merge kernel writes them).
         query_len = tl.load(cu_q_ptr + tl.minimum(seq + 1, num_seqs)) - q_start
-        if NUM_KV_SPLITS == 1:
+        if not MERGE:
             if (seq == num_seqs) & (tl.program_id(2) == 0):
                 _zero_rows(out_ptr, q_start, num_tokens, kv_head * GROUP, stride_o_tok, stride_o_head,
                            GROUP, HEAD_DIM, BLOCK_D, BLOCK_M)
-        if tile * BLOCK_M < query_len * GROUP:
-            context_len = tl.load(seq_lens_ptr + seq)
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-            token = rows // GROUP  # [BLOCK_M], index within the sequence's query
-            head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
-            row_ok = token < query_len
-            q_pos = context_len - query_len + token  # [BLOCK_M]
+        context_len = tl.load(seq_lens_ptr + tl.minimum(seq, num_seqs - 1))
+        if INVARIANT:
+            # Tiles hold whole query tokens and start at absolute positions that are
+            # multiples of TOKENS: a row sits at the same place in its tile (and so goes
+            # through the same lanes of every dot) whatever its query's length.
+            TOKENS: tl.constexpr = BLOCK_M // GROUP
+            first_tile = (context_len - query_len) // TOKENS
+            has_work = (query_len > 0) & ((first_tile + tile) * TOKENS < context_len)
+        else:
+            has_work = tile * BLOCK_M < query_len * GROUP
+        if has_work:
+            if INVARIANT:
+                r = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+                q_pos = (first_tile + tile) * TOKENS + r // GROUP  # [BLOCK_M], absolute positions
+                token = q_pos - (context_len - query_len)  # [BLOCK_M], index within the sequence's query
+                head = kv_head * GROUP + r % GROUP  # [BLOCK_M]
+                row_ok = (r < TOKENS * GROUP) & (token >= 0) & (token < query_len)
+                last_pos = tl.minimum((first_tile + tile + 1) * TOKENS - 1, context_len - 1)
+            else:
+                rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+                token = rows // GROUP  # [BLOCK_M], index within the sequence's query
+                head = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
+                row_ok = token < query_len
+                q_pos = context_len - query_len + token  # [BLOCK_M]
+                last_pos = tl.minimum(context_len - query_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP,
+                                      context_len - 1)
             dims = tl.arange(0, BLOCK_D)
             dim_ok = dims < HEAD_DIM
             q_off = (q_start + token)[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :]
@@ -327,10 +370,13 @@ if triton is not None:
 
             # Keys past the tile's last query position are masked for every row; the
             # remaining key tiles are cut into NUM_KV_SPLITS contiguous runs, one per program.
-            last_pos = tl.minimum(context_len - query_len + (tile * BLOCK_M + BLOCK_M - 1) // GROUP, context_len - 1)
-            tiles_per_split = tl.cdiv(tl.cdiv(last_pos + 1, BLOCK_N), NUM_KV_SPLITS)
-            n_begin = split * tiles_per_split * BLOCK_N
-            n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, last_pos + 1)
+            if INVARIANT:  # split boundaries fixed in absolute positions
+                n_begin = split * SPLIT_TOKENS
+                n_end = tl.minimum(n_begin + SPLIT_TOKENS, last_pos + 1)
+            else:
+                tiles_per_split = tl.cdiv(tl.cdiv(last_pos + 1, BLOCK_N), NUM_KV_SPLITS)
+                n_begin = split * tiles_per_split * BLOCK_N
+                n_end = tl.minimum(n_begin + tiles_per_split * BLOCK_N, last_pos + 1)
 
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, log2 domain
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -360,7 +406,7 @@ if triton is not None:
                 m_i = m_new
             # Every row sees position 0, so l_i > 0 except in later splits with no visible key.
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # [BLOCK_M, BLOCK_D]
-            if NUM_KV_SPLITS == 1:
+            if not MERGE:
                 o_off = (q_start + token)[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
                 tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
             else:
@@ -388,6 +434,7 @@ if triton is not None:
         part_out_ptr, part_lse_ptr, out_ptr, cu_q_ptr, stride_o_tok, stride_o_head,
         rows_per_split, num_heads, num_seqs,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_KV_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+        IN_ORDER: tl.constexpr,
     ):
         token = tl.program_id(0)
         head = tl.program_id(1)
@@ -401,9 +448,22 @@ if triton is not None:
         lse_max = tl.max(lse, axis=0)
         weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))  # [BLOCK_S]
         dims = tl.arange(0, BLOCK_D)
-        part = tl.load(part_out_ptr + part_row[:, None] * BLOCK_D + dims[None, :],
-                       mask=split_ok[:, None] & (weight > 0)[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
-        weight_sum = tl.sum(weight, axis=0)
-        out = tl.sum(part * weight[:, None], axis=0) / tl.where(weight_sum == 0.0, 1.0, weight_sum)  # [BLOCK_D]
+        if IN_ORDER:
+            # One split after the other: splits past the row's context weigh 0 and add
+            # exact zeros, so the result does not depend on how many were launched.
+            lse_ref = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+            acc = tl.zeros([BLOCK_D], tl.float32)
+            weight_sum = tl.zeros([], tl.float32)
+            for s in range(0, num_real_splits):
+                row = s * rows_per_split + token * num_heads + head
+                w = tl.exp2(tl.load(part_lse_ptr + row) - lse_ref)
+                acc += tl.where(w > 0, tl.load(part_out_ptr + row * BLOCK_D + dims) * w, 0.0)
+                weight_sum += w
+            out = acc / tl.where(weight_sum == 0.0, 1.0, weight_sum)  # [BLOCK_D]
+        else:
+            part = tl.load(part_out_ptr + part_row[:, None] * BLOCK_D + dims[None, :],
+                           mask=split_ok[:, None] & (weight > 0)[:, None], other=0.0)  # [BLOCK_S, BLOCK_D]
+            weight_sum = tl.sum(weight, axis=0)
+            out = tl.sum(part * weight[:, None], axis=0) / tl.where(weight_sum == 0.0, 1.0, weight_sum)  # [BLOCK_D]
         tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
                  mask=dims < HEAD_DIM)

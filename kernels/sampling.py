@@ -2,18 +2,28 @@
 
     token = argmax over allowed v of (logits[v] / T + g(seed, position, v))
 
-g is Gumbel noise -log(-log(u)), u a pure function of (seed, position, v) (see
-``uniform_noise``), so a row's token depends only on its logits, parameters, seed and
-position: not on batch size, order or neighbours. This is what makes speculative
-decoding lossless and reproducible: a draft token at position p is accepted exactly when
-it equals the token sampled at p, and the token drawn after a rejection is the same one
-a run without speculation would have drawn.
+g is Gumbel noise -log(E), E = -log(U) an exponential variate, U a pure function of
+(seed, position, v) with 64 random bits (see ``gumbel_noise``), so a row's token depends
+only on its logits, parameters, seed and position: not on batch size, order or
+neighbours. This is what makes speculative decoding lossless and reproducible: a draft
+token at position p is accepted exactly when it equals the token sampled at p, and the
+token drawn after a rejection is the same one a run without speculation would have drawn.
+
+Why 64 bits: a token v beats the top token t when E_v / p_v < E_t / p_t, so a token of
+probability p is reached through E_v ~ p, i.e. U within ~p of 1. With 23-bit uniforms E
+could not go below ~6e-8 (tokens under ~4e-9 of the top token were never sampled, and
+those under ~1e-7 slightly mis-weighted). Here U is built from two 32-bit hashes of two
+independent 32-bit row keys, and E is computed from whichever of U and 1 - U is below
+one half (``-log(U)`` or ``-log1p(-(1 - U))``), both exact to float32 rounding down to
+2**-64: any token with probability above ~1e-18 can be sampled, at its own weight.
 
 "allowed" applies top_k, then top_p (smallest set whose probability under the top-k
 renormalised softmax(logits / T) reaches top_p), then min_p (p >= min_p * p_max).
-T == 0 means greedy (argmax, ties to the lowest id). Returned logprobs are
-log_softmax(logits / T')[token], T' = T or 1 when greedy, over the whole vocabulary:
-what a trainer recomputes from the policy.
+T == 0 means greedy (argmax, ties to the lowest id). The returned logprob of the token is
+log_softmax(logits / T')[token], T' = T or 1 when greedy, normalised over the whole
+vocabulary ("raw", what a trainer recomputes from the policy), or over the allowed tokens
+only ("processed": the distribution actually sampled from). ``token_logprobs`` returns
+the same number, bit for bit, for tokens given by the caller (the trainer's reference).
 
 This module knows nothing about requests or speculation: it sees rows of logits.
 """
@@ -33,8 +43,11 @@ except ImportError:  # the reference path needs no Triton
 _MASK32 = 0xFFFFFFFF
 _MIX_MUL_1 = 0x7FEB352D  # lowbias32 multipliers (C. Wellons' integer hash prospector)
 _MIX_MUL_2 = 0x846CA68B
-_ROW_SALT = 0x9E3779B9  # golden ratio: separates the row key from raw seed bits
-_UNIFORM_BITS = 23  # (k + 0.5) * 2**-23 is exact in float32 and strictly inside (0, 1)
+_ROW_SALT = 0x9E3779B9  # golden ratio: separates the first row key from raw seed bits
+_ROW_SALT_2 = 0x85EBCA77  # a second, independent row key (32 more bits of U)
+_HALF = 1 << 31
+_TWO_M32 = 2.0 ** -32  # exact in float32
+_TWO_M64 = 2.0 ** -64
 
 
 # ------------------------------------------------------------------------- the RNG
@@ -56,27 +69,55 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _row_key(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [n] int64 in [0, 2**32)
-    key = _mix32((seeds & _MASK32) ^ _ROW_SALT)
+def _row_key(seeds: torch.Tensor, positions: torch.Tensor, salt: int) -> torch.Tensor:  # [n] in [0, 2**32)
+    key = _mix32((seeds & _MASK32) ^ salt)
     key = _mix32(key ^ ((seeds >> 32) & _MASK32))
     key = _mix32(key ^ (positions & _MASK32))
     return _mix32(key ^ ((positions >> 32) & _MASK32))
 
 
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The reference RNG: u[i, v] in (0, 1), a pure function of (seeds[i], positions[i], v).
+def _unit(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """(hi * 2**32 + lo + 0.5) * 2**-64 in float32: exact to rounding however small."""
+    return hi.to(torch.float32) * _TWO_M32 + (lo.to(torch.float32) + 0.5) * _TWO_M64
+
+
+def _neg_log1p_neg(w: torch.Tensor) -> torch.Tensor:
+    """-log(1 - w) for w in (0, 1/2], accurate for tiny w (Goldberg's log1p: the rounding
+    of 1 - w cancels in log(u) / (u - 1))."""
+    u = 1.0 - w
+    return torch.where(u == 1.0, w, w * (torch.log(u) / (u - 1.0)))
+
+
+def gumbel_from_bits(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log(U)), U = (hi * 2**32 + lo + 0.5) / 2**64.
+
+    Args:
+        hi, lo: the same shape, uint32 values held in int64.
+    Returns:
+        float32 noise, finite: in about [-3.8, 44.4].
+    """
+    low_half = hi < _HALF
+    exp_low = -torch.log(_unit(hi, lo))  # U < 1/2: -log(U) directly
+    exp_high = _neg_log1p_neg(_unit(hi ^ _MASK32, lo ^ _MASK32))  # U >= 1/2: from 1 - U, exactly
+    return -torch.log(torch.where(low_half, exp_low, exp_high))
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The reference RNG: g[i, v], a pure function of (seeds[i], positions[i], v).
 
     Args:
         seeds: [n] int64.
         positions: [n] int64.
     Returns:
-        [n, vocab_size] float32.
+        [n, vocab_size] float32 Gumbel noise.
     """
-    key = _row_key(seeds.long(), positions.long())  # [n]
-    ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)  # [vocab]
-    h = _mix32(_mix32(key[:, None] ^ ids[None, :]) ^ key[:, None])  # [n, vocab]
-    k = (h >> (32 - _UNIFORM_BITS)).to(torch.float32)  # exact: < 2**23
-    return (k + 0.5) * (2.0 ** -_UNIFORM_BITS)
+    seeds, positions = seeds.long(), positions.long()
+    ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)[None, :]  # [1, vocab]
+    key_hi = _row_key(seeds, positions, _ROW_SALT)[:, None]  # [n, 1]
+    key_lo = _row_key(seeds, positions, _ROW_SALT_2)[:, None]
+    hi = _mix32(_mix32(key_hi ^ ids) ^ key_hi)  # [n, vocab]
+    lo = _mix32(_mix32(key_lo ^ ids) ^ key_lo)
+    return gumbel_from_bits(hi, lo)
 
 
 # ---------------------------------------------------------------------- truncation
@@ -122,71 +163,111 @@ def allowed_mask(
 # ---------------------------------------------------------------------- sampling
 
 
-def sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions):
+def _scale(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits / T' in float32 [n, vocab], T' [n]): T' = T, or 1 for greedy rows."""
+    t = torch.where(temperature == 0, torch.ones_like(temperature), temperature)  # [n]
+    return logits.float() / t[:, None], t
+
+
+def _logprobs_reference(scaled, allowed, processed, tokens) -> torch.Tensor:  # [n] float32
+    """log_softmax(scaled)[token], over the allowed tokens only in processed rows."""
+    if allowed is not None and processed is not None and bool(processed.any()):
+        scaled = torch.where(allowed | ~processed[:, None], scaled, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
+def sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None):
     """The ground truth in PyTorch; see the module docstring for the contract."""
-    _check_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
-    x = logits.float()  # [n, vocab]
-    greedy = temperature == 0  # [n]
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)  # [n]
-    scaled = x / t[:, None]  # [n, vocab]
-    u = uniform_noise(seeds, positions, x.shape[1])  # [n, vocab]
-    noise = torch.where(greedy[:, None], 0.0, -torch.log(-torch.log(u)))  # [n, vocab]
-    scores = scaled + noise  # [n, vocab]
+    _check_args(logits, temperature, top_k, top_p, min_p, processed, seeds=seeds, positions=positions)
+    scaled, t = _scale(logits, temperature)  # [n, vocab]
+    noise = gumbel_noise(seeds, positions, logits.shape[1])  # [n, vocab]
+    scores = scaled + torch.where((temperature == 0)[:, None], 0.0, noise)  # [n, vocab]
     allowed = allowed_mask(logits, t, top_k, top_p, min_p)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     tokens = scores.argmax(dim=-1)  # [n]
-    logprobs = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)  # [n]
-    return tokens, logprobs
+    return tokens, _logprobs_reference(scaled, allowed, processed, tokens)
 
 
-def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions):
+def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None):
     """Truncation mask from PyTorch (it needs a sort); RNG, Gumbel, argmax and
     logsumexp fused in one pass over each row's vocabulary."""
-    _check_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
-    n, vocab = logits.shape
-    assert logits.stride(1) == 1, logits.stride()
-    tokens = torch.empty(n, dtype=torch.int64, device=logits.device)  # [n]
-    logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)  # [n]
-    if n == 0:
-        return tokens, logprobs
-    t = torch.where(temperature == 0, torch.ones_like(temperature), temperature)  # [n]
-    allowed = allowed_mask(logits, t, top_k, top_p, min_p)  # [n, vocab] | None
-    mask = allowed if allowed is not None else tokens  # an unread placeholder pointer
-    _sample_kernel[(n,)](
-        logits, mask, temperature, seeds, positions, tokens, logprobs,
-        logits.stride(0), vocab,
-        HAS_MASK=allowed is not None, BLOCK_V=min(2048, triton.next_power_of_2(vocab)),
-    )
-    return tokens, logprobs
+    _check_args(logits, temperature, top_k, top_p, min_p, processed, seeds=seeds, positions=positions)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [n]
+    return tokens, _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds, positions)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, positions) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     Args:
         logits: [n, vocab], any float dtype (math in float32).
         temperature, top_p, min_p: [n] float32. top_k: [n] int32 (0 = off).
         seeds, positions: [n] int64.
+        processed: [n] bool, rows whose logprob is normalised over the allowed tokens
+            only (None: every row raw).
     Returns:
-        tokens [n] int64 and their logprobs [n] float32 (untruncated, see module docstring).
+        tokens [n] int64 and their logprobs [n] float32 (see the module docstring).
     """
     if use_triton(logits):
-        return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions)
-    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions)
+        return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed)
+    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed)
 
 
-def _check_args(logits, temperature, top_k, top_p, min_p, seeds, positions) -> None:
+def token_logprobs(logits, tokens, temperature, top_k, top_p, min_p, processed=None) -> torch.Tensor:
+    """The logprob ``sample`` returns when it samples ``tokens`` from these rows, bit for
+    bit on the same device: what a trainer's reference computes for the rollout's tokens.
+
+    Args:
+        logits, temperature, top_k, top_p, min_p, processed: as for ``sample``.
+        tokens: [n] int64, the token of each row.
+    Returns:
+        [n] float32 (-inf for a token outside the allowed set of a processed row).
+    """
+    _check_args(logits, temperature, top_k, top_p, min_p, processed, tokens=tokens)
+    if use_triton(logits):
+        return _launch(logits, temperature, top_k, top_p, min_p, processed, tokens)
+    scaled, t = _scale(logits, temperature)
+    return _logprobs_reference(scaled, allowed_mask(logits, t, top_k, top_p, min_p), processed, tokens)
+
+
+def _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds=None, positions=None):
+    """Runs the sampling kernel (seeds given: ``tokens`` is written) or the logprob kernel
+    (``tokens`` is read); returns the logprobs."""
+    n, vocab = logits.shape
+    assert logits.stride(1) == 1, logits.stride()
+    logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)  # [n]
+    if n == 0:
+        return logprobs
+    t = torch.where(temperature == 0, torch.ones_like(temperature), temperature)  # [n]
+    allowed = allowed_mask(logits, t, top_k, top_p, min_p)  # [n, vocab] | None
+    mask = allowed if allowed is not None else logprobs  # an unread placeholder pointer
+    flags = (processed if processed is not None else torch.zeros(n, dtype=torch.bool, device=logits.device))
+    flags = flags.to(torch.int8)  # [n]
+    common = dict(HAS_MASK=allowed is not None, BLOCK_V=min(2048, triton.next_power_of_2(vocab)))
+    if seeds is None:
+        _logprob_kernel[(n,)](logits, mask, temperature, flags, tokens, logprobs, logits.stride(0), vocab, **common)
+    else:
+        _sample_kernel[(n,)](logits, mask, temperature, flags, seeds, positions, tokens, logprobs,
+                             logits.stride(0), vocab, **common)
+    return logprobs
+
+
+def _check_args(logits, temperature, top_k, top_p, min_p, processed, **int64_rows) -> None:
     assert logits.dim() == 2 and logits.dtype.is_floating_point, (logits.shape, logits.dtype)
     n = logits.shape[0]
-    for name, t, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
-                           ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
-                           ("seeds", seeds, torch.int64), ("positions", positions, torch.int64)):
+    rows = [("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
+            ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32)]
+    rows += [(name, t, torch.int64) for name, t in int64_rows.items()]
+    if processed is not None:
+        rows.append(("processed", processed, torch.bool))
+    for name, t, dtype in rows:
         assert t.shape == (n,) and t.dtype == dtype, (name, t.shape, t.dtype)
         assert t.device == logits.device, (name, t.device, logits.device)
 
 
-# ------------------------------------------------------------------------ Triton kernel
+# ------------------------------------------------------------------------ Triton kernels
 
 if triton is not None:
 
@@ -200,22 +281,63 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _row_key_tl(seed, pos):
+    def _row_key_tl(seed, pos, SALT: tl.constexpr):
         """``_row_key`` for one int64 seed and position."""
-        key = _mix32_tl((seed & 0xFFFFFFFF).to(tl.uint32) ^ tl.full([], 0x9E3779B9, tl.uint32))
+        key = _mix32_tl((seed & 0xFFFFFFFF).to(tl.uint32) ^ tl.full([], SALT, tl.uint32))
         key = _mix32_tl(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
         key = _mix32_tl(key ^ (pos & 0xFFFFFFFF).to(tl.uint32))
         return _mix32_tl(key ^ ((pos >> 32) & 0xFFFFFFFF).to(tl.uint32))
 
     @triton.jit
-    def _uniform_tl(key, ids):
-        """``uniform_noise`` for one row key and a block of token ids."""
-        h = _mix32_tl(_mix32_tl(key ^ ids.to(tl.uint32)) ^ key)
-        return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23
+    def _unit_tl(hi, lo):
+        """``_unit``: the two float32 products and the sum in the same order."""
+        return hi.to(tl.float32) * 2.3283064365386963e-10 + (lo.to(tl.float32) + 0.5) * 5.421010862427522e-20
+
+    @triton.jit
+    def _gumbel_from_bits_tl(hi, lo):
+        """``gumbel_from_bits`` on uint32 blocks."""
+        ones = tl.full(hi.shape, 0xFFFFFFFF, tl.uint32)
+        exp_low = -tl.log(_unit_tl(hi, lo))
+        w = _unit_tl(hi ^ ones, lo ^ ones)
+        u = 1.0 - w
+        exp_high = tl.where(u == 1.0, w, w * tl.math.div_rn(tl.log(u), u - 1.0))
+        return -tl.log(tl.where(hi < tl.full(hi.shape, 0x80000000, tl.uint32), exp_low, exp_high))
+
+    @triton.jit
+    def _hash_tl(key, ids):
+        """The 32 random bits of each token id under one row key (``gumbel_noise``'s hi, lo)."""
+        return _mix32_tl(_mix32_tl(key ^ ids.to(tl.uint32)) ^ key)
+
+    @triton.jit
+    def _gumbel_tl(key_hi, key_lo, ids):
+        """``gumbel_noise`` for one row's two keys and a block of token ids."""
+        return _gumbel_from_bits_tl(_hash_tl(key_hi, ids), _hash_tl(key_lo, ids))
+
+    @triton.jit
+    def _scaled_block(logits_ptr, mask_ptr, row, stride_row, vocab, start, t, processed,
+                      HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One vocabulary block of a row: (ids, logits / T', allowed, what its logsumexp sums)."""
+        ids = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
+        ok = ids < vocab
+        x = tl.load(logits_ptr + row * stride_row + ids, mask=ok, other=float("-inf")).to(tl.float32)
+        scaled = tl.math.div_rn(x, t)  # [BLOCK_V]; IEEE like torch (plain / is approximate)
+        allowed = ok
+        if HAS_MASK:
+            allowed = tl.load(mask_ptr + row * vocab + ids, mask=ok, other=0) != 0
+        lse_in = tl.where(allowed | (processed == 0), scaled, float("-inf"))
+        return ids, scaled, allowed, lse_in
+
+    @triton.jit
+    def _lse_step(run_max, run_sum, x):
+        """Online logsumexp; masked (-inf) entries may fill whole blocks, so exp() never
+        sees -inf - -inf."""
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        return new_max, run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(x - safe_max), axis=0)
 
     @triton.jit
     def _sample_kernel(
-        logits_ptr, mask_ptr, temperature_ptr, seeds_ptr, positions_ptr, tokens_ptr, logprobs_ptr,
+        logits_ptr, mask_ptr, temperature_ptr, processed_ptr, seeds_ptr, positions_ptr, tokens_ptr, logprobs_ptr,
         stride_row, vocab,
         HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
@@ -223,36 +345,50 @@ if triton is not None:
         temperature = tl.load(temperature_ptr + row)
         greedy = temperature == 0.0
         t = tl.where(greedy, 1.0, temperature)
-        key = _row_key_tl(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+        processed = tl.load(processed_ptr + row)
+        seed, pos = tl.load(seeds_ptr + row), tl.load(positions_ptr + row)
+        key_hi, key_lo = _row_key_tl(seed, pos, 0x9E3779B9), _row_key_tl(seed, pos, 0x85EBCA77)
 
         best_score = tl.full([], float("-inf"), tl.float32)
         best_token = tl.full([], 0, tl.int64)
-        best_scaled = tl.full([], 0.0, tl.float32)
         run_max = tl.full([], float("-inf"), tl.float32)  # online logsumexp of scaled
         run_sum = tl.full([], 0.0, tl.float32)
         for start in range(0, vocab, BLOCK_V):
-            ids = start + tl.arange(0, BLOCK_V)  # [BLOCK_V]
-            ok = ids < vocab
-            x = tl.load(logits_ptr + row * stride_row + ids, mask=ok, other=float("-inf")).to(tl.float32)
-            scaled = tl.math.div_rn(x, t)  # [BLOCK_V]; IEEE like torch (plain / is approximate)
-            u = _uniform_tl(key, ids)  # [BLOCK_V]
-            noise = tl.where(greedy, 0.0, -tl.log(-tl.log(u)))
-            score = tl.where(ok, scaled + noise, float("-inf"))
-            if HAS_MASK:
-                allowed = tl.load(mask_ptr + row * vocab + ids, mask=ok, other=0)
-                score = tl.where(allowed != 0, score, float("-inf"))
+            ids, scaled, allowed, lse_in = _scaled_block(logits_ptr, mask_ptr, row, stride_row, vocab, start, t,
+                                                         processed, HAS_MASK, BLOCK_V)
+            noise = tl.where(greedy, 0.0, _gumbel_tl(key_hi, key_lo, ids))
+            score = tl.where(allowed, scaled + noise, float("-inf"))
             block_best = tl.max(score, axis=0)
             block_arg = tl.argmax(score, axis=0)  # ties to the lowest id
             # Strictly greater: an earlier block keeps ties, so ties go to the lowest id overall.
             better = block_best > best_score
-            best_scaled = tl.where(better, tl.sum(tl.where(ids == start + block_arg, scaled, 0.0), axis=0),
-                                   best_scaled)
             best_token = tl.where(better, (start + block_arg).to(tl.int64), best_token)
             best_score = tl.where(better, block_best, best_score)
-            # Masked (-inf) logits may fill whole blocks: keep exp() away from -inf - -inf.
-            new_max = tl.maximum(run_max, tl.max(scaled, axis=0))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - safe_max) + tl.sum(tl.exp(scaled - safe_max), axis=0)
-            run_max = new_max
+            run_max, run_sum = _lse_step(run_max, run_sum, lse_in)
         tl.store(tokens_ptr + row, best_token)
+        best_scaled = tl.math.div_rn(tl.load(logits_ptr + row * stride_row + best_token).to(tl.float32), t)
         tl.store(logprobs_ptr + row, best_scaled - run_max - tl.log(run_sum))
+
+    @triton.jit
+    def _logprob_kernel(
+        logits_ptr, mask_ptr, temperature_ptr, processed_ptr, tokens_ptr, logprobs_ptr, stride_row, vocab,
+        HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        """``_sample_kernel``'s logsumexp, for a given token: the same operations in the
+        same order, so the same bits."""
+        row = tl.program_id(0)
+        temperature = tl.load(temperature_ptr + row)
+        t = tl.where(temperature == 0.0, 1.0, temperature)
+        processed = tl.load(processed_ptr + row)
+        run_max = tl.full([], float("-inf"), tl.float32)
+        run_sum = tl.full([], 0.0, tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            _, _, _, lse_in = _scaled_block(logits_ptr, mask_ptr, row, stride_row, vocab, start, t, processed,
+                                            HAS_MASK, BLOCK_V)
+            run_max, run_sum = _lse_step(run_max, run_sum, lse_in)
+        token = tl.load(tokens_ptr + row)
+        scaled = tl.math.div_rn(tl.load(logits_ptr + row * stride_row + token).to(tl.float32), t)
+        if HAS_MASK:  # a token the processed distribution excludes has probability 0
+            scaled = tl.where((tl.load(mask_ptr + row * vocab + token) != 0) | (processed == 0), scaled,
+                              float("-inf"))
+        tl.store(logprobs_ptr + row, scaled - run_max - tl.log(run_sum))

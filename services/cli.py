@@ -53,6 +53,8 @@ def local_run(workers: int = typer.Option(2, help="CPU rollout workers"),
               policy: str = typer.Option("rhymerl", help="placement policy"),
               model_dir: str = typer.Option("models/tiny", help="trained here if missing"),
               record: str = typer.Option("", help="write every rollout as a trace file"),
+              temperature: float = typer.Option(1.0, help="sampling temperature"),
+              seed: int = typer.Option(0, help="picks the prompt set and the sampling seeds"),
               partial_credit: float = typer.Option(
                   0.5, help="reward share for reproducing the worked steps (0: binary reward; a tiny "
                             "policy rarely gets a whole answer right, so groups would teach nothing)"),
@@ -62,7 +64,8 @@ def local_run(workers: int = typer.Option(2, help="CPU rollout workers"),
 
     _logging(log_level)
     run_local(num_workers=workers, steps=steps, num_prompts=prompts, n=n, max_tokens=max_tokens,
-              policy=policy, model_dir=model_dir, record=record, partial_credit=partial_credit)
+              policy=policy, model_dir=model_dir, record=record, partial_credit=partial_credit,
+              temperature=temperature, seed=seed)
 
 
 if __name__ == "__main__":

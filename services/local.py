@@ -247,7 +247,8 @@ def load_example(name: str):
 
 
 def run_local(*, num_workers: int, steps: int, num_prompts: int, n: int, max_tokens: int, policy: str,
-              model_dir: str, record: str = "", partial_credit: float = 0.0) -> None:
+              model_dir: str, record: str = "", partial_credit: float = 0.0, temperature: float = 1.0,
+              seed: int = 0) -> None:
     ensure_model(model_dir)
     with LocalCluster(model_dir=model_dir, num_workers=num_workers, policy=policy) as cluster:
         print(f"rhymerl is up: scheduler {cluster.scheduler_address}, {num_workers} CPU workers, "
@@ -257,4 +258,5 @@ def run_local(*, num_workers: int, steps: int, num_prompts: int, n: int, max_tok
         trainer = load_example("grpo_trainer")
         with RolloutClient(cluster.scheduler_address) as client:
             trainer.run(client, model_dir, steps=steps, num_prompts=num_prompts, n=n, max_tokens=max_tokens,
-                        record=record or None, partial_credit=partial_credit)
+                        record=record or None, partial_credit=partial_credit, temperature=temperature,
+                        seed=seed)

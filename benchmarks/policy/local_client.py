@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import argparse
 import time
+import zlib
 
 import safetensors.torch
 import torch
 from rhymerl import Prompt, Sample, SamplingParams, StepResult, StepSummary
 
 from benchmarks.policy import load_example
+
+
+def step_seed(step_id: str, sampling: SamplingParams) -> int:
+    """The sampling seed, or without one a value fixed by the step id (fresh every step)."""
+    return sampling.seed if sampling.seed is not None else zlib.crc32(step_id.encode())
 
 
 class LocalRolloutClient:
@@ -45,7 +51,8 @@ class LocalRolloutClient:
         for chunk_start in range(0, len(requests), self.max_batch):
             chunk = requests[chunk_start : chunk_start + self.max_batch]
             # One seed per chunk (not per sample, unlike the service): enough for a stand-in.
-            torch.manual_seed(sampling.seed * 7919 + chunk_start)
+            # No seed: fresh noise per step, from the step id, as the service does.
+            torch.manual_seed(step_seed(step_id, sampling) * 7919 + chunk_start)
             samples += self._generate(step_id, chunk, sampling)
         makespan = time.perf_counter() - start
         summary = StepSummary(
@@ -91,7 +98,7 @@ class LocalRolloutClient:
                     logprobs=logprobs[row, :length].tolist(), finish_reason="length" if stop_at is None else "stop",
                     policy_version=self.version, token_policy_versions=[self.version] * length,
                     num_draft_tokens=0, num_accepted_tokens=0, num_verify_steps=length, num_migrations=0,
-                    seed=sampling.seed,
+                    seed=step_seed(step_id, sampling),
                 )  # fmt: skip
             )
         return samples

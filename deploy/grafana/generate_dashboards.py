@@ -77,6 +77,22 @@ def steps_row(d: Dashboard) -> Dashboard:
                               query("max(rhymerl:step_tail_seconds)", "tail (s)"))
                         .override_by_name("tail (s)", [{"id": "unit", "value": "s"},
                                                        {"id": "custom.axisPlacement", "value": "right"}]))
+            .with_panel(graph("Trainer vs rollout logprobs",
+                              "What trainers report with ReportLogprobs (their recomputed logprobs of a step's "
+                              "samples). Left: KL(rollout || trainer) (k3 estimate) and mean |rollout - trainer "
+                              "logprob| of the last reported step, p99 of the per-token difference. Right: share of "
+                              "tokens whose logprobs match bit for bit (1 with batch-invariant workers and "
+                              "rhymerl's reference).", "none",
+                              query("max(rhymerl:step_trainer_logprob_kl)", "KL, last step"),
+                              query("max(rhymerl:step_trainer_logprob_abs_diff)", "mean |diff|, last step"),
+                              query("histogram_quantile(0.99, sum by (le) "
+                                    "(rate(rhymerl:trainer_logprob_abs_diff_bucket[$__rate_interval])))",
+                                    "p99 |diff| per token"),
+                              query('sum(rate(rhymerl:trainer_logprob_abs_diff_bucket{le="0.0"}[$__rate_interval])) '
+                                    "/ sum(rate(rhymerl:trainer_logprob_abs_diff_count[$__rate_interval]))",
+                                    "bitwise identical"))
+                        .override_by_name("bitwise identical", [{"id": "unit", "value": "percentunit"},
+                                                                {"id": "custom.axisPlacement", "value": "right"}]))
             .with_panel(graph("Queue depth, steps and samples", "Waiting requests; steps and samples per second.",
                               "short", query("sum(rhymerl:queue_depth)", "queued requests"),
                               query("sum by (status) (rate(rhymerl:steps_total[$__rate_interval]))", "steps {{status}}/s"),

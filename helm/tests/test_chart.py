@@ -317,8 +317,8 @@ def test_every_documented_setting_is_exposed(default_objects):
         "scheduler": {"HOST", "PORT", "METRICS_PORT", "HISTORY_ADDRESS", "WORKERS", "POLICY", "CHUNK_TOKENS",
                       "WORKER_TIMEOUT_S"},
         "worker": {"HOST", "PORT", "METRICS_PORT", "ID", "ADVERTISE_ADDRESS", "MODEL_PATH", "DEVICE", "DTYPE",
-                   "MAX_NUM_SEQS", "NUM_KV_BLOCKS", "SPECULATIVE", "SCHEDULER_ADDRESS", "HISTORY_ADDRESS",
-                   "DRAIN_TIMEOUT_S"},
+                   "MAX_NUM_SEQS", "NUM_KV_BLOCKS", "SPECULATIVE", "BATCH_INVARIANT", "SCHEDULER_ADDRESS",
+                   "HISTORY_ADDRESS", "DRAIN_TIMEOUT_S"},
     }
     for name, suffixes in exposed.items():
         prefix = SETTINGS[name].model_config["env_prefix"]

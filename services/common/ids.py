@@ -14,11 +14,19 @@ def prompt_id_from_tokens(token_ids: Sequence[int]) -> str:
     return "h" + hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
-def sample_seed(step_seed: int, prompt_id: str, sample_index: int) -> int:
-    """The seed of one sample: fixed by (step seed, prompt, index), never by placement.
+def sample_seed(step_seed: int | None, step_id: str, prompt_id: str, sample_index: int) -> int:
+    """The seed of one sample, never fixed by placement.
+
+    With a step seed: from (step seed, prompt, index), so every step that passes the
+    same seed draws the same noise for a prompt (what a user who sets a seed asks for).
+    Without: from (step id, prompt, index), so each step draws fresh noise, and a step
+    re-submitted under its id (a trainer's retry) gets the same samples back.
 
     Returned as a non-negative int63 so it fits int64 tensors and proto uint64.
     """
-    h = hashlib.blake2b(f"{step_seed}:{prompt_id}:{sample_index}".encode(), digest_size=8)
+    # The two key spaces cannot collide: a step id is tagged, a seed is a bare integer.
+    key = f"{step_seed}:{prompt_id}:{sample_index}" if step_seed is not None else \
+        f"step={step_id}:{prompt_id}:{sample_index}"
+    h = hashlib.blake2b(key.encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 

@@ -9,9 +9,40 @@ zero), which keeps dashboards and recording rules valid on every target.
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 NS = "rhymerl:"
+
+
+class BulkHistogram(Collector):
+    """A Prometheus histogram observed an array at a time (a step's tokens at once, where
+    a ``Histogram.observe`` call per value would cost seconds); exported like any other."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name, self.documentation = name, documentation
+        self.bounds = np.asarray(buckets, dtype=np.float64)  # upper bounds, +Inf implied
+        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # per bucket, not cumulative
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        REGISTRY.register(self)
+
+    def observe_many(self, values) -> None:
+        values = np.asarray(values, dtype=np.float64).ravel()
+        counts = np.bincount(np.searchsorted(self.bounds, values, side="left"), minlength=len(self._counts))
+        with self._lock:
+            self._counts += counts
+            self._sum += float(values.sum())
+
+    def collect(self):
+        with self._lock:
+            cumulative, total = np.cumsum(self._counts), self._sum
+        family = HistogramMetricFamily(self.name, self.documentation)
+        bounds = [repr(float(b)) for b in self.bounds] + ["+Inf"]
+        family.add_metric([], list(zip(bounds, (int(c) for c in cumulative))), total)
+        yield family
 
 # --- speculative decoding (rollout workers) -----------------------------------
 spec_num_drafts = Counter(NS + "spec_decode_num_drafts", "Verify steps that carried a draft", ["worker"])
@@ -56,6 +87,17 @@ step_log_writes = Counter(NS + "step_log_writes",
                           "Finished samples written to the step log in Redis (ok), or not (failed, skipped)",
                           ["result"])
 samples_in_flight = Gauge(NS + "samples_in_flight", "Samples admitted and not finished, all steps")
+
+# --- trainer/rollout mismatch (scheduler; services/scheduler/mismatch.py) ------------
+_DIFF_BUCKETS = (0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)  # 0: bitwise-identical tokens
+logprob_abs_diff = BulkHistogram(
+    NS + "trainer_logprob_abs_diff", "Per token: |rollout logprob - trainer logprob| of reported samples",
+    _DIFF_BUCKETS)
+logprob_kl = BulkHistogram(
+    NS + "trainer_logprob_kl", "Per sample: k3 estimate of KL(rollout || trainer) over its tokens", _DIFF_BUCKETS)
+step_logprob_abs_diff = Gauge(NS + "step_trainer_logprob_abs_diff",
+                              "Mean |rollout - trainer logprob| over the last reported step's tokens")
+step_logprob_kl = Gauge(NS + "step_trainer_logprob_kl", "k3 estimate of KL(rollout || trainer) of the last reported step")
 
 # --- history ------------------------------------------------------------------------
 worker_step_failures = Counter(NS + "worker_step_failures", "Engine steps that raised (the batch is re-run in halves)",

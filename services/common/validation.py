@@ -25,6 +25,8 @@ def check_sampling(p: common_pb2.SamplingParams, field: str = "sampling", vocab_
         raise InvalidArgument(f"must be >= 1, got {p.max_tokens}", f"{field}.max_tokens")
     if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
         raise InvalidArgument(f"must be in [0, max_tokens], got {p.min_tokens}", f"{field}.min_tokens")
+    if p.logprobs_mode not in common_pb2.LogprobsMode.values():
+        raise InvalidArgument(f"unknown LogprobsMode {p.logprobs_mode}", f"{field}.logprobs_mode")
     check_token_ids(p.stop_token_ids, f"{field}.stop_token_ids", vocab_size, allow_empty=True)
 
 

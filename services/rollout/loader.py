@@ -59,6 +59,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     return model
 
 
+def worker_dtype(device: str | torch.device) -> torch.dtype | None:
+    """The dtype a worker runs a checkpoint in by default: float32 on a CPU (bf16 matmuls
+    are slow there), the checkpoint's own (None) on a GPU."""
+    return torch.float32 if torch.device(device).type == "cpu" else None
+
+
 def read_safetensors(source: str | Path | bytes) -> dict[str, Tensor]:
     """All tensors of one safetensors file, given as a path or as the file's bytes (on CPU)."""
     if isinstance(source, (bytes, bytearray, memoryview)):

@@ -28,6 +28,12 @@ class WorkerSettings(TLSSettings):
     block_size: int = 16
     speculative: bool = True
     max_draft_len: int = 16
+    # Batch-invariant kernels: a sample's logits, tokens and logprobs are bitwise the same
+    # whatever it is batched with, verified with, or where it resumes, and equal to
+    # services/rollout/engine/logprobs.py's trainer reference. Off: identical in
+    # distribution only. The default and its cost: docs/sampling.md.
+    batch_invariant: bool = False
+
     # Registers with this scheduler on start and leaves on SIGTERM; empty = static config.
     scheduler_address: str = ""
     # Re-registers this often for as long as it runs (a restarted scheduler gets the
@@ -36,6 +42,10 @@ class WorkerSettings(TLSSettings):
     # HistoryService for drafts from earlier epochs; empty = siblings and prompt only.
     history_address: str = ""
     history_epochs: int = 4
+    # At each step start, this many of the history service's most recent responses to any
+    # prompt (at most this many tokens) feed the drafter's global index; 0: own samples only.
+    global_recent_responses: int = 512
+    global_recent_tokens: int = 131072
     drain_timeout_s: float = 60.0
     # Policy version of the checkpoint at model_path.
     initial_version: int = 0

@@ -55,8 +55,8 @@ class SchedulerCore:
     def __init__(self, policy: Policy, workers: WorkerTable, link, *, steps: StepTable | None = None,
                  step_log: StepLog | None = None, history=None, limits: CoreLimits = CoreLimits()):
         self.policy, self.workers, self.link, self.history, self.limits = policy, workers, link, history, limits
-        self.steps = steps or StepTable()
-        self.log = step_log or StepLog("")
+        self.steps = steps if steps is not None else StepTable()  # an empty one is falsy
+        self.log = step_log if step_log is not None else StepLog("")
         self.lengths = LengthModel()
         self.serving = ServingVersion()
         self.unfinished: dict[RequestKey, tuple[StepRun, SampleProgress]] = {}

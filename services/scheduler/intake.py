@@ -53,11 +53,13 @@ def check_step(req: rollout_pb2.SubmitStepRequest, serving_version: int) -> None
 
 
 def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[SampleProgress]]:
-    """Per prompt, one SampleProgress per sample, each with its own seed (fixed by the step
-    seed, the prompt id and the sample index, never by placement). A generator, so the
-    caller can let other work in between the prompts of a huge step."""
+    """Per prompt, one SampleProgress per sample, each with its own seed (``sample_seed``:
+    from the step's seed, or without one its id, the prompt id and the sample index;
+    never from placement). A generator, so the caller can let other work in between the
+    prompts of a huge step."""
     check_sampling(req.sampling, "sampling", fleet.vocab_size)
     max_len, max_tokens = fleet.max_model_len, req.sampling.max_tokens
+    step_seed = req.sampling.seed if req.sampling.HasField("seed") else None
     seen = set()
     for i, prompt in enumerate(req.prompts):
         field = f"prompts[{i}]"
@@ -78,7 +80,7 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[Sam
         seen.add(pid)
         tokens = list(prompt.token_ids)
         yield [SampleProgress(Request(req.step_id, pid, k, prompt_len=len(tokens), max_tokens=max_tokens), tokens,
-                              sample_seed(req.sampling.seed, pid, k)) for k in range(req.n)]
+                              sample_seed(step_seed, req.step_id, pid, k)) for k in range(req.n)]
 
 
 def check_rewards(req: rollout_pb2.ReportRewardsRequest) -> None:

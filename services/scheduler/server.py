@@ -18,6 +18,7 @@ from services.common.grpc_server import Server, run_until_signal
 from services.common.security import BearerTokenAuth, parse_tokens
 from services.scheduler.core import CoreLimits, SchedulerCore
 from services.scheduler.intake import check_id
+from services.scheduler.mismatch import MismatchTracker
 from services.scheduler.policies import make_policy, policy_options
 from services.scheduler.rewards import record_rewards
 from services.scheduler.settings import SchedulerSettings
@@ -36,6 +37,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, core: SchedulerCore, weights: WeightFanout):
         self.core = core
         self.weights = weights
+        self.mismatch = MismatchTracker(core.steps)
 
     @grpc_errors
     async def SubmitStep(self, request, context):
@@ -51,6 +53,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def ReportRewards(self, request, context):
         num = await record_rewards(request, self.core, self.core.history)
         return rollout_pb2.ReportRewardsResponse(num_recorded=num)
+
+    @grpc_errors
+    async def ReportLogprobs(self, request, context):
+        return self.mismatch.report(request)
 
     @grpc_errors
     async def PushWeights(self, request_iterator, context):

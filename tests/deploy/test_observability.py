@@ -39,6 +39,8 @@ def exported_series() -> set[str]:
     """Every series name services/common/metrics.py exposes on /metrics."""
     names = set()
     for value in vars(metrics).values():
+        if isinstance(value, metrics.BulkHistogram):  # a histogram observed an array at a time
+            names |= {value.name + s for s in ("_bucket", "_sum", "_count")}
         if not isinstance(value, MetricWrapperBase):
             continue
         name, kind = value._name, value._type

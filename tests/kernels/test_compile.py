@@ -22,7 +22,7 @@ import inspect, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import paged_attention as pa, sampling as sp
+from kernels import matmul as mm, paged_attention as pa, rms_norm as rn, sampling as sp
 
 def build(kernel, types, constexprs):
     names = list(inspect.signature(kernel.fn).parameters)
@@ -32,24 +32,34 @@ def build(kernel, types, constexprs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 for dtype in ("bf16", "fp16", "fp32"):
-    for splits in (1, 4):
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    for splits, invariant in ((1, False), (4, False), (64, True)):
         types = {p: "*" + dtype for p in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
         types.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                      cu_q_ptr="*i32", scale_log2="fp32")
         build(pa._paged_attention_kernel, types, dict(
-            GROUP=7, HEAD_DIM=64, BLOCK_D=64, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=64, NUM_KV_SPLITS=splits,
-            DOT_F32=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32"))
-build(pa._merge_splits_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
-                                "cu_q_ptr": "*i32"}, dict(HEAD_DIM=64, BLOCK_D=64, NUM_KV_SPLITS=4, BLOCK_S=4))
+            GROUP=7, HEAD_DIM=64, BLOCK_D=64, BLOCK_SIZE=16, BLOCK_M=64 if invariant else 16, BLOCK_N=64,
+            NUM_KV_SPLITS=splits, MERGE=splits > 1 or invariant, INVARIANT=invariant, SPLIT_TOKENS=512,
+            DOT_F32=False, DOT_PRECISION=precision))
+    build(mm._linear_kernel, {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "b_ptr": "*" + dtype,
+                              "out_ptr": "*" + dtype}, dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                                                            DOT_F32=False, DOT_PRECISION=precision))
+    build(rn._rms_norm_kernel, {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "out_ptr": "*" + dtype,
+                                "eps": "fp32"}, dict(BLOCK=1024))
+for in_order in (False, True):
+    build(pa._merge_splits_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
+                                    "cu_q_ptr": "*i32"},
+          dict(HEAD_DIM=64, BLOCK_D=64, NUM_KV_SPLITS=4, BLOCK_S=4, IN_ORDER=in_order))
 build(pa._write_kv_kernel, {p: "*bf16" for p in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
       | {"slot_ptr": "*i64"}, dict(ROW_SIZE=128, BLOCK=128))
 for has_mask in (True, False):
-    compiled = build(sp._sample_kernel, {
-        "logits_ptr": "*bf16", "mask_ptr": "*i1", "temperature_ptr": "*fp32", "seeds_ptr": "*i64",
-        "positions_ptr": "*i64", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32"},
-        dict(HAS_MASK=has_mask, BLOCK_V=2048))
-    # logits / T must round like torch's IEEE division, or tokens drift from the reference.
-    assert "div.full.f32" not in compiled.asm["ptx"], "approximate division in the sampling kernel"
+    types = {"logits_ptr": "*bf16", "mask_ptr": "*i1", "temperature_ptr": "*fp32", "processed_ptr": "*i8",
+             "seeds_ptr": "*i64", "positions_ptr": "*i64", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32"}
+    for kernel in (sp._sample_kernel, sp._logprob_kernel):
+        compiled = build(kernel, types, dict(HAS_MASK=has_mask, BLOCK_V=2048))
+        # logits / T (and the noise's log ratio) must round like torch's IEEE division, or
+        # tokens drift from the reference.
+        assert "div.full.f32" not in compiled.asm["ptx"], "approximate division in a sampling kernel"
 print("compiled")
 '''
 

@@ -192,3 +192,83 @@ def test_gpu_realistic_shapes(dtype):
         ref = pa.paged_attention_reference(*paged, scale)
         out = pa.paged_attention(*paged, scale, max_query_len=300)
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------ batch-invariant mode
+
+INVARIANT_PATHS = {
+    "reference": lambda *args: pa.paged_attention(*args, batch_invariant=True),
+    "triton": lambda *args: pa.paged_attention_triton(*args, batch_invariant=True),
+}
+
+
+@pytest.fixture
+def small_kv_splits(monkeypatch):
+    """64 key positions per split, so that contexts of a few hundred tokens use several."""
+    monkeypatch.setattr(pa, "KV_SPLIT_TOKENS", 64)
+
+
+@pytest.mark.parametrize("path", INVARIANT_PATHS)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_batch_invariant_paths_match_sdpa(name, path, small_kv_splits):
+    """Batch-invariant mode computes the same attention (to rounding) as dense SDPA."""
+    context_lens, query_lens, num_heads, num_kv_heads, head_dim = SCENARIOS[name]
+    paged, dense = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim,
+                              block_size=16, dtype=torch.float32, device=DEVICE if path == "triton" else "cpu")
+    scale = head_dim ** -0.5
+    out = INVARIANT_PATHS[path](*paged, scale, max(query_lens))
+    torch.testing.assert_close(out.cpu(), dense_sdpa(paged[0].cpu(), dense, query_lens, scale), atol=1e-5, rtol=1e-5)
+
+
+def invariance_universe(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """A KV cache holding every sequence's whole context, and a query vector for every
+    position of every sequence, from which batches of any composition are cut."""
+    paged, _ = make_batch(context_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                          seed=seed)
+    q_all, k_cache, v_cache, block_tables = paged[:4]
+    starts = [0] + torch.tensor(context_lens).cumsum(0).tolist()
+    return [q_all[a:b] for a, b in zip(starts, starts[1:])], k_cache, v_cache, block_tables
+
+
+def run_case(path, universe, items, extra_columns=0):
+    """items: (sequence, query_len, context_len): its query rows are the last query_len
+    positions of a context of context_len. Returns each item's output rows."""
+    qs, k_cache, v_cache, tables = universe
+    q = torch.cat([qs[s][c - n:c] for s, n, c in items])
+    cu = torch.tensor([0] + [n for _, n, _ in items]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([c for _, _, c in items], dtype=torch.int32)
+    block_tables = torch.cat([tables[[s for s, _, _ in items]],
+                              torch.zeros(len(items), extra_columns, dtype=torch.int32)], dim=1)
+    args = [t.to(DEVICE if path == "triton" else "cpu") for t in (q, k_cache, v_cache, block_tables, seq_lens, cu)]
+    out = INVARIANT_PATHS[path](*args, 0.25, max(n for _, n, _ in items)).cpu()
+    return [out[a:b] for a, b in zip(cu.tolist(), cu[1:].tolist())]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("path", INVARIANT_PATHS)
+def test_batch_invariant_row_does_not_depend_on_its_batch(path, dtype, small_kv_splits):
+    """A probe's query row at a position comes out bit for bit the same as a decode alone,
+    as the last row of a verify, inside a prefill chunk, beside other sequences, with
+    wider block tables (more splits launched) and at shorter contexts (a chunk boundary)."""
+    universe = invariance_universe([150, 70, 3, 130], 4, 2, 16, 16, dtype)
+    probe = 0
+
+    def rows(items, extra_columns=0):
+        out = run_case(path, universe, items, extra_columns)
+        return out[[s for s, _, _ in items].index(probe)]
+
+    alone = {c: rows([(probe, 1, c)])[0] for c in (150, 100, 65, 64, 1)}  # decode at position c - 1
+    cases = [
+        ([(1, 1, 70), (probe, 1, 150), (2, 1, 3), (3, 1, 130)], 0),  # decode in a batch
+        ([(probe, 7, 150)], 0),  # verify of 6 drafts
+        ([(3, 9, 130), (probe, 17, 150), (1, 40, 70)], 0),  # ragged verify beside a prefill chunk
+        ([(probe, 150, 150)], 0),  # the whole sequence as one prefill
+        ([(probe, 1, 150), (2, 3, 3)], 5),  # wider block tables: more (empty) splits
+    ]
+    for items, extra in cases:
+        out = rows(items, extra)
+        n = dict((s, n) for s, n, _ in items)[probe]
+        assert torch.equal(out[-1], alone[150]), items
+        for c in (100, 65, 64, 1):  # earlier positions of the probe inside this case's rows
+            if 150 - n < c:
+                assert torch.equal(out[c - 1 - (150 - n)], alone[c]), (items, c)

@@ -71,7 +71,7 @@ def test_different_seeds_and_positions_give_different_samples():
     seeds = torch.full((64,), 99, dtype=torch.int64)
     by_position, _ = sp.sample_reference(logits, *params(64)[:4], seeds, torch.arange(64, dtype=torch.int64))
     assert len(set(by_seed.tolist())) > 50 and len(set(by_position.tolist())) > 50
-    noise = sp.uniform_noise(torch.tensor([1, 2, 1]), torch.tensor([5, 5, 6]), 100)  # [3, 100]
+    noise = sp.gumbel_noise(torch.tensor([1, 2, 1]), torch.tensor([5, 5, 6]), 100)  # [3, 100]
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
 
 
@@ -109,7 +109,7 @@ def test_minus_inf_logits_are_never_sampled():
 
 
 def test_logprobs_are_untruncated_log_softmax():
-    """Logprobs are log_softmax(logits / T)[token] over the whole vocabulary, truncation ignored."""
+    """Raw logprobs are log_softmax(logits / T)[token] over the whole vocabulary, truncation ignored."""
     n = 6
     logits = torch.randn(n, 400, dtype=torch.float64).float()
     args = params(n, temperature=[0.7, 1.0, 1.3, 0.0, 2.0, 1.0], top_k=[3, 0, 0, 0, 0, 1],
@@ -203,52 +203,168 @@ def test_sampled_frequencies_match_truncated_softmax(temperature, top_k, top_p, 
     assert chi2 < CHI2_999[len(expected) - 1], (chi2, counts.tolist())
 
 
-def test_uniform_noise_is_uniform_in_open_interval():
-    """u stays strictly inside (0, 1) (finite Gumbel) and its deciles are balanced."""
-    u = sp.uniform_noise(torch.arange(50, dtype=torch.int64), torch.zeros(50, dtype=torch.int64), 2000)
-    assert u.dtype == torch.float32 and u.shape == (50, 2000)
-    assert float(u.min()) > 0 and float(u.max()) < 1
+def test_gumbel_noise_is_gumbel_distributed():
+    """exp(-exp(-g)) = U must be uniform on (0, 1): deciles balanced (chi2, 9 dof, p = 0.001),
+    every value finite."""
+    g = sp.gumbel_noise(torch.arange(50, dtype=torch.int64), torch.zeros(50, dtype=torch.int64), 2000)
+    assert g.dtype == torch.float32 and g.shape == (50, 2000) and bool(torch.isfinite(g).all())
+    u = torch.exp(-torch.exp(-g.double()))
     counts = torch.histc(u, bins=10, min=0, max=1)
     expected = u.numel() / 10
-    assert float(((counts - expected) ** 2 / expected).sum()) < 27.88  # chi2, 9 dof, p = 0.001
-    assert math.isfinite(float((-torch.log(-torch.log(u))).abs().max()))
+    assert float(((counts - expected) ** 2 / expected).sum()) < 27.88
+
+
+def exact_gumbel(hi: int, lo: int) -> float:
+    """-log(-log(U)) in float64 from the 64-bit integer, with 1 - U taken exactly."""
+    k = hi * 2 ** 32 + lo
+    if k < 2 ** 63:
+        return -math.log(-math.log((k + 0.5) / 2 ** 64))
+    return -math.log(-math.log1p(-((2 ** 64 - 1 - k) + 0.5) / 2 ** 64))
+
+
+def test_noise_has_no_tail_cut_down_to_2_to_the_minus_64():
+    """64 random bits map to Gumbel noise exact to float32 rounding at both ends: U within
+    2**-64 of 1 (a token of probability ~1e-19 beating the top token) and of 0."""
+    mask = 2 ** 32 - 1
+    cases = [(mask, mask - k) for k in (0, 1, 7, 1000, 2 ** 20, 2 ** 31)]  # U -> 1
+    cases += [(mask - k, 12345) for k in (1, 2 ** 10, 2 ** 24)]
+    cases += [(0, k) for k in (0, 1, 2 ** 20)] + [(2 ** 31 - 1, mask), (2 ** 31, 0), (123, 456789)]  # U -> 0, 1/2
+    gen = torch.Generator().manual_seed(0)
+    cases += [tuple(torch.randint(0, 2 ** 32, (2,), generator=gen).tolist()) for _ in range(200)]
+    hi = torch.tensor([c[0] for c in cases], dtype=torch.int64)
+    lo = torch.tensor([c[1] for c in cases], dtype=torch.int64)
+    got = sp.gumbel_from_bits(hi, lo).double()
+    want = torch.tensor([exact_gumbel(*c) for c in cases], dtype=torch.float64)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+    assert float(got.max()) > 44.0 and float(got.min()) < -3.7  # vs 16.6 and -2.8 with 23-bit uniforms
+
+
+def test_a_token_of_probability_1e_12_is_sampled_at_its_weight():
+    """A constructed distribution: the top token and one of probability 1e-12. The rare
+    token wins exactly when its exponential variate E_rare < (p_rare / p_top) E_top, i.e.
+    when 1 - U_rare falls below a threshold of ~1e-12: the sampler must put that threshold
+    where it belongs (to float32 rounding), on the 64-bit grid of U, so the rare token is
+    sampled with probability 1e-12 (a 23-bit uniform cannot come closer than 6e-8 to 1)."""
+    p_rare = 1e-12
+    scaled = torch.tensor([0.0, math.log(p_rare)])  # [top, rare], T = 1
+    top_hi, top_lo = 2 ** 31 + 77, 5  # U_top just above 1/2: E_top = 0.693...
+    e_top = -math.log1p(-(((2 ** 32 - 1 - top_hi) * 2 ** 32 + (2 ** 32 - 1 - top_lo)) + 0.5) / 2 ** 64)
+    threshold = p_rare * e_top  # the rare token wins iff 1 - U_rare < ~threshold
+    mask = 2 ** 32 - 1
+
+    def rare_wins(one_minus_u: float) -> bool:
+        k = round(one_minus_u * 2 ** 64)  # 1 - U_rare = (k + 0.5) / 2**64
+        hi = torch.tensor([top_hi, mask - (k >> 32)])
+        lo = torch.tensor([top_lo, mask - (k & mask)])
+        return int((scaled + sp.gumbel_from_bits(hi, lo)).argmax()) == 1
+
+    assert rare_wins(threshold * (1 - 1e-5)) and not rare_wins(threshold * (1 + 1e-5))
+    assert rare_wins(threshold / 100) and not rare_wins(threshold * 100)
+
+
+CHI2_ALPHA = 1e-3
+Z_ALPHA = 3.2905  # two-sided normal quantile at CHI2_ALPHA
+
+
+def frequency_z(logits: torch.Tensor, token: int, p_expected: float, num_draws: int, seed0: int) -> float:
+    """z-score of the token's sampled frequency against p_expected (fixed seeds)."""
+    args = params(num_draws, seed0=seed0)
+    tokens, _ = sp.sample_reference(logits.expand(num_draws, -1), *args)
+    freq = float((tokens == token).double().mean())
+    return (freq - p_expected) / math.sqrt(p_expected * (1 - p_expected) / num_draws)
+
+
+def test_sampled_frequency_has_power_to_detect_a_2_percent_bias():
+    """A binomial z-test at a false-alarm rate of 1e-3 over 240,000 draws of a p = 0.3
+    token: the sampler passes, and the same test rejects a sampler whose p is 2% too high
+    (power 0.997 by the normal approximation; fixed seeds make both outcomes fixed)."""
+    num_draws, p = 240_000, 0.3
+    shift = 0.02 * p / math.sqrt(p * (1 - p) / num_draws)  # the biased sampler's mean z
+    power = 0.5 * (1 + math.erf((shift - Z_ALPHA) / math.sqrt(2)))
+    assert power > 0.99
+    probs = torch.tensor([p, 0.45, 0.2, 0.05], dtype=torch.float64)
+    assert abs(frequency_z(probs.log().float(), 0, p, num_draws, seed0=11)) < Z_ALPHA
+    biased = probs.clone()
+    biased[0], biased[1] = p * 1.02, 0.45 - 0.02 * p
+    assert frequency_z(biased.log().float(), 0, p, num_draws, seed0=11) > Z_ALPHA
 
 
 if sp.triton is not None:
     import triton
     import triton.language as tl
 
-    from kernels.sampling import _row_key_tl, _uniform_tl
+    from kernels.sampling import _gumbel_tl, _hash_tl, _row_key_tl
 
     @triton.jit
-    def _noise_kernel(seeds_ptr, positions_ptr, out_ptr, vocab, BLOCK_V: tl.constexpr):
+    def _noise_kernel(seeds_ptr, positions_ptr, hi_ptr, lo_ptr, g_ptr, vocab, BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
-        key = _row_key_tl(tl.load(seeds_ptr + row), tl.load(positions_ptr + row))
+        seed, pos = tl.load(seeds_ptr + row), tl.load(positions_ptr + row)
+        key_hi, key_lo = _row_key_tl(seed, pos, 0x9E3779B9), _row_key_tl(seed, pos, 0x85EBCA77)
         ids = tl.arange(0, BLOCK_V)
-        tl.store(out_ptr + row * vocab + ids, _uniform_tl(key, ids), mask=ids < vocab)
+        ok = ids < vocab
+        tl.store(hi_ptr + row * vocab + ids, _hash_tl(key_hi, ids).to(tl.int64), mask=ok)
+        tl.store(lo_ptr + row * vocab + ids, _hash_tl(key_lo, ids).to(tl.int64), mask=ok)
+        tl.store(g_ptr + row * vocab + ids, _gumbel_tl(key_hi, key_lo, ids), mask=ok)
 
 
 @pytest.mark.skipif(sp.triton is None, reason="needs Triton")
 def test_triton_rng_is_bit_identical_to_reference():
-    """The uint32 hash in Triton equals the int64-masked hash in PyTorch bit for bit,
-    for negative seeds and positions past 2**32 too."""
+    """The uint32 hashes in Triton equal the int64-masked hashes in PyTorch bit for bit,
+    for negative seeds and positions past 2**32 too; the Gumbel transform agrees to the
+    last bit or two (libm logs may round differently)."""
     seeds = torch.tensor([0, 1, -1, 2 ** 62 + 3, -(2 ** 40), 123456789], dtype=torch.int64)
     positions = torch.tensor([0, 1, 2 ** 32 + 5, 7, 2 ** 40, 99], dtype=torch.int64)
-    vocab = 300
-    out = torch.empty(len(seeds), vocab, device=DEVICE)
-    _noise_kernel[(len(seeds),)](seeds.to(DEVICE), positions.to(DEVICE), out, vocab, BLOCK_V=512)
-    assert torch.equal(out.cpu(), sp.uniform_noise(seeds, positions, vocab))
+    vocab, n = 300, len(seeds)
+    hi, lo = (torch.empty(n, vocab, dtype=torch.int64, device=DEVICE) for _ in range(2))
+    g = torch.empty(n, vocab, device=DEVICE)
+    _noise_kernel[(n,)](seeds.to(DEVICE), positions.to(DEVICE), hi, lo, g, vocab, BLOCK_V=512)
+    ids = torch.arange(vocab)[None, :]
+    for out, salt in ((hi, sp._ROW_SALT), (lo, sp._ROW_SALT_2)):
+        key = sp._row_key(seeds, positions, salt)[:, None]
+        assert torch.equal(out.cpu(), sp._mix32(sp._mix32(key ^ ids) ^ key))
+    torch.testing.assert_close(g.cpu(), sp.gumbel_noise(seeds, positions, vocab), atol=1e-5, rtol=1e-6)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_large_vocab_matches_reference():
-    """Qwen-sized vocabulary (151,936) on the GPU: tokens equal the reference."""
-    n = 64
-    logits = (torch.randn(n, 151_936, device="cuda") * 4).bfloat16()
-    args = params(n, temperature=0.9, top_k=[0, 50] * (n // 2), top_p=0.95, min_p=0.0)
-    args = tuple(a.cuda() for a in args)
-    ref_tokens, ref_lp = sp.sample_reference(logits, *args)
-    tokens, lp = sp.sample(logits, *args)
-    assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(lp, ref_lp, atol=1e-3, rtol=1e-4)
+def mixed_params(n: int, gen: torch.Generator):
+    temperature = torch.rand(n, generator=gen) * 1.5 + 0.1
+    temperature[::7] = 0.0
+    return params(n, temperature=temperature.tolist(), top_k=torch.randint(0, 40, (n,), generator=gen).tolist(),
+                  top_p=(torch.rand(n, generator=gen) * (torch.rand(n, generator=gen) < 0.5)).tolist(),
+                  min_p=(torch.rand(n, generator=gen) * 0.2 * (torch.rand(n, generator=gen) < 0.5)).tolist())
+
+
+def test_processed_logprobs_are_normalised_over_the_allowed_tokens():
+    """Processed rows: log of softmax(logits / T') restricted to the top-k/top-p/min-p set
+    and renormalised; raw rows: the whole vocabulary. Triton == reference."""
+    n = 16
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(n, 300, generator=gen) * 2
+    args = mixed_params(n, gen)
+    processed = torch.arange(n) % 2 == 0
+    t_eff = torch.where(args[0] == 0, 1.0, args[0])
+    allowed = sp.allowed_mask(logits, t_eff, *args[1:4])
+    for tokens, logprobs in both(logits, (*args, processed)):
+        scaled = logits.double() / t_eff[:, None].double()
+        raw = torch.log_softmax(scaled, -1).gather(1, tokens[:, None]).squeeze(1)
+        kept = torch.log_softmax(scaled.masked_fill(~allowed, float("-inf")), -1).gather(1, tokens[:, None]).squeeze(1)
+        torch.testing.assert_close(logprobs.double(), torch.where(processed, kept, raw), atol=1e-5, rtol=1e-5)
+        assert bool((kept[~processed] >= raw[~processed]).all())  # renormalising can only raise them
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_token_logprobs_are_bitwise_the_sampled_logprobs(path, monkeypatch):
+    """token_logprobs(sampled tokens) returns sample()'s logprobs bit for bit, raw and
+    processed, on any subset of the rows (what the trainer's reference relies on)."""
+    if path == "triton":
+        monkeypatch.setenv("RHYMERL_TRITON", "1")  # the dispatchers pick Triton (the interpreter on CPU)
+    device = DEVICE if path == "triton" else "cpu"
+    n = 24
+    gen = torch.Generator().manual_seed(9)
+    logits = (torch.randn(n, 2500, generator=gen) * 3).to(device)
+    args = tuple(a.to(device) for a in (*mixed_params(n, gen), torch.arange(n) % 3 == 0))
+    sampling, seeds_positions, processed = args[:4], args[4:6], args[6]
+    tokens, logprobs = sp.sample(logits, *sampling, *seeds_positions, processed)
+    assert torch.equal(sp.token_logprobs(logits, tokens, *sampling, processed), logprobs)
+    rows = torch.tensor([3, 17, 4], device=device)
+    subset = sp.token_logprobs(logits[rows], tokens[rows], *(a[rows] for a in sampling), processed[rows])
+    assert torch.equal(subset, logprobs[rows])

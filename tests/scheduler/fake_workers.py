@@ -15,6 +15,7 @@ from rhymerl.v1 import common_pb2, rollout_pb2
 from services.scheduler.core import CoreLimits, SchedulerCore
 from services.scheduler.policies import make_policy
 from services.scheduler.step_log import StepLog
+from services.scheduler.step_table import StepTable
 from services.scheduler.worker_link import ChunkDone, ChunkFailed, RunEnded, RunOutcome
 from services.scheduler.workers import WorkerTable
 
@@ -86,10 +87,10 @@ class FakeLink:
 
 
 def make_core(link: FakeLink, *, workers: int = 2, capacity: int = 4, policy: str = "rhymerl",
-              chunk_size: int = 4, redis_url: str = "", **limits) -> SchedulerCore:
+              chunk_size: int = 4, redis_url: str = "", steps: StepTable | None = None, **limits) -> SchedulerCore:
     kwargs = {"chunk_size": chunk_size} if policy in ("seer", "rhymerl") else {}
     core = SchedulerCore(make_policy(policy, **kwargs), WorkerTable(), link, step_log=StepLog(redis_url),
-                         limits=CoreLimits(**limits))
+                         steps=steps, limits=CoreLimits(**limits))
     for i in range(workers):
         core.register(f"w{i}", f"fake:{i}", capacity, 0, 96, 512)
     core.start()

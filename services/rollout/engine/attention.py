@@ -45,9 +45,10 @@ class KVCache:
 class PagedAttention:
     """AttentionBackend over a KVCache; ``metadata`` must be set before each forward."""
 
-    def __init__(self, kv_cache: KVCache, scale: float):
+    def __init__(self, kv_cache: KVCache, scale: float, batch_invariant: bool = False):
         self.kv_cache = kv_cache
         self.scale = scale
+        self.batch_invariant = batch_invariant
         self.metadata: AttentionMetadata | None = None
 
     def __call__(
@@ -61,4 +62,4 @@ class PagedAttention:
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         write_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, md.slot_mapping)
         return paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                               self.scale, md.max_query_len)
+                               self.scale, md.max_query_len, self.batch_invariant)

@@ -15,7 +15,8 @@ samples prefills its prompt once.
 When a decoding sequence needs a new block and none is free, the most recently admitted
 sequence is preempted: its blocks are freed and it goes back to the front of the queue
 to be recomputed later (its tokens are kept; sampling is keyed on (seed, position), so
-the recomputed run continues identically).
+the recomputed run continues from the same distribution; bit for bit in batch-invariant
+mode).
 
 This module knows nothing about models, drafts or sampling.
 """

@@ -25,6 +25,7 @@ from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBat
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
 from services.rollout.engine.drafter import Drafter
+from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
 from services.rollout.engine.request import EngineRequest, RequestOutput
@@ -39,7 +40,7 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, block_size: int = 16, kv_cache_memory_fraction: float = 0.8,
                  drafter: Drafter | None = None, speculative: bool = True, max_draft_len: int = 16,
                  cost_model: CostModel | None = None, use_cuda_graphs: bool = True, worker_id: str = "local",
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, batch_invariant: bool = False):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_draft_len < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_draft_len >= 0")
         self.device = _resolve_device(device, model)
@@ -58,24 +59,24 @@ class LLMEngine:
                                                                  measure=True)
         if num_kv_blocks is None:
             num_kv_blocks = default_num_kv_blocks(self.model, self.device, block_size, max_num_batched_tokens,
-                                                  kv_cache_memory_fraction)
+                                                  kv_cache_memory_fraction, batch_invariant=batch_invariant)
         self.block_manager = BlockManager(num_kv_blocks, block_size)
         self.scheduler = BatchScheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.device, num_kv_blocks=num_kv_blocks, block_size=block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                  max_draft_len=max_draft_len, use_cuda_graphs=use_cuda_graphs)
+                                  max_draft_len=max_draft_len, use_cuda_graphs=use_cuda_graphs,
+                                  batch_invariant=batch_invariant)
+        self.batch_invariant = batch_invariant
         self.metrics = EngineMetrics(worker_id)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
 
     @classmethod
     def from_path(cls, model_path, device="auto", dtype=None, **kw) -> "LLMEngine":
-        from services.rollout.loader import load_model
+        from services.rollout.loader import load_model, worker_dtype
 
         dev = _resolve_device(device, None)
-        if dtype is None and dev.type == "cpu":
-            dtype = torch.float32  # bf16 matmuls are slow on CPU
-        return cls(load_model(model_path, dev, dtype), device=dev, **kw)
+        return cls(load_model(model_path, dev, dtype or worker_dtype(dev)), device=dev, **kw)
 
     @property
     def drafter(self) -> Drafter | None:
@@ -258,6 +259,8 @@ class LLMEngine:
             raise ValueError(f"seed: {req.seed} does not fit in int64")
         if req.temperature < 0 or not 0 <= req.top_p <= 1 or not 0 <= req.min_p <= 1 or req.min_tokens < 0:
             raise ValueError("temperature/top_p/min_p/min_tokens: out of range")
+        if req.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: {req.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         bm = self.block_manager
         if bm.num_blocks_for(num_tokens + 1) > bm.num_blocks:
             raise ValueError(f"prompt_token_ids: needs {bm.num_blocks_for(num_tokens + 1)} KV blocks, "

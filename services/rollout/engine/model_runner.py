@@ -44,7 +44,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, *, num_kv_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_draft_len: int, use_cuda_graphs: bool):
+                 max_num_seqs: int, max_draft_len: int, use_cuda_graphs: bool, batch_invariant: bool = False):
         cfg = model.config
         self.model = model
         self.device = device
@@ -53,7 +53,7 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, dtype, device)
-        self.attn = PagedAttention(self.kv_cache, scale=cfg.head_dim ** -0.5)
+        self.attn = PagedAttention(self.kv_cache, scale=cfg.head_dim ** -0.5, batch_invariant=batch_invariant)
         self.graphs: CUDAGraphs | None = None
         if use_cuda_graphs and device.type == "cuda":
             self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype)
@@ -112,7 +112,7 @@ class ModelRunner:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.attn)  # [num_tokens, hidden]
         if inputs.sample_rows.numel() == 0:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(hidden[inputs.sample_rows]).float()
+        return self.model.compute_logits(hidden[inputs.sample_rows], self.attn.batch_invariant).float()
 
 
 class CUDAGraphs:
@@ -222,7 +222,7 @@ class CUDAGraphs:
                 self._capture(seq_bucket, seq_bucket, 1)
 
 def default_num_kv_blocks(model, device: torch.device, block_size: int, max_num_batched_tokens: int,
-                          memory_fraction: float, cpu_bytes: int = 512 << 20) -> int:
+                          memory_fraction: float, cpu_bytes: int = 512 << 20, batch_invariant: bool = False) -> int:
     """KV blocks that fit: on CUDA, memory_fraction of the GPU minus the weights and the
     activations of the largest step (measured by running it); on CPU, cpu_bytes of cache."""
     cfg = model.config
@@ -237,7 +237,7 @@ def default_num_kv_blocks(model, device: torch.device, block_size: int, max_num_
     torch.cuda.reset_peak_memory_stats(device)
     scratch = KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
                       device)
-    attn = PagedAttention(scratch, cfg.head_dim ** -0.5)
+    attn = PagedAttention(scratch, cfg.head_dim ** -0.5, batch_invariant)
     attn.metadata = AttentionMetadata(
         slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
         block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
@@ -247,7 +247,7 @@ def default_num_kv_blocks(model, device: torch.device, block_size: int, max_num_
     with torch.inference_mode():
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         hidden = model.forward(ids, torch.arange(num_tokens, device=device), attn)
-        model.compute_logits(hidden)  # every row may sample (verify steps)
+        model.compute_logits(hidden, batch_invariant)  # every row may sample (verify steps)
     torch.cuda.synchronize(device)
     del scratch, attn, hidden
     free, total = torch.cuda.mem_get_info(device)

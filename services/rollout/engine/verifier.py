@@ -6,12 +6,15 @@ policy's own token s_j at every row with ``kernels.sampling.sample``, keyed on (
 absolute position): exactly the token a run without speculation would draw there. The
 draft is accepted for the longest prefix with d_{j+1} == s_j; the committed tokens are
 s_0..s_a (a accepted drafts, then one recovered token if a draft was rejected, or the
-bonus token if all were accepted). The output is therefore identical, token for token
-and logprob for logprob, with and without speculation, for greedy and sampled decoding
-alike: lossless by construction, and reproducible from the seed.
+bonus token if all were accepted). Every token is therefore drawn from the policy's own
+distribution at its position, with and without speculation, greedy or sampled: lossless
+by construction, and reproducible from the seed. Token for token and logprob for logprob
+the same output needs the verify rows' logits to equal the decode rows' bit for bit,
+which batch-invariant mode guarantees (docs/sampling.md).
 
 Before min_tokens, stop tokens are masked out of the distribution (vLLM's rule), also
-on draft rows, so the same positions see the same distribution either way.
+on draft rows, so the same positions see the same distribution either way. The rows'
+inputs come from ``SamplingRows`` (logprobs.py), which the trainer's reference shares.
 
 This module knows nothing about KV blocks or scheduling.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling import sample
+from services.rollout.engine.logprobs import SamplingRows
 from services.rollout.engine.sequence import Sequence
 
 
@@ -53,36 +57,14 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
     """
     if not seqs:
         return []
-    temperature, top_k, top_p, min_p, seeds, positions = [], [], [], [], [], []
-    masked_rows: list[tuple[int, list[int]]] = []
-    row = 0
+    rows = SamplingRows()
     for seq in seqs:
-        req = seq.req
         for j in range(1 + len(seq.draft_token_ids)):
-            temperature.append(req.temperature)
-            top_k.append(max(req.top_k, 0))
-            top_p.append(req.top_p)
-            min_p.append(req.min_p)
-            seeds.append(req.seed)
-            positions.append(seq.num_tokens + j)  # absolute position of the token sampled here
-            masked = seq.masked_token_ids(seq.num_generated + j)
-            if masked:
-                masked_rows.append((row, sorted(masked)))
-            row += 1
-    assert row == logits.shape[0], (row, logits.shape)
-    if masked_rows:
-        logits = logits.clone()
-        for r, ids in masked_rows:
-            logits[r, [i for i in ids if i < logits.shape[1]]] = float("-inf")
+            # the token sampled here sits at absolute position num_tokens + j
+            rows.add(seq.req, seq.num_tokens + j, seq.masked_token_ids(seq.num_generated + j))
+    assert len(rows) == logits.shape[0], (len(rows), logits.shape)
     dev = logits.device
-    tokens, logprobs = sample(
-        logits,
-        torch.tensor(temperature, dtype=torch.float32, device=dev),
-        torch.tensor(top_k, dtype=torch.int32, device=dev),
-        torch.tensor(top_p, dtype=torch.float32, device=dev),
-        torch.tensor(min_p, dtype=torch.float32, device=dev),
-        torch.tensor(seeds, dtype=torch.int64, device=dev),
-        torch.tensor(positions, dtype=torch.int64, device=dev))
+    tokens, logprobs = sample(rows.mask(logits), *rows.params(dev), *rows.keys(dev), rows.processed_rows(dev))
     tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
     verdicts, row = [], 0
     for seq in seqs:

@@ -23,6 +23,10 @@ class AttentionBackend(Protocol):
     where its keys live), set up by its owner before the forward.
     """
 
+    # True: the model runs batch-invariant kernels (services/rollout/models/transformer.py)
+    # and the backend's attention gives each query row a result independent of the batch.
+    batch_invariant: bool
+
     def __call__(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """
         Args:
@@ -61,6 +65,8 @@ class DenseCausalAttention:
     per layer; the padding metadata is built once here and reused by every layer.
     Differentiable (used for training).
     """
+
+    batch_invariant = False
 
     def __init__(self, cu_seqlens: Tensor):
         """

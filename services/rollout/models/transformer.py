@@ -5,6 +5,11 @@ The three families differ only in small switches that ModelConfig carries: q/k/v
 embeddings. The model sees a flat batch of tokens and their positions; which keys a query
 attends to is the AttentionBackend's business, so this module knows nothing about KV
 caches, batching or sequences.
+
+When the backend is batch-invariant (``attn.batch_invariant``), every op that reduces
+runs through a kernel whose per-row result does not depend on the number of rows
+(kernels/matmul.py, kernels/rms_norm.py) and SiLU is computed as separate elementwise
+ops, so a token's hidden state depends only on its sequence's tokens up to it.
 """
 
 from __future__ import annotations
@@ -16,8 +21,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.matmul import linear as invariant_linear
+from kernels.rms_norm import rms_norm as invariant_rms_norm
 from services.rollout.models.base import AttentionBackend
 from services.rollout.models.config import ModelConfig
+
+
+def project(layer: nn.Linear, x: Tensor, invariant: bool) -> Tensor:
+    """``layer(x)``, through the batch-invariant matmul when asked."""
+    return invariant_linear(x, layer.weight, layer.bias) if invariant else layer(x)
+
+
+def silu(x: Tensor, invariant: bool) -> Tensor:
+    # The CPU's fused SiLU takes a vector path or a scalar one depending on where an
+    # element falls in the tensor, and the two differ in the last bit.
+    if not invariant:
+        return F.silu(x)
+    xf = x.float()
+    return (xf / (1.0 + torch.exp(-xf))).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -26,7 +47,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, invariant: bool = False) -> Tensor:
+        if invariant:
+            return invariant_rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and scale in the input dtype, as the reference implementation does.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
@@ -100,14 +123,15 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        inv = attn.batch_invariant
+        q = project(self.q_proj, x, inv).view(num_tokens, self.num_heads, self.head_dim)
+        k = project(self.k_proj, x, inv).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, x, inv).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, inv), self.k_norm(k, inv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return project(self.o_proj, out.reshape(num_tokens, self.num_heads * self.head_dim), inv)
 
 
 class MLP(nn.Module):
@@ -117,8 +141,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, invariant: bool = False) -> Tensor:
+        gate = silu(project(self.gate_proj, x, invariant), invariant)
+        return project(self.down_proj, gate * project(self.up_proj, x, invariant), invariant)
 
 
 class DecoderLayer(nn.Module):
@@ -130,8 +155,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        inv = attn.batch_invariant
+        x = x + self.self_attn(self.input_layernorm(x, inv), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x, inv), inv)
 
 
 class DecoderModel(nn.Module):
@@ -149,7 +175,7 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        return self.norm(x, attn.batch_invariant)
 
 
 class CausalLM(nn.Module):
@@ -183,9 +209,9 @@ class CausalLM(nn.Module):
         """
         return self.model(input_ids, positions, attn)
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
+    def compute_logits(self, hidden: Tensor, batch_invariant: bool = False) -> Tensor:
         """[num_tokens, hidden_size] -> [num_tokens, vocab_size] float32."""
-        return self.lm_head(hidden).float()
+        return project(self.lm_head, hidden, batch_invariant).float()
 
     def expected_weights(self) -> dict[str, Tensor]:
         """The tensors a checkpoint must provide, by HF name (a tied lm_head is not one)."""

@@ -2,7 +2,7 @@
 
 from rhymerl.aio import AsyncRolloutClient
 from rhymerl.client import RolloutClient
-from rhymerl.types import Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
+from rhymerl.types import Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
 
-__all__ = ["AsyncRolloutClient", "Prompt", "RolloutClient", "Sample", "SamplingParams",
+__all__ = ["AsyncRolloutClient", "Mismatch", "Prompt", "RolloutClient", "Sample", "SamplingParams",
            "ServiceStats", "StepResult", "StepSummary"]

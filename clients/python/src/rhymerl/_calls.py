@@ -64,6 +64,12 @@ def rewards_request(step_id: str, rewards) -> rollout_pb2.ReportRewardsRequest:
         rollout_pb2.SampleReward(prompt_id=p, sample_index=i, reward=float(r)) for p, i, r in rewards])
 
 
+def logprobs_request(step_id: str, samples) -> rollout_pb2.ReportLogprobsRequest:
+    return rollout_pb2.ReportLogprobsRequest(step_id=step_id, samples=[
+        rollout_pb2.SampleLogprobs(prompt_id=p, sample_index=i, logprobs=[float(x) for x in lp])
+        for p, i, lp in samples])
+
+
 def weight_chunks(version: int, data: bytes, chunk_bytes: int = WEIGHT_CHUNK_BYTES
                   ) -> Iterator[common_pb2.WeightChunk]:
     """A header (version, size, SHA-256) followed by the payload in chunks."""

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 import grpc
 
 from rhymerl import _calls
-from rhymerl.types import Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
+from rhymerl.types import Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -63,6 +63,11 @@ class AsyncRolloutClient:
 
     async def report_rewards(self, step_id: str, rewards: Iterable[tuple[str, int, float]]) -> int:
         return (await self._call(self._stub.ReportRewards, _calls.rewards_request(step_id, rewards))).num_recorded
+
+    async def report_logprobs(self, step_id: str, samples: Iterable[tuple[str, int, Sequence[float]]]) -> Mismatch:
+        """See ``RolloutClient.report_logprobs``."""
+        response = await self._call(self._stub.ReportLogprobs, _calls.logprobs_request(step_id, samples))
+        return Mismatch.from_proto(response.step)
 
     async def push_weights(self, version: int, data: bytes) -> int:
         for attempt in range(self.max_retries + 1):

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 
 from rhymerl import _calls
-from rhymerl.types import Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
+from rhymerl.types import Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -78,6 +78,14 @@ class RolloutClient:
     def report_rewards(self, step_id: str, rewards: Iterable[tuple[str, int, float]]) -> int:
         """Records (prompt_id, sample_index, reward) of finished samples."""
         return self._call(self._stub.ReportRewards, _calls.rewards_request(step_id, rewards)).num_recorded
+
+    def report_logprobs(self, step_id: str, samples: Iterable[tuple[str, int, Sequence[float]]]) -> Mismatch:
+        """Reports the trainer's own logprobs of a finished step's samples, as
+        (prompt_id, sample_index, one logprob per token); returns the mismatch with the
+        rollout's over every sample of the step reported so far (also exported as
+        Prometheus metrics). Re-reporting a sample replaces its earlier report."""
+        response = self._call(self._stub.ReportLogprobs, _calls.logprobs_request(step_id, samples))
+        return Mismatch.from_proto(response.step)
 
     def push_weights(self, version: int, data: bytes) -> int:
         """Streams a safetensors payload to every worker; returns the version serving."""

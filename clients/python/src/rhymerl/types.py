@@ -14,27 +14,43 @@ FINISH_REASONS = {
 }
 
 
+LOGPROBS_MODES = {"raw": common_pb2.LOGPROBS_MODE_RAW, "processed": common_pb2.LOGPROBS_MODE_PROCESSED}
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How each sample is drawn; temperature 0 is greedy. See common.proto."""
+    """How each sample is drawn; temperature 0 is greedy. See common.proto.
+
+    seed: None (the default) draws fresh noise every step, derived from the step id (a
+    re-submitted step id gets the same samples back); an integer fixes every sample of
+    a prompt in every step that passes it.
+    logprobs_mode: "raw" (log softmax(logits / T) over the whole vocabulary, what a
+    trainer recomputes) or "processed" (over the tokens top_k / top_p / min_p allow,
+    the distribution actually sampled). docs/sampling.md has the details.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0
+    seed: int | None = None
     logprobs: bool = True
     min_p: float = 0.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs_mode: str = "raw"
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: {self.logprobs_mode!r} is not one of {sorted(LOGPROBS_MODES)}")
 
     def to_proto(self) -> common_pb2.SamplingParams:
         return common_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids), seed=self.seed,
             logprobs=self.logprobs, min_p=self.min_p, min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos, logprobs_mode=LOGPROBS_MODES[self.logprobs_mode])
 
 
 @dataclass(frozen=True)
@@ -134,6 +150,35 @@ class StepResult:
             self.by_prompt.setdefault(s.prompt_id, []).append(s)
         for group in self.by_prompt.values():
             group.sort(key=lambda s: s.sample_index)
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """How the trainer's logprobs differ from the rollout's (``RolloutClient.report_logprobs``).
+
+    Per token, d = rollout logprob - trainer logprob: ``mean_abs_diff`` / ``max_abs_diff``
+    of |d|, ``mean_log_ratio`` the mean of d (k1 estimate of KL(rollout || trainer)),
+    ``kl`` the mean of exp(-d) - 1 + d (k3 estimate, >= 0, 0 when every token matches).
+    """
+
+    num_samples: int
+    num_tokens: int
+    num_identical_tokens: int
+    mean_abs_diff: float
+    max_abs_diff: float
+    mean_log_ratio: float
+    kl: float
+
+    @classmethod
+    def from_proto(cls, m: rollout_pb2.MismatchStats) -> "Mismatch":
+        return cls(num_samples=m.num_samples, num_tokens=m.num_tokens, num_identical_tokens=m.num_identical_tokens,
+                   mean_abs_diff=m.mean_abs_diff, max_abs_diff=m.max_abs_diff, mean_log_ratio=m.mean_log_ratio,
+                   kl=m.kl)
+
+    @property
+    def bitwise_identical(self) -> bool:
+        """Every compared token's logprob equal to the last bit (batch-invariant workers)."""
+        return self.num_identical_tokens == self.num_tokens
 
 
 @dataclass(frozen=True)

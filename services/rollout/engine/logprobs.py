@@ -1,0 +1,147 @@
+"""What a returned logprob is, computed the one way the worker and a trainer both use.
+
+``SamplingRows`` turns requests and positions into the sampler's per-row inputs: the
+sampling parameters, the sample's seed and the token's absolute position, stop tokens
+masked out of the distribution before ``min_tokens`` (vLLM's rule), and whether the
+logprob is raw (over the whole vocabulary) or processed (over the tokens top-k / top-p /
+min-p allow). The verifier builds its rows with it; so does ``reference_logprobs``.
+
+``reference_logprobs`` is the trainer's reference: given a checkpoint (or a loaded
+model), token sequences and the step's sampling parameters, it returns each response
+token's logprob exactly as a rollout computed it. It runs this package's model code in
+batch-invariant mode over each whole sequence (one prefill), the same attention
+backend, the same ``SamplingRows`` and ``kernels.sampling.token_logprobs``, which
+returns the sampler's own logprob bit for bit. Against workers in batch-invariant mode
+(``RHYMERL_WORKER_BATCH_INVARIANT=1``, same device kind and dtype) the result equals the
+rollout's logprobs bit for bit, with or without speculation, however the rollout was
+batched, migrated or preempted; against other workers it equals them to rounding.
+docs/sampling.md states the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from kernels.sampling import token_logprobs
+from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
+from services.rollout.engine.request import EngineRequest
+from services.rollout.engine.sequence import Sequence
+
+LOGPROBS_MODES = ("raw", "processed")
+
+
+class SamplingRows:
+    """The sampler's inputs for a batch of logits rows, added row by row in order."""
+
+    def __init__(self):
+        self.temperature: list[float] = []
+        self.top_k: list[int] = []
+        self.top_p: list[float] = []
+        self.min_p: list[float] = []
+        self.seeds: list[int] = []
+        self.positions: list[int] = []
+        self.processed: list[bool] = []
+        self.masked: list[tuple[int, list[int]]] = []  # (row, token ids out of its distribution)
+
+    def add(self, req: EngineRequest, position: int, masked_token_ids: frozenset[int]) -> None:
+        """One row: the token at absolute ``position`` of ``req``'s sample."""
+        if masked_token_ids:
+            self.masked.append((len(self.positions), sorted(masked_token_ids)))
+        self.temperature.append(req.temperature)
+        self.top_k.append(max(req.top_k, 0))
+        self.top_p.append(req.top_p)
+        self.min_p.append(req.min_p)
+        self.seeds.append(req.seed)
+        self.positions.append(position)
+        self.processed.append(req.logprobs_mode == "processed")
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab]
+        """The logits with each row's masked tokens at -inf (a copy if any is masked)."""
+        if not self.masked:
+            return logits
+        logits = logits.clone()
+        for row, ids in self.masked:
+            logits[row, [i for i in ids if i < logits.shape[1]]] = float("-inf")
+        return logits
+
+    def params(self, device) -> tuple[torch.Tensor, ...]:
+        """(temperature, top_k, top_p, min_p) as the sampler takes them."""
+        return (torch.tensor(self.temperature, dtype=torch.float32, device=device),
+                torch.tensor(self.top_k, dtype=torch.int32, device=device),
+                torch.tensor(self.top_p, dtype=torch.float32, device=device),
+                torch.tensor(self.min_p, dtype=torch.float32, device=device))
+
+    def keys(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seeds, positions): what keys each row's noise."""
+        return (torch.tensor(self.seeds, dtype=torch.int64, device=device),
+                torch.tensor(self.positions, dtype=torch.int64, device=device))
+
+    def processed_rows(self, device) -> torch.Tensor:  # [num_rows] bool
+        return torch.tensor(self.processed, dtype=torch.bool, device=device)
+
+
+@torch.inference_mode()
+def reference_logprobs(model, sequences: Seq[tuple[Seq[int], Seq[int]]], sampling, *, device="cpu",
+                       dtype: torch.dtype | None = None) -> list[list[float]]:
+    """Each response token's logprob, as the rollout returned it.
+
+    Args:
+        model: a CausalLM, or the path of a checkpoint directory (config.json +
+            safetensors) loaded on ``device`` in ``dtype`` (default: what a worker on
+            that device uses, float32 on a CPU, the checkpoint's dtype on a GPU).
+        sequences: (prompt token ids, response token ids) pairs, e.g. each
+            ``Sample``'s prompt and ``token_ids``.
+        sampling: the step's ``rhymerl.SamplingParams`` (temperature, top_k, top_p,
+            min_p, min_tokens, stop_token_ids, ignore_eos, logprobs_mode); its seed
+            does not matter.
+    Returns:
+        one list of float32 values per sequence, one per response token.
+    """
+    device = torch.device(device)
+    if isinstance(model, (str, Path)):
+        from services.rollout.loader import load_model, worker_dtype
+
+        model = load_model(model, device, dtype or worker_dtype(device))
+    model = model.to(device).eval()
+    return [_sequence_logprobs(model, list(prompt), list(response), sampling, device)
+            for prompt, response in sequences]
+
+
+def _sequence_logprobs(model, prompt: list[int], response: list[int], sampling, device) -> list[float]:
+    if not response:
+        return []
+    cfg = model.config
+    req = EngineRequest(
+        request_id="reference", prompt_id="reference", step_id="", sample_index=0, prompt_token_ids=prompt,
+        generated_token_ids=response, temperature=sampling.temperature, top_p=sampling.top_p or 1.0,
+        top_k=sampling.top_k, min_p=sampling.min_p, seed=0, max_tokens=len(response) + 1, max_new_tokens=1,
+        stop_token_ids=frozenset(sampling.stop_token_ids), min_tokens=sampling.min_tokens,
+        ignore_eos=sampling.ignore_eos, logprobs=True, logprobs_mode=sampling.logprobs_mode)
+    seq = Sequence(req, cfg.eos_token_ids, cfg.max_position_embeddings)
+    num_tokens, block_size = seq.num_tokens, 16
+    num_blocks = -(-num_tokens // block_size)
+    # One prefill of the whole sequence: in batch-invariant mode every position's logits
+    # are those the rollout's decode, verify or re-prefill computed there.
+    attn = PagedAttention(KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                                  cfg.head_dim, next(model.parameters()).dtype, device),
+                          cfg.head_dim ** -0.5, batch_invariant=True)
+    attn.metadata = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device), max_query_len=num_tokens)
+    ids = torch.tensor(seq.token_ids, dtype=torch.int64, device=device)
+    hidden = model.forward(ids, torch.arange(num_tokens, device=device), attn)  # [num_tokens, hidden]
+    first = len(prompt)
+    logits = model.compute_logits(hidden[first - 1:num_tokens - 1], batch_invariant=True).float()  # [len(response), vocab]
+    rows = SamplingRows()
+    for j in range(len(response)):
+        rows.add(req, first + j, seq.masked_token_ids(j))
+    tokens = torch.tensor(response, dtype=torch.int64, device=device)
+    return token_logprobs(rows.mask(logits), tokens, *rows.params(device), rows.processed_rows(device)).tolist()

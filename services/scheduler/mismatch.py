@@ -1,0 +1,118 @@
+"""How far a trainer's recomputed logprobs are from the rollout's, measured live.
+
+The trainer reports, for some or all of a finished step's samples, its own logprob of
+every generated token (ReportLogprobs). Per token, d = rollout logprob - trainer logprob;
+a step's figures are the mean and max of |d|, the mean of d (the k1 estimate of
+KL(rollout || trainer)), the mean of exp(-d) - 1 + d (the k3 estimate: unbiased, >= 0,
+and 0 exactly when every token matches) and how many tokens match to the last bit.
+The tokens were sampled from the rollout policy, which is what makes these per-token
+averages estimates of the KL between the two.
+
+Each (step, sample) keeps only its sums (re-reporting a sample replaces them); the
+Prometheus histograms see each sample once. Steps are forgotten with the scheduler's
+in-memory ones (max_steps_retained). This module knows nothing about gRPC transport or placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from rhymerl.v1 import rollout_pb2
+
+from services.common import metrics
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.scheduler.policies.base import RequestKey
+
+
+@dataclass(frozen=True)
+class SampleMismatch:
+    """The sums of one sample's per-token comparison."""
+
+    num_tokens: int
+    num_identical: int
+    sum_abs_diff: float
+    max_abs_diff: float
+    sum_diff: float
+    sum_kl: float
+
+    @classmethod
+    def compare(cls, rollout: np.ndarray, trainer: np.ndarray) -> tuple["SampleMismatch", np.ndarray]:
+        """Both [num_tokens] float32. Returns the sums and |d| per token."""
+        d = rollout.astype(np.float64) - trainer.astype(np.float64)  # [num_tokens]
+        abs_diff = np.abs(d)
+        kl = np.expm1(-d) + d  # exp(-d) - 1 + d, accurate for tiny d
+        identical = int(np.count_nonzero(rollout.view(np.int32) == trainer.view(np.int32)))
+        return cls(len(d), identical, float(abs_diff.sum()), float(abs_diff.max(initial=0.0)), float(d.sum()),
+                   float(kl.sum())), abs_diff
+
+
+def summarize(parts) -> rollout_pb2.MismatchStats:
+    parts = list(parts)
+    num_tokens = sum(p.num_tokens for p in parts)
+    mean = (lambda total: total / num_tokens) if num_tokens else (lambda total: 0.0)
+    return rollout_pb2.MismatchStats(
+        num_samples=len(parts), num_tokens=num_tokens, num_identical_tokens=sum(p.num_identical for p in parts),
+        mean_abs_diff=mean(sum(p.sum_abs_diff for p in parts)), max_abs_diff=max((p.max_abs_diff for p in parts),
+                                                                                 default=0.0),
+        mean_log_ratio=mean(sum(p.sum_diff for p in parts)), kl=mean(sum(p.sum_kl for p in parts)))
+
+
+class MismatchTracker:
+    """Args:
+        steps: the scheduler's steps by id (read only: the samples to compare with).
+    """
+
+    def __init__(self, steps: Mapping):
+        self.steps = steps
+        self._reports: dict[str, dict[tuple[str, int], SampleMismatch]] = {}  # step id -> sample -> sums
+
+    def report(self, request: rollout_pb2.ReportLogprobsRequest) -> rollout_pb2.ReportLogprobsResponse:
+        """Checks the whole report first (nothing is recorded from a rejected one), then
+        records it, exports it and returns the step's and this report's figures."""
+        compared = self._compare(request)
+        for step_id in [s for s in self._reports if s not in self.steps]:
+            del self._reports[step_id]  # the scheduler forgot the step
+        recorded = self._reports.setdefault(request.step_id, {})
+        for key, part, abs_diff in compared:
+            if key not in recorded:  # the histograms count each sample once
+                metrics.logprob_abs_diff.observe_many(abs_diff)
+                metrics.logprob_kl.observe_many([part.sum_kl / part.num_tokens] if part.num_tokens else [])
+            recorded[key] = part
+        step = summarize(recorded.values())
+        metrics.step_logprob_abs_diff.set(step.mean_abs_diff)
+        metrics.step_logprob_kl.set(step.kl)
+        return rollout_pb2.ReportLogprobsResponse(step=step, reported=summarize(p for _, p, _ in compared))
+
+    def _compare(self, request) -> list[tuple[tuple[str, int], SampleMismatch, np.ndarray]]:
+        if not request.step_id:
+            raise InvalidArgument("must be non-empty", "step_id")
+        run = self.steps.get(request.step_id)
+        if run is None:
+            raise NotFound(f"no step {request.step_id!r} (unknown, or no longer retained)", "step_id")
+        if not run.sampling.logprobs:
+            raise FailedPrecondition("the step was sampled with logprobs off: nothing to compare with",
+                                     "step_id")
+        # The finished samples are the step's published results (its progress is released).
+        finished = {(e.sample.prompt_id, e.sample.sample_index): e.sample for e in run.events if e.HasField("sample")}
+        out, seen = [], set()
+        for i, reported in enumerate(request.samples):
+            field, key = f"samples[{i}]", (reported.prompt_id, reported.sample_index)
+            prog = finished.get(key)
+            if prog is None and RequestKey(request.step_id, *key) not in run.samples:
+                raise NotFound(f"no sample {key} in step {request.step_id!r}", field)
+            if key in seen:
+                raise InvalidArgument(f"sample {key} is reported twice", field)
+            seen.add(key)
+            if prog is None:
+                raise FailedPrecondition(f"sample {key} has not finished", field)
+            trainer = np.asarray(reported.logprobs, dtype=np.float32)
+            if len(trainer) != len(prog.logprobs):
+                raise InvalidArgument(f"{len(trainer)} logprobs for a sample of {len(prog.logprobs)} tokens",
+                                      f"{field}.logprobs")
+            if not np.isfinite(trainer).all():
+                raise InvalidArgument("logprobs must be finite", f"{field}.logprobs")
+            part, abs_diff = SampleMismatch.compare(np.asarray(prog.logprobs, dtype=np.float32), trainer)
+            out.append((key, part, abs_diff))
+        return out

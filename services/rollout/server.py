@@ -256,12 +256,13 @@ def build_engine(settings: WorkerSettings, worker_id: str):
     from services.rollout.drafter import HistoDrafter
     from services.rollout.engine import LLMEngine
 
-    dtype = None if settings.dtype == "auto" else settings.dtype
     return LLMEngine.from_path(
-        settings.model_path, device=settings.device, dtype=dtype, max_num_seqs=settings.max_num_seqs,
+        settings.model_path, device=settings.device, dtype=None if settings.dtype == "auto" else settings.dtype,
+        max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
         block_size=settings.block_size, drafter=HistoDrafter(max_draft_len=settings.max_draft_len),
-        speculative=settings.speculative, max_draft_len=settings.max_draft_len, worker_id=worker_id)
+        speculative=settings.speculative, max_draft_len=settings.max_draft_len, worker_id=worker_id,
+        measure_cost=settings.measure_cost)
 
 
 async def start_worker(settings: WorkerSettings, engine=None):

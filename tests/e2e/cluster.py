@@ -77,7 +77,7 @@ class Cluster:
         settings = WorkerSettings(host="127.0.0.1", port=0, metrics_port=0, id=worker_id,
                                   advertise_address="", model_path=str(self.model_dir), device=self.device,
                                   dtype="float32", max_num_seqs=32, num_kv_blocks=256, block_size=16,
-                                  speculative=self.speculative, scheduler_address=self.address,
+                                  speculative=self.speculative, measure_cost=False, scheduler_address=self.address,
                                   history_address=self.history_address, drain_timeout_s=5, **self.tls)
         server, port, stop = await _start_worker_advertised(settings, start_worker)
         self.workers[worker_id] = (server, stop)

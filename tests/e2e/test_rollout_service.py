@@ -124,8 +124,9 @@ def test_history_feeds_drafts_and_greedy_output_is_unchanged_by_speculation(clie
     second = client.rollout("epoch-2", ps, n=2, sampling=greedy)
     assert second.summary.history_hit_rate == 1.0
     assert {s.key: s.token_ids for s in second.samples} == {s.key: s.token_ids for s in first.samples}
-    # How many tokens get drafted depends on the cost curve the workers measure on this
-    # machine; what they draft from an exact greedy history must be accepted.
+    # The workers size drafts by the fixed H100 table (measure_cost=False), not by this
+    # machine's speed: epoch 2 drafts, and a draft from an exact greedy history is accepted.
+    assert second.summary.num_draft_tokens > 0
     assert second.summary.num_accepted_tokens >= 0.9 * second.summary.num_draft_tokens
     assert second.summary.num_accepted_tokens > 2 * first.summary.num_accepted_tokens
 
@@ -138,6 +139,16 @@ def test_rewards_are_recorded(client):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "rewards[0]" in err.value.details()
 
 
+def wait_until_running(cluster, step_id: str, worker_id: str | None = None) -> None:
+    """Until the step's samples run on a worker (``worker_id``: on that one); 60 s hang guard."""
+    dispatcher = cluster.scheduler.dispatcher
+    deadline = time.monotonic() + 60
+    while step_id not in dispatcher.steps or not any(
+            w.state.running for w in dispatcher.workers.workers.values() if worker_id in (None, w.worker_id)):
+        assert time.monotonic() < deadline, f"step {step_id} never started"
+        time.sleep(0.01)
+
+
 def test_cancel_aborts_unfinished_samples(client, cluster):
     long = SamplingParams(temperature=1.0, max_tokens=400, seed=5, ignore_eos=True)
     got = []
@@ -147,7 +158,7 @@ def test_cancel_aborts_unfinished_samples(client, cluster):
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(1.0)
+    wait_until_running(cluster, "cancel-me")  # not a sleep: a busy machine may take longer to start it
     assert client.cancel_step("cancel-me") > 0
     t.join(60)
     assert len(got) == 32
@@ -207,7 +218,7 @@ def test_a_lost_worker_loses_no_sample(model_dir, redis_url):
             t = threading.Thread(target=lambda: got.extend(
                 client.submit_step("crash", prompts(3, offset=300), n=4, sampling=params)))
             t.start()
-            time.sleep(0.5)
+            wait_until_running(c, "crash", "w1")  # killed with work on it, however slow the machine
             c.kill_worker("w1")
             t.join(120)
         assert sorted(s.key for s in got) == sorted(s.key for s in reference.samples)
@@ -431,12 +442,8 @@ def test_every_bad_input_while_a_step_runs_loses_nothing_in_flight(client, clust
 
     t = threading.Thread(target=run)
     t.start()
-    dispatcher = cluster.scheduler.dispatcher
-    deadline = time.monotonic() + 30
-    while "in-flight" not in dispatcher.steps or not any(w.state.running for w in dispatcher.workers.workers.values()):
-        assert time.monotonic() < deadline, "the good step never started"
-        time.sleep(0.01)
-    run_ = dispatcher.steps["in-flight"]
+    wait_until_running(cluster, "in-flight")
+    run_ = cluster.scheduler.dispatcher.steps["in-flight"]
     with RolloutClient(cluster.address, timeout_s=60, max_retries=0) as other:
         for case, change, code, field in BAD_SUBMITS:
             args = dict(step_id=f"bad-in-flight/{case}", prompts=prompts(1), n=1, sampling=GREEDY)

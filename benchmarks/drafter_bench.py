@@ -459,7 +459,7 @@ step's whole batch, divided by its size; `add` = add_tokens + record_acceptance)
 `mem` = indexed tokens per prompt at the end of a step (history of the last
 {HISTORY_EPOCHS} epochs + live siblings + prompt), `B/tok` = Python heap bytes per
 indexed token; `cost-model speedup` = verify time without speculation / with it, from
-the DESIGN.md 0.5B H100 cost curve (all sequences of a step share a forward).
+the 0.5B H100 cost curve of docs/cost-model.md (all sequences of a step share a forward).
 
 {text}
 

@@ -23,7 +23,7 @@ from services.rollout.drafter import (
 
 
 def test_cost_curve_interpolates_and_extrapolates():
-    """The DESIGN.md points are reproduced, between them linear, beyond the last in
+    """The docs/cost-model.md points are reproduced, between them linear, beyond the last in
     proportion to tokens (compute-bound); the vectorised form agrees with the scalar."""
     curve = QWEN2_5_0_5B_H100
     assert curve(1) == pytest.approx(0.66)

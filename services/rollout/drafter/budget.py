@@ -1,7 +1,7 @@
 """How many draft tokens a verify step should carry, from the engine's cost curve.
 
 A verify forward over M tokens costs T(M) (nearly flat up to a few hundred tokens on an
-H100, see DESIGN.md). Drafting pays when the extra expected tokens outweigh the extra
+H100, see docs/cost-model.md). Drafting pays when the extra expected tokens outweigh the extra
 time, so the right budget depends on the batch size and on how good the drafts are.
 Two policies:
 - `uniform_draft_budget`: Seer's marginal-benefit rule: every sequence drafts gamma
@@ -80,7 +80,7 @@ class CostCurve:
         return out
 
 
-# DESIGN.md: one H100, bf16, CUDA graphs, Qwen2.5-0.5B shape.
+# docs/cost-model.md: one H100, bf16, CUDA graphs, Qwen2.5-0.5B shape.
 QWEN2_5_0_5B_H100 = CostCurve((1, 32, 128, 256, 512), (0.66, 0.70, 0.82, 0.93, 1.12))
 
 

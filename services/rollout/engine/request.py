@@ -1,7 +1,7 @@
 """What the worker server hands the engine, and what it gets back: one chunk of one sample.
 
 A request is one (prompt, sample index) of a training step, asked to generate at most
-``max_new_tokens`` more tokens (a chunk, see DESIGN.md "divided rollout"). A later chunk
+``max_new_tokens`` more tokens (a chunk: divided rollout, docs/architecture.md). A later chunk
 of the same sample arrives as a new request whose ``generated_token_ids`` holds the
 earlier chunks' tokens; because sampling is keyed on (seed, position), the resumed
 sample continues exactly as an uninterrupted one would.

@@ -7,15 +7,18 @@ Input: the rows `grpo_trainer.run` returns (one dict per step, see its `step_sta
 from __future__ import annotations
 
 import math
+import textwrap
 
-COLUMNS = ("step", "reward", "mean len", "hist hits", "acc/verify", "acceptance", "step s", "tokens",
-           "via drafts", "decoded")
+COLUMNS = ("step", "reward", "mean len", "hist hits", "hist match", "acc/verify", "acceptance", "step s",
+           "tokens", "via drafts", "decoded")
 
 GLOSSARY = """\
   reward      mean task reward of the step's samples, 0..1: 1 for a right final answer, else
               partial credit x the share of the worked steps reproduced (--partial-credit)
   mean len    mean response length in tokens
   hist hits   prompts that had earlier-epoch rollouts in the history service (step 0: none)
+  hist match  tokens a longest-suffix match against the same prompt's responses of the step
+              before predicts (the trainer's own measure: how much the last epoch could draft)
   acc/verify  draft tokens accepted per verify forward that carried a draft: each one is a
               forward pass the sequence did not need
   acceptance  accepted / proposed draft tokens (drafts from earlier epochs and from siblings)
@@ -31,7 +34,7 @@ def _cells(row: dict) -> list[str]:
     generated, accepted = row["num_generated_tokens"], row["num_accepted_tokens"]
     per_verify = accepted / row["num_verify_steps"] if row["num_verify_steps"] else float("nan")
     return [str(row["step"]), f"{row['reward']:.3f}", f"{row['mean_length']:.0f}", _pct(row["history_hit_rate"]),
-            "-" if math.isnan(per_verify) else f"{per_verify:.2f}", _pct(row["acceptance_rate"]),
+            _pct(row["history_match"]), "-" if math.isnan(per_verify) else f"{per_verify:.2f}", _pct(row["acceptance_rate"]),
             f"{row['makespan_s']:.1f}", str(generated), str(accepted), str(generated - accepted)]
 
 
@@ -39,7 +42,7 @@ def table(rows: list[dict]) -> str:
     cells = [list(COLUMNS)] + [_cells(r) for r in rows]
     total_gen = sum(r["num_generated_tokens"] for r in rows)
     total_acc = sum(r["num_accepted_tokens"] for r in rows)
-    cells.append(["all", "", "", "", "", "", f"{sum(r['makespan_s'] for r in rows):.1f}", str(total_gen),
+    cells.append(["all", "", "", "", "", "", "", f"{sum(r['makespan_s'] for r in rows):.1f}", str(total_gen),
                   str(total_acc), str(total_gen - total_acc)])
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells)
@@ -63,8 +66,9 @@ def findings(rows: list[dict], measure_cost: bool) -> list[str]:
                    "of drafts follows the machine's load from step to step.")
     else:
         out.append("The workers sized their drafts by the H100 cost table (docs/cost-model.md), so drafting is the "
-                   "same on every machine. Step times are this CPU's: a CPU forward over k tokens costs about k "
-                   "single ones, so drafts do not speed it up; GPU step times are in benchmarks/results/engine.md.")
+                   "same on every machine. Step times are this CPU's and say little about a GPU, where a forward "
+                   "over a few hundred tokens costs about one; `python -m benchmarks.engine_bench --device cuda` "
+                   "measures that (benchmarks/results/engine.md).")
     return out
 
 
@@ -82,6 +86,7 @@ def summary(rows: list[dict], measure_cost: bool) -> str:
     if not rows:
         return "no steps ran"
     parts = ["", "Summary of the GRPO steps", table(rows), "", "What the columns mean", GLOSSARY, "",
-             "What this run shows", *[f"  {line}" for line in findings(rows, measure_cost)], "",
+             "What this run shows", *[textwrap.fill(line, 100, initial_indent="  ", subsequent_indent="  ")
+                                      for line in findings(rows, measure_cost)], "",
              "Where to look next", NEXT]
     return "\n".join(parts)

@@ -49,8 +49,23 @@ test-fast: install
 bench: install
 	$(PYTHON) -m benchmarks.run_all --device cpu
 
-bench-gpu: install
-	$(PYTHON) -m benchmarks.run_all --device cuda
+# The GPU machine (docs/gpu.md) has no network: these run its own python3 plus the
+# bundle that `make gpu-bundle` builds here and the device run carries (no install).
+.PHONY: gpu-bundle test-gpu e2e-gpu
+GPU_PY     ?= python3
+GPU_BUNDLE ?= .gpu-bundle
+
+gpu-bundle:
+	$(PY) deploy/gpu/bundle.py --python 3.12 --out $(GPU_BUNDLE)
+
+test-gpu:
+	$(GPU_PY) deploy/gpu/launch.py test --bundle $(GPU_BUNDLE)
+
+bench-gpu:
+	$(GPU_PY) deploy/gpu/launch.py bench --bundle $(GPU_BUNDLE)
+
+e2e-gpu:
+	$(GPU_PY) deploy/gpu/launch.py e2e --bundle $(GPU_BUNDLE)
 
 dashboards: install
 	$(PYTHON) deploy/grafana/generate_dashboards.py

@@ -524,12 +524,16 @@ def summarize(device: str, rows: list[dict], grpo: dict, invariance: list[dict])
     return out
 
 
+# The results format; a GPU run fills every one (per shape where it is a dict).
+HEADLINE = ("decode_ms", "floor_ms", "verify_over_decode_16x8", "speedup_vs_hf_b1", "speedup_vs_hf_grpo",
+            "spec_speedup_grpo", "identical_share", "batch_invariant")
+
+
 def markdown(meta: dict, summary: dict, rows: list[dict]) -> str:
     lines = ["# Engine benchmark\n", f"- device: {meta['device']}", f"- commit: {meta['commit']}",
              f"- command: `{meta['command']}`", f"- torch {meta['torch']}\n", "## Headline figures\n",
              "| figure | value |", "|---|---|"]
-    for k in ("decode_ms", "floor_ms", "verify_over_decode_16x8", "speedup_vs_hf_b1", "speedup_vs_hf_grpo",
-              "spec_speedup_grpo", "identical_share", "batch_invariant"):
+    for k in HEADLINE:
         v = summary.get(k)
         if isinstance(v, dict):
             v = ", ".join(f"{a}: {b:.3f}" if isinstance(b, float) else f"{a}: {b}" for a, b in v.items())
@@ -593,8 +597,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
-        return {}
+        raise SystemExit("engine_bench --device cuda: no CUDA device (torch.cuda.is_available() is False); "
+                         "nothing measured")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     rows: list[dict] = []
@@ -619,6 +623,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(**meta, **summary, rows=rows)
     (out / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
     print(text)
+    unmeasured = [k for k in HEADLINE if result.get(k) is None or result[k] == {} or (
+        isinstance(result[k], dict) and None in result[k].values())]
+    if args.device == "cuda" and unmeasured:
+        raise SystemExit(f"engine_bench --device cuda: no figure for {', '.join(unmeasured)}")
     return result
 
 

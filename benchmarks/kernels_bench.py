@@ -1,6 +1,6 @@
 """How fast are the Triton kernels against their references and torch's own attention?
 
-    python -m benchmarks.kernels_bench            # needs a CUDA GPU; exits 0 without one
+    python -m benchmarks.kernels_bench            # needs a CUDA GPU; exits 1 without one
 
 Times (triton.testing.do_bench, median) on the GPU:
 - paged_attention for decode (batch 1/16/64/256, contexts 512-2048) and speculative
@@ -177,10 +177,12 @@ def _markdown(title: str, rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="contexts of 1024 only, fewer sampling rows")
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("kernels_bench needs a CUDA GPU; none here, nothing measured or written.")
-        return 0
+        print("kernels_bench needs a CUDA GPU: none here (torch.cuda.is_available() is False); nothing measured",
+              file=sys.stderr)
+        return 1
     import triton
 
     meta = {
@@ -192,13 +194,17 @@ def main() -> int:
     }
     print(json.dumps(meta, indent=1))
     attention, sampling = attention_rows(args.quick), sampling_rows(args.quick)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "kernels.json").write_text(json.dumps(
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "kernels.json").write_text(json.dumps(
         {"meta": meta, "paged_attention": attention, "sampling": sampling}, indent=1))
     header = "# Kernel benchmark\n\n" + "\n".join(f"- {k}: {v}" for k, v in meta.items()) + "\n\n"
-    (RESULTS / "kernels.md").write_text(header + _markdown("paged_attention (ms)", attention) + "\n"
-                                        + _markdown("sample (ms)", sampling))
-    print(f"wrote {RESULTS / 'kernels.md'} and {RESULTS / 'kernels.json'}")
+    (out / "kernels.md").write_text(header + _markdown("paged_attention (ms)", attention) + "\n"
+                                    + _markdown("sample (ms)", sampling))
+    print(f"wrote {out / 'kernels.md'} and {out / 'kernels.json'}")
+    if not any(r["triton_graph_ms"] for r in attention) or not any(r["triton_ms"] for r in sampling):
+        print("kernels_bench: the Triton kernels measured nothing (every timing failed; see above)", file=sys.stderr)
+        return 1
     return 0
 
 

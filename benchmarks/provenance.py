@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -11,7 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def git_commit(*paths: str) -> str:
     """HEAD's short hash, with "-dirty" when the work tree (or just ``paths``, if given)
-    differs from it; "uncommitted" outside a git checkout."""
+    differs from it. Outside a git checkout (a copy of the tree on the GPU machine):
+    $RHYMERL_COMMIT, which deploy/gpu/launch.py sets from the bundle, else "uncommitted"."""
     def git(*args: str) -> str:
         out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=False, cwd=REPO)
         return out.stdout.strip() if out.returncode == 0 else ""
@@ -19,10 +21,10 @@ def git_commit(*paths: str) -> str:
     try:
         commit = git("rev-parse", "--short", "HEAD")
         if not commit:
-            return "uncommitted"
+            return os.environ.get("RHYMERL_COMMIT", "uncommitted")
         return commit + ("-dirty" if git("status", "--porcelain", "--", *paths) else "")
     except (OSError, subprocess.SubprocessError):
-        return "uncommitted"
+        return os.environ.get("RHYMERL_COMMIT", "uncommitted")
 
 
 def cpu_name() -> str:

@@ -8,28 +8,34 @@ import sys
 
 CPU = [
     ["benchmarks.trace_similarity", "benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_cpu.npz"],
-    ["benchmarks.drafter_bench", "--traces", "benchmarks/data/tiny_grpo_service.npz"],
+    # vLLM's suffix method, built from the arctic-inference sdist into ~/.cache (not committed).
+    ["benchmarks.peers.build_suffix_decoding"],
+    ["benchmarks.drafter_bench", "--traces", "benchmarks/data/tiny_grpo_service.npz",
+     "benchmarks/data/tiny_grpo_service_t07.npz"],
+    ["benchmarks.drafter_live"],
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],
     ["benchmarks.engine_bench", "--device", "cpu"],
+    ["benchmarks.e2e_bench"],
 ]
+# `make bench-gpu` (deploy/gpu/launch.py bench): every GPU figure of engine.json first, then
+# the kernels; one device command (under 10 minutes). The e2e benchmark and the `small`
+# policy's training are campaign steps of their own (docs/gpu.md).
 GPU = [
-    # The issue-3 policy on one GPU (target: under 10 minutes); train_log.json has the time.
-    ["benchmarks.policy.train_sft", "--preset", "small", "--out", "models/small", "--device", "cuda"],
-    ["benchmarks.kernels_bench"],
-    # Live placement with several workers sharing the GPU (written to its own file).
-    ["benchmarks.scheduler_bench", "--workers", "8", "--live", "--live-device", "cuda", "--live-workers", "8",
-     "--out", "benchmarks/results/scheduler_gpu_live"],
     ["benchmarks.engine_bench", "--device", "cuda"],
+    ["benchmarks.kernels_bench", "--quick"],
 ]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", help="GPU: the results folder (default: each benchmark's own)")
     args = parser.parse_args()
     failed = []
     for module in CPU if args.device == "cpu" else GPU:
+        if args.out and args.device == "cuda":
+            module = [*module, "--out", args.out]
         print(f"\n=== {' '.join(module)} ===", flush=True)
         if subprocess.run([sys.executable, "-m", *module], check=False).returncode != 0:
             failed.append(module[0])

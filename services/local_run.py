@@ -23,6 +23,8 @@ class LocalRunSettings(BaseSettings):
     policy: Literal[tuple(POLICIES)] = Field("rhymerl", description="Placement policy of the scheduler.")
     model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (~3 min).")
     record: str = Field("", description="Write every rollout to this trace file (.npz); empty: not recorded.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    seed: int = Field(0, description="Picks the prompt set and the sampling seeds.")
     partial_credit: float = Field(
         0.5, ge=0, le=1, description="Reward share for reproducing the worked steps (0: binary reward; a tiny policy "
                                      "rarely gets a whole answer right, so its groups would teach nothing).")
@@ -54,6 +56,7 @@ def run_local(settings: LocalRunSettings) -> None:
         with RolloutClient(cluster.scheduler_address) as client:
             rows = trainer.run(client, settings.model_dir, steps=settings.steps, num_prompts=settings.prompts,
                                n=settings.n, max_tokens=settings.max_tokens, record=settings.record or None,
-                               partial_credit=settings.partial_credit)
+                               partial_credit=settings.partial_credit, temperature=settings.temperature,
+                               seed=settings.seed)
         print("stopping the services (workers drain first)...", flush=True)
     print(summary(rows, settings.measure_cost), flush=True)

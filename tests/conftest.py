@@ -6,6 +6,14 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton decorates functions for its CPU interpreter (tests/kernels) only if this is set
+    # before triton is first imported, its own library included: any test module that
+    # imports the engine at collection would otherwise import it first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 
 from services.common.redis_server import EmbeddedRedis  # noqa: E402
@@ -30,13 +38,8 @@ def clean_redis(redis_url):
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if has_cuda:
+    has_cuda = torch.cuda.is_available()
+    if has_cuda or os.environ.get("RHYMERL_GPU_TESTS_ON_CPU") == "1":  # tests/gpu/conftest.py: a dry run
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

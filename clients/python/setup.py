@@ -23,24 +23,28 @@ OUT = HERE / "src"
 GENERATED = OUT / "rhymerl" / "v1"
 
 
-def generate() -> None:
-    """Regenerates src/rhymerl/v1 from protos/ (kept as is when there are no protos)."""
+def generate(out: str | pathlib.Path = OUT) -> None:
+    """Regenerates rhymerl/v1/*_pb2*.py under ``out`` from protos/ (kept as they are when
+    there are no protos). The GPU bundle passes its own folder."""
     from grpc_tools import protoc  # a build requirement (pyproject.toml)
     import grpc_tools
 
+    out = pathlib.Path(out)
+    generated = out / "rhymerl" / "v1"
     root = next((p for p in PROTO_ROOTS if p.is_dir()), None)
     if root is None:
-        if (GENERATED / "common_pb2.py").exists():
+        if (generated / "common_pb2.py").exists():
             return
         raise RuntimeError("protos/ not found next to the SDK; build from a rhymerl checkout or its sdist")
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*.proto"))
-    shutil.rmtree(GENERATED, ignore_errors=True)  # no module of a deleted .proto survives
-    args = ["protoc", f"-I{root}", f"-I{include}", f"--python_out={OUT}",
-            f"--pyi_out={OUT}", f"--grpc_python_out={OUT}", *files]
+    shutil.rmtree(generated, ignore_errors=True)  # no module of a deleted .proto survives
+    out.mkdir(parents=True, exist_ok=True)
+    args = ["protoc", f"-I{root}", f"-I{include}", f"--python_out={out}",
+            f"--pyi_out={out}", f"--grpc_python_out={out}", *files]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
-    (GENERATED / "__init__.py").touch()
+    (generated / "__init__.py").touch()
 
 
 def runtime_requirements() -> list[str]:

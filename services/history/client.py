@@ -14,9 +14,10 @@ from rhymerl.v1 import history_pb2, history_pb2_grpc
 
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig
+from services.history.recent import RecentResponse
 from services.history.store import Epoch
 
-__all__ = ["Epoch", "HistoryClient"]
+__all__ = ["Epoch", "HistoryClient", "RecentResponse"]
 
 
 class HistoryClient:
@@ -67,6 +68,14 @@ class HistoryClient:
                                                 include_tokens=include_tokens)
         response = await self._stub.GetHistory(request, timeout=self.timeout_s)
         return {p.prompt_id: [_unpack_epoch(e) for e in p.epochs] for p in response.prompts}
+
+    async def get_recent_responses(self, max_responses: int, max_tokens: int) -> list[RecentResponse]:
+        """The newest stored responses to any prompt (newest first), at most
+        ``max_responses`` of them and ``max_tokens`` tokens in all."""
+        request = history_pb2.GetRecentResponsesRequest(max_responses=max_responses, max_tokens=max_tokens)
+        response = await self._stub.GetRecentResponses(request, timeout=self.timeout_s)
+        return [RecentResponse(r.prompt_id, r.step_id, r.sample_index, np.frombuffer(r.token_ids_le, dtype="<i4"))
+                for r in response.responses]
 
     async def close(self) -> None:
         await self._channel.close()

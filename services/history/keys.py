@@ -12,7 +12,13 @@ Cluster slot and one Lua script may touch all of them):
         tok:<i>       sample i's token ids, packed little-endian int32
         rew:<i>       sample i's reward, packed little-endian float32
 
-Every key of a prompt expires ``ttl_seconds`` after the prompt's last write.
+Global (one key, one slot; written beside the per-prompt scripts, never inside them):
+
+    <prefix>:recent                       list, newest first, capped: the last stored
+                                          responses to any prompt (recent.py packs them)
+
+Every key of a prompt expires ``ttl_seconds`` after the prompt's last write; the recent
+list ``ttl_seconds`` after the last write to it.
 The hash fields are read and written only by the Lua scripts in store.py.
 This module knows nothing about Redis connections or the wire format of RPCs.
 """
@@ -47,6 +53,9 @@ class HistoryKeys:
     def epoch_stem(self, prompt_id: str) -> str:
         """The epoch key without its step id (the Lua scripts append the step id)."""
         return f"{self.prompt(prompt_id)}:epoch:"
+
+    def recent(self) -> str:
+        return f"{self.prefix}:recent"
 
     def epoch(self, prompt_id: str, step_id: str) -> str:
         return self.epoch_stem(prompt_id) + step_id

@@ -20,6 +20,7 @@ from services.common import metrics
 from services.common.errors import grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.redis_server import EmbeddedRedis
+from services.history.recent import RecentResponses, pack
 from services.history.settings import HistorySettings
 from services.history.store import Epoch, HistoryStore, Reward, Rollout
 
@@ -29,8 +30,9 @@ SERVICE_NAME = history_pb2.DESCRIPTOR.services_by_name["HistoryService"].full_na
 
 
 class HistoryServicer(history_pb2_grpc.HistoryServiceServicer):
-    def __init__(self, store: HistoryStore):
+    def __init__(self, store: HistoryStore, recent: RecentResponses | None = None):
         self.store = store
+        self.recent = recent or RecentResponses(store.client, store.keys)
 
     @grpc_errors
     async def PutRollouts(self, request, context):
@@ -38,6 +40,8 @@ class HistoryServicer(history_pb2_grpc.HistoryServiceServicer):
         rollouts = [Rollout(r.prompt_id, r.step_id, r.sample_index, r.policy_version, np.array(r.token_ids, "<i4"))
                     for r in request.rollouts]
         num_written = await self.store.put_rollouts(rollouts)
+        if num_written:  # a wholly re-sent batch is not streamed twice
+            await self.recent.push([pack(r.prompt_id, r.step_id, r.sample_index, r.token_ids) for r in rollouts])
         metrics.history_rollouts_written.inc(num_written)
         return history_pb2.PutRolloutsResponse(num_written=num_written)
 
@@ -61,6 +65,17 @@ class HistoryServicer(history_pb2_grpc.HistoryServiceServicer):
             prompt = response.prompts.add(prompt_id=prompt_id)
             for epoch in epochs:
                 _fill_epoch(prompt.epochs.add(), epoch)
+        return response
+
+
+    @grpc_errors
+    async def GetRecentResponses(self, request, context):
+        metrics.history_requests.labels(method="GetRecentResponses").inc()
+        found = await self.recent.read(request.max_responses, request.max_tokens)
+        response = history_pb2.GetRecentResponsesResponse()
+        for r in found:
+            response.responses.add(prompt_id=r.prompt_id, step_id=r.step_id, sample_index=r.sample_index,
+                                   token_ids_le=r.token_ids.tobytes())
         return response
 
 

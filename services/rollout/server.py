@@ -27,6 +27,7 @@ from services.common.security import TLSConfig
 from services.common.validation import check_sampling, check_token_ids
 from services.rollout import weights
 from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
+from services.rollout.global_feed import GlobalFeed
 from services.rollout.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ MAX_WEIGHT_BYTES = 1 << 40
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, loop: EngineLoop, worker_id: str, model_name: str, version: int, history=None,
-                 history_epochs: int = 4, max_num_seqs: int = 256):
+                 history_epochs: int = 4, max_num_seqs: int = 256, feed: GlobalFeed | None = None):
         self.loop = loop
         self.engine = loop.engine
         self.config = loop.engine.model.config
@@ -49,6 +50,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.history = history
         self.history_epochs = history_epochs
         self.max_num_seqs = max_num_seqs
+        self.feed = feed  # the drafter's global index: finished samples + the history stream
         self.accepting = True
         self.num_runs = 0
         self.num_generated_tokens = 0
@@ -67,6 +69,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                      "policy_version")
         engine_requests = [self._engine_request(item, f"items[{i}]") for i, item in enumerate(request.items)]
         await self._load_histories(request.items)
+        if self.feed is not None:
+            await self.feed.step_started({it.step_id for it in request.items})
+        by_id = {r.request_id: r for r in engine_requests}
         sink: asyncio.Queue = asyncio.Queue()
         pending = {r.request_id for r in engine_requests}
         self.num_runs += 1
@@ -85,6 +90,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 if isinstance(out, Exception):
                     raise out
                 pending.discard(out.request_id)
+                if self.feed is not None and getattr(out, "finish_reason", None) in ("stop", "length"):
+                    r = by_id[out.request_id]
+                    self.feed.finished(r.prompt_id, r.step_id, r.sample_index,
+                                       [*r.generated_token_ids, *out.token_ids])
                 yield self._chunk_result(out)
         finally:
             self.num_runs -= 1
@@ -253,16 +262,22 @@ async def _register(settings: WorkerSettings, servicer: WorkerServicer, address:
 
 
 def build_engine(settings: WorkerSettings, worker_id: str):
-    from services.rollout.drafter import HistoDrafter
+    import dataclasses
+
+    from services.rollout.drafter import DrafterConfig, HistoDrafter
     from services.rollout.engine import LLMEngine
 
-    return LLMEngine.from_path(
+    drafter = HistoDrafter(DrafterConfig(max_draft_len=settings.max_draft_len))
+    engine = LLMEngine.from_path(
         settings.model_path, device=settings.device, dtype=None if settings.dtype == "auto" else settings.dtype,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
-        block_size=settings.block_size, drafter=HistoDrafter(max_draft_len=settings.max_draft_len),
-        speculative=settings.speculative, max_draft_len=settings.max_draft_len, worker_id=worker_id,
-        measure_cost=settings.measure_cost)
+        block_size=settings.block_size, drafter=drafter, speculative=settings.speculative,
+        max_draft_len=settings.max_draft_len, worker_id=worker_id, measure_cost=settings.measure_cost)
+    # The drafter prices draft tokens on the engine's own cost model (its measured curve),
+    # which exists only once the engine has sized it for the loaded model.
+    drafter.config = dataclasses.replace(drafter.config, cost_model=engine.cost_model)
+    return engine
 
 
 async def start_worker(settings: WorkerSettings, engine=None):
@@ -278,8 +293,12 @@ async def start_worker(settings: WorkerSettings, engine=None):
         history = HistoryClient(settings.history_address, tls=settings.tls())
     loop = EngineLoop(engine, worker_id, asyncio.get_running_loop())
     loop.start()
+    feed = None
+    if hasattr(engine.drafter, "add_global_responses"):
+        feed = GlobalFeed(loop, engine.drafter, history, settings.global_recent_responses,
+                          settings.global_recent_tokens)
     servicer = WorkerServicer(loop, worker_id, settings.model_path, settings.initial_version, history,
-                              settings.history_epochs, settings.max_num_seqs)
+                              settings.history_epochs, settings.max_num_seqs, feed)
     server = Server([(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
                     ["rhymerl.v1.WorkerService"], tls=settings.tls(), health_port=settings.health_port)
     port = await server.start(settings.host, settings.port)

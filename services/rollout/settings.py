@@ -35,6 +35,10 @@ class WorkerSettings(TLSSettings):
     history_address: str = Field(
         "", description="HistoryService for drafts from earlier epochs; empty: siblings and prompt only.")
     history_epochs: int = Field(4, description="Earlier epochs of a prompt the drafter reads.")
+    global_recent_responses: int = Field(
+        512, description="At each step start, this many of the history service's most recent responses to any "
+                         "prompt feed the drafter's global index; 0: own samples only.")
+    global_recent_tokens: int = Field(131072, description="At most this many tokens of those responses.")
     drain_timeout_s: float = Field(60.0, description="On SIGTERM, seconds to finish running work before exiting.")
     initial_version: int = Field(0, description="Policy version of the checkpoint at model_path.")
 

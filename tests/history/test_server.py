@@ -82,6 +82,23 @@ async def test_client_round_trip_over_grpc(clean_redis):
 
 
 @run_async
+async def test_recent_responses_stream_the_newest_of_all_prompts(clean_redis):
+    """Breaks if a worker's global draft index cannot learn other workers' responses at
+    step start: the stream is newest first, across prompts, within both limits, and a
+    re-sent batch is not streamed twice."""
+    async with history_service(clean_redis) as address, HistoryClient(address) as client:
+        assert await client.get_recent_responses(10, 100) == []
+        await client.put_rollouts([("p", "s1", 0, 0, [1, 2, 3]), ("q", "s1", 1, 0, [4, 5])])
+        await client.put_rollouts([("p", "s1", 0, 0, [1, 2, 3])])  # re-sent: not new
+        await client.put_rollouts([("r", "s2", 2, 1, np.arange(6, dtype=np.int32))])
+        recent = await client.get_recent_responses(10, 100)
+        assert [(r.prompt_id, r.step_id, r.sample_index, r.token_ids.tolist()) for r in recent] == [
+            ("r", "s2", 2, [0, 1, 2, 3, 4, 5]), ("q", "s1", 1, [4, 5]), ("p", "s1", 0, [1, 2, 3])]
+        assert [r.prompt_id for r in await client.get_recent_responses(2, 100)] == ["r", "q"]
+        assert [r.prompt_id for r in await client.get_recent_responses(10, 8)] == ["r", "q"]
+
+
+@run_async
 async def test_metrics_count_requests_hits_and_new_rollouts(clean_redis):
     """Breaks if the dashboards' history hit rate or write rate is wrong."""
     before = {name: counter(name) for name in ("history_prompts_looked_up", "history_prompts_hit",
@@ -107,6 +124,9 @@ async def test_metrics_count_requests_hits_and_new_rollouts(clean_redis):
         history_pb2.RolloutReward(step_id="s")]), "rewards[0].prompt_id"),
     ("GetHistory", history_pb2.GetHistoryRequest(prompt_ids=["p"], max_epochs=-1), "max_epochs"),
     ("GetHistory", history_pb2.GetHistoryRequest(prompt_ids=["p", ""]), "prompt_ids[1]"),
+    ("GetRecentResponses", history_pb2.GetRecentResponsesRequest(max_responses=0, max_tokens=10), "max_responses"),
+    ("GetRecentResponses", history_pb2.GetRecentResponsesRequest(max_responses=5, max_tokens=1 << 30),
+     "max_tokens"),
 ])
 @run_async
 async def test_invalid_requests_get_invalid_argument_naming_the_field(clean_redis, method, request_, field):

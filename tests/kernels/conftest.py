@@ -7,7 +7,9 @@ other test folders are reloaded so their kernels are re-decorated."""
 import importlib
 import os
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -15,3 +17,14 @@ if not torch.cuda.is_available():
     for name in ("kernels.paged_attention", "kernels.sampling"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """With a GPU, these tests run the real kernels on it: they belong to the GPU tier
+    (`make test-gpu` selects -m gpu) as well as to the suite."""
+    if torch.cuda.is_available():
+        here = Path(__file__).resolve().parent
+        for item in items:
+            if here in Path(str(item.fspath)).resolve().parents:
+                item.add_marker(pytest.mark.gpu)

@@ -9,15 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.rollout.drafter import HistoDrafter, UnknownRequestError
+from services.rollout.drafter import DrafterConfig, HistoDrafter, UnknownRequestError
 
 RESPONSE = [5, 6, 7, 8, 9, 10, 11, 12, 2]  # ends with EOS = 2
 EOS = frozenset([2])
 
 
 def _fixed(**kwargs) -> HistoDrafter:
-    """A drafter that drafts whenever a continuation exists (no gain cut)."""
-    return HistoDrafter(min_prob=0.0, min_gain=0.0, **kwargs)
+    """A drafter that drafts whenever a continuation exists (no gain cut), from the
+    prompt's own index only unless told (the global index has its own tests)."""
+    kwargs.setdefault("use_global", False)
+    return HistoDrafter(DrafterConfig(min_gain=0.0, **kwargs))
 
 
 def test_history_drafts_the_earlier_response_from_its_start():
@@ -29,10 +31,6 @@ def test_history_drafts_the_earlier_response_from_its_start():
     assert drafter.propose(["r"], [100]) == [RESPONSE[:4]]
     drafter.add_tokens("r", RESPONSE[:2])
     assert drafter.propose(["r"], [100]) == [RESPONSE[2:6]]
-    short_walk = _fixed(walk_len=2)  # 2 weighted steps, then read on from the response
-    short_walk.load_history("p", [RESPONSE])
-    short_walk.start_request("r", "p", [1, 1, 1], RESPONSE[:1])
-    assert short_walk.propose(["r"], [100]) == [RESPONSE[1:]]
 
 
 def test_first_epoch_without_history_drafts_nothing_then_learns_from_a_sibling():
@@ -143,7 +141,7 @@ def test_acceptance_feedback_shortens_drafts_then_recovers():
     """With gain cuts on, a request whose drafts keep being rejected drafts less (maybe
     nothing), and drafts again after some steps without evidence: drafting is never
     switched off for good."""
-    drafter = HistoDrafter(min_gain=0.3)
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.3, use_global=False))
     drafter.load_history("p", [list(range(10, 200))] * 3)
     drafter.start_request("r", "p", [1])
     drafter.add_tokens("r", [10, 11])
@@ -163,17 +161,16 @@ def test_acceptance_feedback_shortens_drafts_then_recovers():
 
 
 @settings(max_examples=60, deadline=None)
-@given(walk_len=st.sampled_from([1, 8]),
-       history=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), max_size=4),
+@given(history=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), max_size=4),
        generated=st.lists(st.integers(0, 5), max_size=20),
        stops=st.frozensets(st.integers(0, 5), max_size=2),
        max_len=st.integers(0, 20),
        budget=st.one_of(st.none(), st.integers(0, 10)))
-def test_draft_never_passes_a_stop_token_or_max_len(walk_len, history, generated, stops, max_len, budget):
+def test_draft_never_passes_a_stop_token_or_max_len(history, generated, stops, max_len, budget):
     """For any history and context: a draft ends at the first stop token it contains,
-    is at most max_lens[i] long, and the batch respects the budget, whether its tokens
-    come from the weighted walk or are read on from an occurrence (walk_len 1)."""
-    drafter = _fixed(max_draft_len=16, walk_len=walk_len)
+    is at most max_lens[i] long, and the batch respects the budget."""
+    drafter = _fixed(max_draft_len=16, use_global=True)
+    drafter.add_global_responses(history[::-1])
     drafter.load_history("p", history)
     drafter.start_request("r", "p", [0, 1, 2], generated)
     drafter.start_request("s", "p", [0, 1, 2])
@@ -186,33 +183,18 @@ def test_draft_never_passes_a_stop_token_or_max_len(walk_len, history, generated
             assert token not in stops
 
 
-def test_after_a_substituted_token_drafting_resumes_at_once():
-    """The policy replaced one history token (x for d): the next draft continues the
-    history after d right away (substitution shadow), once; without the shadow there is
-    no context to draft from until min_match_len new tokens arrive."""
-    history = list(range(10, 40))
-    for shadow in (True, False):
-        drafter = _fixed(max_draft_len=3, substitution_shadow=shadow)
-        drafter.load_history("p", [history])
-        drafter.start_request("r", "p", [1], history[:4])
-        draft = drafter.propose(["r"], [100])[0]
-        assert draft == history[4:7]
-        drafter.add_tokens("r", history[4:6] + [99])  # d = history[6] rejected, x = 99
-        drafter.record_acceptance("r", len(draft), 2)
-        assert drafter.propose(["r"], [100])[0] == (history[7:10] if shadow else [])
-        assert drafter.propose(["r"], [100])[0] == []  # the shadow serves one draft
-
-
 @settings(max_examples=40, deadline=None)
 @given(history=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=25), max_size=5),
        steps=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 16), st.integers(0, 4)),
                       max_size=40),
-       budget=st.integers(32, 120), walk_len=st.sampled_from([1, 8]))
-def test_random_engine_loop_keeps_every_invariant(history, steps, budget, walk_len):
+       budget=st.integers(32, 120))
+def test_random_engine_loop_keeps_every_invariant(history, steps, budget):
     """A random engine loop (partial acceptance, substitutions, three siblings, a tiny
-    memory bound forcing eviction and freezing, drafts read on past the walk): no error,
-    drafts within max_lens and stop tokens, memory within the bound."""
-    drafter = HistoDrafter(max_tokens_per_prompt=budget, max_draft_len=6, walk_len=walk_len)
+    memory bound forcing eviction and freezing, a tiny global index flipping
+    generations): no error, drafts within max_lens and stop tokens, memory within the
+    bounds."""
+    drafter = HistoDrafter(DrafterConfig(max_tokens_per_prompt=budget, global_max_tokens=budget,
+                                         max_draft_len=6))
     drafter.load_history("p", history, epoch_ages=list(range(len(history))))
     rids = ["a", "b", "c"]
     for rid in rids:
@@ -226,5 +208,8 @@ def test_random_engine_loop_keeps_every_invariant(history, steps, budget, walk_l
         drafter.add_tokens(rid, draft[:accepted] + [recovered])
         drafter.record_acceptance(rid, len(draft), accepted)
         assert drafter.memory_tokens("p") <= budget
+        if accept == 0:  # as a worker does when a sample finishes
+            drafter.add_global_responses([draft + [recovered]])
+        assert drafter.global_tokens() <= budget
     for rid in rids:
         drafter.stop_request(rid)

@@ -126,9 +126,9 @@ def test_hand_written_abab():
 def test_degenerate_repetition_stays_cheap_and_drafts_the_loop():
     """A response stuck repeating one token (common in truncated RL samples) must not
     make each append walk the whole run, and the drafter keeps proposing the loop."""
-    from services.rollout.drafter import HistoDrafter
+    from services.rollout.drafter import DrafterConfig, HistoDrafter
 
-    drafter = HistoDrafter(min_prob=0.0, min_gain=0.0, max_draft_len=4)
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.0, max_draft_len=4))
     drafter.start_request("r", "p", [1])
     for _ in range(3000):
         drafter.add_tokens("r", [7])

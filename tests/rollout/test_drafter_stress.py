@@ -11,14 +11,14 @@ import random
 
 import pytest
 
-from services.rollout.drafter import HistoDrafter
+from services.rollout.drafter import DrafterConfig, HistoDrafter
 
 
 def _run(seed: int, max_tokens_per_prompt: int, steps: int = 400) -> HistoDrafter:
     rng = random.Random(seed)
     vocab = rng.choice([3, 5, 12])  # tiny vocabularies repeat a lot: long matches, clones
-    drafter = HistoDrafter(max_tokens_per_prompt=max_tokens_per_prompt, max_draft_len=8,
-                           min_match_len=1)
+    drafter = HistoDrafter(DrafterConfig(max_tokens_per_prompt=max_tokens_per_prompt, max_draft_len=8,
+                                         min_match_len=1, global_max_tokens=max_tokens_per_prompt))
     prompts = [f"p{i}" for i in range(3)]
     for prompt_id in prompts:
         history = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(6)]
@@ -62,7 +62,7 @@ def _run(seed: int, max_tokens_per_prompt: int, steps: int = 400) -> HistoDrafte
         for rid in ids:
             if rng.random() < 0.05:
                 drafter.stop_request(rid)
-                del running[rid]
+                drafter.add_global_responses([running.pop(rid)])  # a finished sample, as a worker feeds it
         if rng.random() < 0.02:
             drafter.release_prompt(rng.choice(prompts))
     return drafter
@@ -73,6 +73,7 @@ def test_random_engine_interleavings_under_memory_pressure_never_fail(seed):
     drafter = _run(seed, max_tokens_per_prompt=rng_bound(seed))
     for prompt_id in ("p0", "p1", "p2"):
         assert drafter.memory_tokens(prompt_id) <= rng_bound(seed)
+    assert drafter.global_tokens() <= rng_bound(seed)
 
 
 def rng_bound(seed: int) -> int:

@@ -55,6 +55,7 @@ class GRPOConfig:
     tokens_per_microbatch: int = 8192  # padded tokens per forward/backward
     partial_credit: float = 0.0
     record: str | None = None
+    device: str = "cpu"  # where the trainer's copy of the policy learns
 
 
 def encode_prompts(tokenizer, problems: list) -> list[Prompt]:
@@ -261,7 +262,7 @@ def run(
 
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(config.device).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0)
     problems = task.make_prompts(config.num_prompts, config.seed)
     by_id = {p.prompt_id: p for p in problems}

@@ -41,13 +41,6 @@ class LiveSequence:
     indexed: bool = False  # all its tokens are in the index; `state` is its own last state
     state: int = ROOT  # state of the longest suffix of `tokens` found in the index
     match_len: int = 0  # length of that suffix
-    # After a rejected draft token d (the policy chose x instead), the "shadow" is the
-    # context as if x had been d: a substitution, after which the text often goes on as
-    # before. The next draft may start there instead of waiting for min_match_len new
-    # tokens. It is valid only while the sequence has exactly `shadow_pos` tokens.
-    shadow_state: int = -1  # -1: no shadow
-    shadow_len: int = 0
-    shadow_pos: int = 0
 
 
 class PromptIndex:
@@ -147,8 +140,6 @@ class PromptIndex:
         self.num_rebuilds += 1
         index = self.index = SuffixIndex()
         self.frozen = False
-        for seq in self.live.values():
-            seq.shadow_state = -1  # its state ids belonged to the old index
         if self.prompt is not None:
             self._insert(self.prompt, self.prompt_weight)
         for response in self.history:

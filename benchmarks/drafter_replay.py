@@ -1,0 +1,277 @@
+"""The lockstep replay of recorded rollouts that every drafter in the benchmark goes through.
+
+Every epoch (an RL step) in order: each prompt's earlier epochs are handed to the drafter
+(`load_history`, for drafters that take it), every sample of the epoch starts, and all
+of them advance together one verify step at a time, so a sibling only sees tokens its
+siblings already committed. A draft token is accepted when it equals the token the trace
+produced next (the lossless verifier reproduces the policy's tokens, so the trace is the
+ground truth); each step commits the accepted tokens plus one bonus/recovered token.
+
+One function, `replay`, drives every drafter (rhymerl's, vLLM's n-gram, vLLM's suffix
+method) through the engine-facing calls (start_request, propose, add_tokens,
+record_acceptance, stop_request), so they are compared on exactly the same steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.rollout.drafter import NgramContext, propose_ngram
+from services.rollout.engine.cost_model import CostModel
+
+MAX_TOKENS = 2048
+HISTORY_EPOCHS = 3  # epochs of history loaded per prompt (ages 0..2)
+NGRAM_MIN, NGRAM_MAX = 2, 4  # vLLM's prompt_lookup_min / prompt_lookup_max
+EOS = 2
+COST = CostModel()  # the engine's H100 curve for the 0.5B model (services/rollout/engine/cost_model.py)
+
+
+@dataclass
+class Trace:
+    """One sampled response (the fields of benchmarks.traces.TraceRecord we use)."""
+
+    prompt_id: str
+    epoch: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    reward: float
+
+
+def synthetic_traces(num_prompts: int = 8, num_epochs: int = 4, num_samples: int = 8,
+                     seed: int = 0) -> list[Trace]:
+    """Structured step-by-step answers drifting over epochs.
+
+    Per prompt: a plan of steps (a heavy-tailed count), each with 3 alternative
+    phrasings (6-30 tokens, some quoting spans of the prompt) and a "good" one that earns
+    reward. A sample picks a phrasing per step (copying a random earlier-epoch parent's
+    choice 60% of the time, else from the policy's probabilities), sometimes repeats a
+    step (self-verification: heavier tail), then suffers sampling noise: 6% of tokens
+    substituted, occasional inserted spans. Between epochs the policy moves toward the
+    good phrasings (GRPO-like) and phrasings mutate slightly (policy drift).
+    """
+    rng = np.random.default_rng(seed)
+    vocab, marker, answer = 6000, 3, 4
+    traces = []
+    for p in range(num_prompts):
+        topic = rng.choice(np.arange(16, vocab), size=400, replace=False)
+        prompt = rng.choice(topic, size=int(rng.integers(40, 160))).tolist()
+        num_steps = int(min(48, 3 + rng.pareto(1.2) * 4))
+        phrasings, probs, good = [], [], []
+        for s in range(num_steps):
+            options = []
+            for _ in range(3):
+                body = rng.choice(topic, size=int(rng.integers(6, 30))).tolist()
+                if rng.random() < 0.5:
+                    at = int(rng.integers(0, len(prompt) - 4))
+                    cut = int(rng.integers(0, len(body)))
+                    body[cut:cut] = prompt[at:at + 4]
+                options.append([marker, 5 + s % 11] + body)
+            phrasings.append(options)
+            probs.append(rng.dirichlet([1.0, 1.0, 1.0]))
+            good.append(int(rng.integers(0, 3)))
+        final = [answer] + prompt[-5:] + [EOS]
+        parents: list[list[int]] = []
+        for epoch in range(num_epochs):
+            chosen_this_epoch = []
+            for n in range(num_samples):
+                parent = parents[int(rng.integers(len(parents)))] if parents else None
+                choices = [parent[s] if parent is not None and rng.random() < 0.6
+                           else int(rng.choice(3, p=probs[s])) for s in range(num_steps)]
+                chosen_this_epoch.append(choices)
+                tokens: list[int] = []
+                for s, c in enumerate(choices):
+                    segment = list(phrasings[s][c])
+                    if rng.random() < 0.05:
+                        at = int(rng.integers(0, len(segment)))
+                        segment[at:at] = rng.choice(topic, size=int(rng.integers(1, 7))).tolist()
+                    repeats = 1 + (int(rng.geometric(0.4)) if rng.random() < 0.08 else 0)
+                    tokens += segment * repeats
+                arr = np.array(tokens, dtype=np.int64)
+                noise = rng.random(len(arr)) < 0.06
+                arr[noise] = rng.choice(topic, size=int(noise.sum()))
+                tokens = (arr.tolist() + final)[:MAX_TOKENS]
+                score = np.mean([c == g for c, g in zip(choices, good)])
+                reward = float(score > 0.5) + 0.1 * float(rng.normal())
+                traces.append(Trace(f"p{p}", epoch, n, prompt, tokens, reward))
+            for s in range(num_steps):  # policy update toward the good phrasing
+                probs[s] = probs[s] * np.exp(0.5 * (np.arange(3) == good[s]))
+                probs[s] /= probs[s].sum()
+                if rng.random() < 0.1:
+                    option = phrasings[s][int(rng.integers(0, 3))]
+                    option[int(rng.integers(2, len(option)))] = int(rng.choice(topic))
+            parents = chosen_this_epoch
+    return traces
+
+
+def load_traces(path: str) -> list[Trace]:
+    from benchmarks.traces import read_traces
+
+    return [Trace(r.prompt_id, int(r.epoch), int(r.sample_index),
+                  np.asarray(r.prompt_token_ids).tolist(), np.asarray(r.token_ids).tolist(),
+                  float(r.reward)) for r in read_traces(path)]
+
+
+def stop_token(traces: list[Trace]) -> int | None:
+    """The token most responses end with (their EOS), if at least half do."""
+    finals = Counter(t.token_ids[-1] for t in traces if t.token_ids)
+    token, count = finals.most_common(1)[0] if finals else (None, 0)
+    return token if count >= len(traces) // 2 else None
+
+
+class NgramDrafter:
+    """vLLM's n-gram prompt lookup behind the engine-facing drafter calls."""
+
+    def __init__(self, draft_len: int) -> None:
+        self.draft_len = draft_len
+        self.contexts: dict[str, NgramContext] = {}
+
+    def start_request(self, request_id: str, prompt_id: str, prompt: list[int], generated=()) -> None:
+        self.contexts[request_id] = NgramContext(prompt)
+
+    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
+        return [propose_ngram(self.contexts[r], min(self.draft_len, m), NGRAM_MIN, NGRAM_MAX)
+                for r, m in zip(request_ids, max_lens)]
+
+    def add_tokens(self, request_id: str, tokens: list[int]) -> None:
+        self.contexts[request_id].extend(tokens)
+
+    def record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        pass
+
+    def stop_request(self, request_id: str) -> None:
+        del self.contexts[request_id]
+
+
+def plain_ms(lengths: list[int]) -> float:
+    """Verify-free decode time of one epoch: one token per sequence per step."""
+    counts = np.bincount(np.asarray(lengths, dtype=np.int64))  # [max_len + 1]
+    alive = len(lengths) - np.cumsum(counts)[:-1]  # sequences still running at each step
+    return float(sum(COST.step_ms(int(n)) for n in alive[alive > 0]))
+
+
+def modeled_speedup(batch_size: int, draft_per_verify: float, accepted_per_verify: float) -> float:
+    """Rollout speedup at a steady batch of `batch_size` decoding sequences, each carrying
+    `draft_per_verify` draft tokens and gaining 1 + `accepted_per_verify` tokens per verify
+    step, on the engine's cost curve: (time per token without drafts) / (with them)."""
+    plain = COST.step_ms(batch_size) / batch_size
+    spec = COST.step_ms(round(batch_size * (1 + draft_per_verify))) / (batch_size * (1 + accepted_per_verify))
+    return plain / spec
+
+
+def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | None, name: str = "") -> dict:
+    """Replays every epoch in order through a fresh drafter from `make_drafter` and
+    returns the row of measurements (`name` labels it)."""
+    by_epoch: dict[int, list[Trace]] = defaultdict(list)
+    for t in traces:
+        by_epoch[t.epoch].append(t)
+    history: dict[str, list[tuple[int, list[int], float]]] = defaultdict(list)
+    drafter = make_drafter()
+    load_history = getattr(drafter, "load_history", None)
+    # As the worker does: each response that finishes feeds the drafter's global index.
+    add_global = getattr(drafter, "add_global_responses", None)
+    stops = frozenset([stop]) if stop is not None else frozenset()
+    num_steps = num_committed = num_drafted = num_accepted = 0
+    propose_ns: list[float] = []
+    add_ns: list[float] = []
+    spec_ms = no_spec_ms = 0.0
+    memory: list[int] = []
+    memory_bytes: list[int] = []
+    global_tokens = 0
+    load_ns = load_tokens = 0
+    calls: list[tuple[int, int, int]] = []  # (ns, sequences, draft tokens) per propose call
+    for epoch in sorted(by_epoch):
+        records = by_epoch[epoch]
+        prompt_ids = sorted({t.prompt_id for t in records})
+        if load_history is not None:
+            for pid in prompt_ids:
+                earlier = [h for h in history[pid] if epoch - h[0] <= HISTORY_EPOCHS]
+                start = time.thread_time_ns()
+                load_history(pid, [h[1] for h in earlier], epoch_ages=[epoch - h[0] - 1 for h in earlier],
+                             rewards=[h[2] for h in earlier])
+                load_ns += time.thread_time_ns() - start
+                load_tokens += drafter.memory_tokens(pid)
+        truth, pos = {}, {}
+        for t in records:
+            rid = f"{t.prompt_id}/{t.epoch}/{t.sample_index}"
+            truth[rid], pos[rid] = t.token_ids, 0
+            drafter.start_request(rid, t.prompt_id, t.prompt_token_ids)
+        active = [rid for rid in truth if truth[rid]]
+        while active:
+            max_lens = [MAX_TOKENS - pos[r] - 1 for r in active]
+            start = time.thread_time_ns()
+            drafts = drafter.propose(active, max_lens, [stops] * len(active))
+            elapsed = time.thread_time_ns() - start
+            propose_ns.append(elapsed / len(active))
+            num_draft_tokens = sum(map(len, drafts))
+            calls.append((elapsed, len(active), num_draft_tokens))
+            spec_ms += COST.step_ms(len(active) + num_draft_tokens)
+            still, add_time = [], 0
+            for rid, draft in zip(active, drafts):
+                seq, p = truth[rid], pos[rid]
+                accepted = 0
+                while accepted < len(draft) and p + accepted < len(seq) and draft[accepted] == seq[p + accepted]:
+                    accepted += 1
+                committed = seq[p:p + accepted + 1]
+                start = time.thread_time_ns()
+                drafter.add_tokens(rid, committed)
+                drafter.record_acceptance(rid, len(draft), accepted)
+                add_time += time.thread_time_ns() - start
+                num_steps += 1
+                num_committed += len(committed)
+                num_drafted += len(draft)
+                num_accepted += accepted
+                pos[rid] = p + len(committed)
+                if pos[rid] < len(seq):
+                    still.append(rid)
+                else:
+                    drafter.stop_request(rid)
+                    if add_global is not None:
+                        add_global([seq])
+            add_ns.append(add_time / len(active))
+            active = still
+        no_spec_ms += plain_ms([len(s) for s in truth.values()])
+        if load_history is not None:
+            memory += [drafter.memory_tokens(pid) for pid in prompt_ids]
+            memory_bytes += [drafter.memory_bytes(pid) for pid in prompt_ids]
+            for pid in prompt_ids:
+                drafter.release_prompt(pid)
+        if hasattr(drafter, "global_tokens"):
+            global_tokens = max(global_tokens, drafter.global_tokens())
+        for t in records:
+            history[t.prompt_id].append((t.epoch, t.token_ids, t.reward))
+    # propose time ~ a * sequences + b * draft tokens (least squares over the calls)
+    per_seq_ns = per_token_ns = 0.0
+    if calls:
+        ns, num_seqs, num_tokens = np.array(calls, dtype=np.float64).T  # [num_calls] each
+        (per_seq_ns, per_token_ns), *_ = np.linalg.lstsq(np.c_[num_seqs, num_tokens], ns, rcond=None)
+    propose_ns = propose_ns or [0.0]
+    add_ns = add_ns or [0.0]
+    return {
+        "config": name,
+        "propose_us_per_seq_fit": per_seq_ns / 1e3,
+        "propose_us_per_draft_token_fit": per_token_ns / 1e3,
+        "num_tokens": num_committed,
+        "num_verify_steps": num_steps,
+        "mean_accepted_per_step": num_committed / max(1, num_steps),
+        # the same without the bonus/recovered token: accepted draft tokens per verify step
+        "mean_accepted_drafts_per_step": num_accepted / max(1, num_steps),
+        "acceptance_rate": num_accepted / max(1, num_drafted),
+        "draft_tokens_per_step": num_drafted / max(1, num_steps),
+        "propose_us_p50": float(np.percentile(propose_ns, 50)) / 1e3,
+        "propose_us_p90": float(np.percentile(propose_ns, 90)) / 1e3,
+        "propose_us_p99": float(np.percentile(propose_ns, 99)) / 1e3,
+        "load_history_us_per_token": load_ns / 1e3 / load_tokens if load_tokens else 0.0,
+        "add_us_p50": float(np.percentile(add_ns, 50)) / 1e3,
+        "add_us_p99": float(np.percentile(add_ns, 99)) / 1e3,
+        "memory_tokens_mean": float(np.mean(memory)) if memory else 0.0,
+        "memory_tokens_max": int(max(memory)) if memory else 0,
+        "memory_bytes_per_token": float(sum(memory_bytes) / sum(memory)) if memory and sum(memory) else 0.0,
+        "global_tokens_max": global_tokens,
+        "cost_model_speedup": no_spec_ms / spec_ms if spec_ms else 0.0,
+    }

@@ -1,0 +1,206 @@
+"""How much faster is a whole GRPO rollout step with rhymerl than with a plain engine?
+
+    python -m benchmarks.e2e_bench                                 # CPU: 2 workers, the tiny policy
+    python -m benchmarks.e2e_bench --device cuda --workers 4       # GPU (make e2e-gpu): workers share it
+
+Two real systems side by side in one run, each as separate processes (services/local.py's
+LocalCluster: history with its redis-server, the scheduler, W rollout workers):
+- baseline: `static` placement (veRL's split: a group pinned to one worker, no chunks),
+  workers without speculation: what a trainer gets from a plain engine;
+- rhymerl: `rhymerl` placement (divided rollout, length predictions from history),
+  workers drafting from the history service (earlier epochs' responses to the prompt).
+The example GRPO trainer runs R epochs over the recorded prompt set (the reasoning task's
+prompts of benchmarks/data/tiny_grpo_service.npz) through benchmarks/policy/paired_client.py:
+every epoch goes to both systems with the same step id, prompts, sampling and seed; the
+trainer learns from the baseline's samples and pushes the weights to both, so both sample
+the same policy every epoch. Per epoch: the rollout call's wall time in each system and
+their ratio, tokens/s, accepted tokens per verify step and the bubble ratio (the step
+summaries), and the share of samples identical token for token between the two.
+Writes benchmarks/results/e2e.md and e2e.json (after every epoch: a run cut short keeps
+what it measured). Exits non-zero if no epoch completed or a sample was lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.policy import load_example
+from benchmarks.policy.paired_client import PairedClient, TimedStep, identical_share
+from benchmarks.provenance import cpu_name, git_commit
+from benchmarks.report import markdown_table
+from benchmarks.traces import read_traces
+from services.local import ROOT, LocalCluster, ensure_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RECORDED = Path(__file__).resolve().parent / "data" / "tiny_grpo_service.npz"
+COLUMNS = [("epoch", "epoch", "{}"), ("baseline s", "baseline_s", "{:.2f}"), ("rhymerl s", "rhymerl_s", "{:.2f}"),
+           ("ratio", "ratio", "{:.2f}"), ("baseline tok/s", "baseline_tokens_per_s", "{:.0f}"),
+           ("rhymerl tok/s", "rhymerl_tokens_per_s", "{:.0f}"), ("accepted/verify", "accepted_per_verify", "{:.2f}"),
+           ("bubble (rhymerl)", "bubble_ratio", "{:.3f}"), ("bubble (baseline)", "baseline_bubble_ratio", "{:.3f}"),
+           ("identical", "identical_share", "{:.3f}"), ("tokens", "tokens", "{}")]
+
+
+def epoch_row(epoch: int, base: TimedStep, ours: TimedStep) -> dict:
+    s, b = ours.result.summary, base.result.summary
+    return dict(
+        epoch=epoch, baseline_s=base.wall_s, rhymerl_s=ours.wall_s, ratio=base.wall_s / ours.wall_s,
+        identical_share=identical_share(base.result, ours.result),
+        accepted_per_verify=s.num_accepted_tokens / s.num_verify_steps if s.num_verify_steps else 0.0,
+        bubble_ratio=s.bubble_ratio, baseline_bubble_ratio=b.bubble_ratio,
+        baseline_tokens_per_s=base.num_tokens / base.wall_s, rhymerl_tokens_per_s=ours.num_tokens / ours.wall_s,
+        tokens=base.num_tokens, rhymerl_tokens=ours.num_tokens, acceptance_rate=s.acceptance_rate,
+        history_hit_rate=s.history_hit_rate, baseline_makespan_s=b.makespan_s, rhymerl_makespan_s=s.makespan_s,
+        aborted=base.num_aborted + ours.num_aborted, reward=None)  # the trainer's, once it has scored
+
+
+def cluster_env(args) -> dict[str, str]:
+    """Worker settings beyond LocalCluster's CPU defaults (they win over its own)."""
+    return {"RHYMERL_WORKER_DEVICE": args.device, "RHYMERL_WORKER_DTYPE": args.dtype,
+            "RHYMERL_WORKER_MAX_NUM_SEQS": str(args.max_num_seqs), "RHYMERL_WORKER_NUM_KV_BLOCKS": str(args.kv_blocks)}
+
+
+def summarize(args, rows: list[dict], meta: dict) -> dict:
+    ratios = [r["ratio"] for r in rows]
+    later = ratios[1:]  # epoch 0 has no history to draft from or predict with
+    return dict(
+        **meta, epochs=rows, mean_ratio=statistics.fmean(ratios) if ratios else None,
+        mean_ratio_with_history=statistics.fmean(later) if later else None,
+        total_ratio=sum(r["baseline_s"] for r in rows) / sum(r["rhymerl_s"] for r in rows) if rows else None,
+        mean_identical_share=statistics.fmean(r["identical_share"] for r in rows) if rows else None,
+        aborted=sum(r["aborted"] for r in rows))
+
+
+def markdown(result: dict) -> str:
+    lines = ["# End to end: a GRPO rollout step, rhymerl vs a plain engine\n",
+             f"- device: {result['device']} ({result['ratio_kind']})", f"- commit: {result['commit']}",
+             f"- command: `{result['command']}`", f"- setting: {result['setting']}",
+             f"- baseline: {result['baseline']}", f"- rhymerl: {result['rhymerl']}\n",
+             markdown_table(result["epochs"], COLUMNS) + "\n"]
+    if result["mean_ratio"] is not None:
+        lines.append(f"**Mean ratio (baseline s / rhymerl s): {result['mean_ratio']:.2f}** over "
+                     f"{len(result['epochs'])} epochs; {_fmt(result['mean_ratio_with_history'])} over the epochs with history; whole run "
+                     f"{_fmt(result['total_ratio'])}. Samples identical between the two systems: "
+                     f"{_fmt(result['mean_identical_share'], '{:.1%}')}; lost samples: {result['aborted']}.\n")
+    lines += [f"- {note}" for note in result["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x, spec: str = "{:.2f}") -> str:
+    return "n/a" if x is None else spec.format(x)
+
+
+def write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "e2e.md").write_text(markdown(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--workers", type=int, default=2, help="rollout workers per system")
+    p.add_argument("--epochs", type=int, default=5, help="GRPO epochs (each is one rollout step per system)")
+    p.add_argument("--prompts", type=int, default=32, help="the first N prompts of the recorded set (32)")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=768)
+    p.add_argument("--model-dir", help="default: models/small on CUDA when trained, else models/tiny")
+    p.add_argument("--dtype", help="worker dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-blocks", type=int, default=1024, help="KV-cache blocks of 16 tokens per worker")
+    p.add_argument("--budget-s", type=float, default=0.0, help="start no epoch after this many seconds (0: none)")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    small = ROOT / "models" / "small"
+    model_dir = args.model_dir or str(small if args.device == "cuda" and (small / "config.json").exists()
+                                      else ROOT / "models" / "tiny")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("e2e_bench --device cuda: no CUDA device (torch.cuda.is_available() is False); nothing measured",
+                  file=sys.stderr)
+            return 2
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = f"{cpu_name()} CPU"
+    if Path(model_dir) == ROOT / "models" / "tiny":
+        ensure_model(model_dir)  # trained on first use, as `make run` does
+    elif not (Path(model_dir) / "config.json").exists():
+        print(f"e2e_bench: no checkpoint at {model_dir}", file=sys.stderr)
+        return 2
+    recorded = {r.prompt_id: [int(t) for t in r.prompt_token_ids] for r in read_traces(RECORDED)}
+    meta = dict(
+        device=device_name, workers=args.workers, commit=git_commit(),
+        command=" ".join(["python -m benchmarks.e2e_bench", *argv]),
+        ratio_kind=f"a CPU ratio: both systems' workers and the trainer share {os.cpu_count()} CPU cores"
+        if args.device == "cpu" else "GPU ratio: the workers share one GPU",
+        model=Path(model_dir).name, dtype=args.dtype,
+        setting=f"{args.prompts} recorded prompts x {args.n} samples, max {args.max_tokens} tokens, T=1, "
+                f"{args.workers} workers per system, model {Path(model_dir).name} ({args.dtype}), "
+                f"GRPO updates between epochs (lr 2e-4, 2 updates, partial credit 0.5)",
+        baseline="static placement, workers without speculation", rhymerl="rhymerl placement, history drafts",
+        notes=[
+            "Wall time is the trainer's rollout call (submit to the last sample), one system at a time, "
+            "alternating which goes first.",
+            "Both systems sample the same policy with the same seeds; where the identical share is below 1, "
+            "floating-point differences between batch shapes (the kernels are not batch-invariant) made "
+            "the difference, not the speculation, which is lossless.",
+        ] + ([f"CPU timing on a machine shared with other jobs (load average {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} cores at the start): single epochs' ratios are noisy; the whole-run ratio is "
+              f"the steadier figure."] if args.device == "cpu" else []))
+    rows: list[dict] = []
+    out = Path(args.out)
+    start = time.monotonic()
+    # SIGTERM (a time limit) unwinds: both clusters stop their processes; finished epochs are written.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    trainer = load_example("grpo_trainer")
+    from rhymerl import RolloutClient
+
+    with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+        env = cluster_env(args)
+        base = LocalCluster(model_dir=model_dir, num_workers=args.workers, policy="static", log_dir=Path(tmp, "b"),
+                            extra_env={**env, "RHYMERL_WORKER_SPECULATIVE": "false"})
+        ours = LocalCluster(model_dir=model_dir, num_workers=args.workers, policy="rhymerl", log_dir=Path(tmp, "r"),
+                            extra_env=env)
+        with base, ours, RolloutClient(base.scheduler_address) as b, RolloutClient(ours.scheduler_address) as r:
+            print(f"both systems up after {time.monotonic() - start:.0f} s; {args.epochs} epochs", flush=True)
+
+            def on_epoch(epoch: int, base_step: TimedStep, ours_step: TimedStep) -> None:
+                rows.append(epoch_row(epoch, base_step, ours_step))
+                print(" | ".join(f"{title} {fmt.format(rows[-1][key])}" for title, key, fmt in COLUMNS),
+                      flush=True)
+                write(out, summarize(args, rows, meta))
+                if args.budget_s and time.monotonic() - start > args.budget_s and epoch + 1 < args.epochs:
+                    raise TimeoutError(f"--budget-s {args.budget_s:.0f} reached after epoch {epoch}")
+
+            client = PairedClient(b, r, recorded_prompts=recorded, on_epoch=on_epoch)
+            try:
+                stats = trainer.run(client, model_dir, steps=args.epochs, num_prompts=args.prompts, n=args.n,
+                                    max_tokens=args.max_tokens, partial_credit=0.5, device=args.device,
+                                    log=lambda line: print("  trainer: " + line, flush=True))
+                for row, step in zip(rows, stats):
+                    row["reward"] = step["reward"]
+            except TimeoutError as exc:
+                print(exc, flush=True)
+    result = summarize(args, rows, meta)
+    write(out, result)
+    print(markdown(result))
+    if not rows or result["aborted"]:
+        print(f"e2e_bench: {'no epoch completed' if not rows else str(result['aborted']) + ' samples lost'}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

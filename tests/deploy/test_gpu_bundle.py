@@ -1,0 +1,135 @@
+"""The GPU run rehearsed here: the bundle, built by the same script for this machine's
+Python, installs without network into a Python that holds exactly the GPU image's packages,
+and everything the GPU run needs imports from it.
+
+If this fails, the first command on the rarely lent GPU machine would fail on a missing
+package, a generated-code version clash or a redis-server that does not start, and the
+GPU window would be spent debugging the environment instead of measuring.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU = ROOT / "deploy" / "gpu"
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+pytestmark = pytest.mark.slow
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def image_packages() -> set[str]:
+    lines = (line.split("#", 1)[0] for line in (GPU / "image_packages.txt").read_text().splitlines())
+    return {canonical(name) for line in lines for name in line.split()}
+
+
+def is_namespace(path: Path) -> bool:
+    return path.is_dir() and "." not in path.name and not (path / "__init__.py").exists()
+
+
+def gpu_like_python(root: Path) -> Path:
+    """A venv whose site-packages holds links to this environment's copies of exactly the
+    GPU image's packages (torch, triton, transformers, grpcio, protobuf, pytest, ...):
+    the GPU machine's `python3`, as far as names go (versions are this machine's)."""
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(root)],
+                   check=True)
+    site = Path(sysconfig.get_paths(vars={"base": str(root), "platbase": str(root)})["purelib"])
+    ours = Path(sysconfig.get_paths()["purelib"])
+    wanted = image_packages()
+    for dist in importlib.metadata.distributions(path=[str(ours)]):
+        if canonical(dist.metadata["Name"]) not in wanted:
+            continue
+        for parts in {f.parts[:2] for f in dist.files or []}:
+            top = parts[0]
+            if top in ("..", "__pycache__") or top.endswith(".pth") or not (ours / top).exists():
+                continue
+            if len(parts) == 2 and is_namespace(ours / top):
+                (site / top).mkdir(exist_ok=True)  # shared with other distributions (google/): this one's part
+                top = "/".join(parts)
+            if not os.path.lexists(site / top):
+                (site / top).symlink_to(ours / top)
+    return root / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "gpu-bundle"
+    subprocess.run([sys.executable, str(GPU / "bundle.py"), "--python", HERE, "--out", str(out)], check=True,
+                   timeout=600)
+    return out
+
+
+def offline(command: list[str]) -> list[str]:
+    """The command in a namespace with no network when this machine allows it (pip runs
+    with --no-index either way)."""
+    if shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
+        return ["unshare", "-n", *command]
+    return command
+
+
+def launch(python: Path, mode: str, bundle: Path, site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(offline([str(python), str(GPU / "launch.py"), mode, "--bundle", str(bundle),
+                                   "--site", str(site)]), capture_output=True, text=True, timeout=600, cwd=ROOT)
+
+
+def test_bundle_installs_offline_and_everything_imports(bundle, tmp_path):
+    """`launch.py check` in the GPU-like Python: the wheels install with no index, every
+    module of services/, kernels/, benchmarks/ and the SDK (with the bundle's generated
+    gRPC code) imports, the GPU test tier collects, the bundled redis-server runs. Without
+    CUDA, the GPU modes stop at once with one line that says so."""
+    python = gpu_like_python(tmp_path / "gpu-python")
+    # The GPU-like Python really lacks what the bundle brings.
+    probe = subprocess.run([str(python), "-c", "import redis"], capture_output=True, text=True)
+    assert probe.returncode != 0 and "redis" in probe.stderr
+
+    check = launch(python, "check", bundle, tmp_path / "site")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "environment complete" in check.stdout
+    assert (tmp_path / "site" / "rhymerl" / "v1" / "rollout_pb2_grpc.py").exists()
+
+    test = launch(python, "test", bundle, tmp_path / "site")
+    assert test.returncode == 2
+    assert test.stderr.strip().splitlines() == [
+        "gpu test: NOT DONE: no CUDA device: torch " + test.stderr.split("torch ", 1)[1].split(" ", 1)[0]
+        + " sees none (torch.cuda.is_available() is False)"]
+
+
+def test_a_package_missing_from_the_bundle_is_named(bundle, tmp_path):
+    """Drop redis-py from the bundle: the check fails, naming the package and who needs it."""
+    partial = tmp_path / "partial"
+    shutil.copytree(bundle, partial)
+    for wheel in (partial / "wheels").glob("redis-*.whl"):
+        wheel.unlink()
+    python = gpu_like_python(tmp_path / "gpu-python")
+    check = launch(python, "check", partial, tmp_path / "site")
+    assert check.returncode == 2
+    assert "package 'redis'" in check.stderr.strip().splitlines()[-1]
+
+
+def test_the_bundled_redis_server_serves_the_history_store(bundle, monkeypatch):
+    """The redis-server taken from the wheel runs here (the GPU machine is x86-64 Linux too)
+    and has what the history store's scripts use (ZRANGE ... REV: Redis >= 6.2)."""
+    import redis
+
+    from services.common.redis_server import EmbeddedRedis
+
+    monkeypatch.setenv("PATH", f"{bundle / 'bin'}:/nonexistent")
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        client.zadd("epochs", {"a": 1, "b": 2})
+        assert client.zrange("epochs", 0, -1, desc=True) == [b"b", b"a"]
+        assert client.info("server")["redis_version"] == "6.2.14"
+        client.close()

@@ -1,0 +1,179 @@
+"""The engine on the GPU as a worker runs it: Triton kernels, CUDA graphs, bf16 and float32.
+
+If these fail, a GPU worker returns samples that are not the policy's (speculation is
+no longer lossless, a CUDA-graph bucket or the paged KV cache corrupts a sequence, the
+model code disagrees with transformers), which the CPU suite cannot see.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import tempfile
+
+import pytest
+import torch
+
+from services.rollout.drafter import HistoDrafter
+from services.rollout.engine import LLMEngine
+from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
+from services.rollout.loader import init_random_model, save_model
+from tests.gpu.agreement import assert_agree, outputs
+from tests.rollout.test_engine import CONFIG, OracleDrafter, make_request, prompt_of, reference_generate, run_to_end
+
+pytestmark = pytest.mark.gpu
+
+# head_dim 64 and a GQA group of 2: the shapes the Triton kernels are tuned for
+GPU_CONFIG = dataclasses.replace(CONFIG, vocab_size=512, hidden_size=256, intermediate_size=512,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def models(dtype: torch.dtype):
+    """The model in `dtype`, and its float32 copy (the same rounded weights) for the CPU reference."""
+    model = init_random_model(dataclasses.replace(GPU_CONFIG, dtype="float32"), seed=3).to(dtype)
+    return model, copy.deepcopy(model).float()
+
+
+def requests(truncation: bool) -> list:
+    """Greedy and sampled rows, prompts shorter and longer than a block (16), joined later
+    by a second wave; with `truncation`, top-k / top-p / min-p rows too."""
+    rows = [(3, 0.0, 0, 1.0, 0.0), (17, 1.0, 0, 1.0, 0.0), (40, 0.7, 0, 1.0, 0.0), (1, 1.3, 0, 1.0, 0.0),
+            (16, 0.0, 0, 1.0, 0.0), (33, 1.0, 0, 1.0, 0.0)]
+    if truncation:
+        rows += [(9, 0.8, 10, 1.0, 0.0), (25, 1.0, 0, 0.9, 0.0), (5, 1.0, 0, 1.0, 0.05)]
+    return [make_request(i, prompt_of(n, i), temperature=t, top_k=k, top_p=p, min_p=m, max_tokens=24,
+                         max_new_tokens=24) for i, (n, t, k, p, m) in enumerate(rows)]
+
+
+def engine(model, device: str, reqs, **kw) -> LLMEngine:
+    args = dict(device=device, num_kv_blocks=256, block_size=16, max_num_batched_tokens=128, max_draft_len=6,
+                max_num_seqs=16)
+    e = LLMEngine(model, **{**args, **kw})
+    for r in reqs:
+        e.add_request(r)
+    return e
+
+
+def graph_replays(e: LLMEngine, device: str) -> None:
+    if device == "cuda":  # the dry run on the CPU has no graphs
+        assert e.runner.graphs is not None and e.runner.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_speculation_equals_plain_decoding(device, dtype):
+    """Drafts verified in one forward (an oracle corrupted every 3rd token, and the real
+    HistoDrafter on last epoch's responses) give the samples plain decoding gives."""
+    model, cpu_model = models(dtype)
+    reqs = requests(truncation=dtype == torch.float32)
+    plain = run_to_end(engine(model, device, reqs, speculative=False))
+    oracle = OracleDrafter({rid: o.token_ids for rid, o in plain.items()}, wrong_every=3)
+    history = HistoDrafter()
+    for r in reqs:  # each prompt's "last epoch": its own plain sample
+        history.load_history(r.prompt_id, [plain[r.request_id].token_ids])
+    for drafter in (oracle, history):
+        e = engine(model, device, reqs, drafter=drafter)
+        spec = run_to_end(e)
+        assert_agree(outputs(spec), outputs(plain), reqs, cpu_model, dtype)
+        assert e.metrics.counters.num_accepted_tokens > 0
+        graph_replays(e, device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_output_matches_the_cpu_reference(device, dtype):
+    """With CUDA graphs, Triton attention and sampling, with and without drafts: each
+    sample is the float32 CPU reference's (one token per full recompute, dense attention)."""
+    model, cpu_model = models(dtype)
+    reqs = requests(truncation=False)
+    want = {r.request_id: reference_generate(cpu_model, r)[:2] for r in reqs}
+    plain = run_to_end(engine(model, device, reqs, speculative=False))
+    assert_agree(outputs(plain), want, reqs, cpu_model, dtype)
+    e = engine(model, device, reqs, drafter=OracleDrafter({k: v[0] for k, v in want.items()}, wrong_every=4))
+    assert_agree(outputs(run_to_end(e)), want, reqs, cpu_model, dtype)
+    graph_replays(e, device)
+
+
+def test_cuda_graph_buckets_match_eager(device):
+    """Batches that grow and shrink (requests joining late, finishing early) replay decode
+    and verify graphs of several bucket sizes, padded; the samples equal the eager run's."""
+    model, cpu_model = models(torch.float32)
+    reqs = requests(truncation=True)
+    late = {0: reqs[:1], 3: reqs[1:3], 9: reqs[3:]}  # 1, then 3, then 9 sequences at once
+    eager = run_to_end(engine(model, device, [], use_cuda_graphs=False, speculative=False), late=dict(late))
+    oracle = OracleDrafter({rid: o.token_ids for rid, o in eager.items()}, wrong_every=3)
+    for drafter in (None, oracle):
+        e = engine(model, device, [], drafter=drafter, speculative=drafter is not None)
+        assert_agree(outputs(run_to_end(e, late=dict(late))), outputs(eager), reqs, cpu_model, torch.float32)
+        if device == "cuda":
+            graphs = e.runner.graphs
+            assert graphs.num_replays > 0 and not graphs.failed
+            assert len({seqs for seqs, _, _ in graphs.graphs}) >= 3  # several sequence buckets captured
+            if drafter is not None:
+                assert any(q > 1 for _, _, q in graphs.graphs)  # a verify bucket
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_kv_cache_under_pressure(device, dtype):
+    """Too few KV blocks for the batch: sequences are preempted and recomputed, with and
+    without drafts, and every sample still equals the unconstrained run's; every block is
+    free at the end."""
+    model, cpu_model = models(dtype)
+    reqs = requests(truncation=False)
+    roomy = run_to_end(engine(model, device, reqs, speculative=False))
+    oracle = OracleDrafter({rid: o.token_ids for rid, o in roomy.items()}, wrong_every=3)
+    for drafter in (None, oracle):
+        e = engine(model, device, reqs, num_kv_blocks=7, drafter=drafter, speculative=drafter is not None)
+        assert_agree(outputs(run_to_end(e)), outputs(roomy), reqs, cpu_model, dtype)
+        assert e.metrics.counters.num_preemptions > 0
+        assert e.block_manager.num_free_blocks == 7
+
+
+@torch.inference_mode()
+def paged_logits(model, sequences: list[list[int]], device: str, block_size: int = 16) -> list[torch.Tensor]:
+    """Every position's logits through the worker's path: the paged KV cache and attention
+    backend, each sequence prefilled in two chunks (the second reads the first's KV)."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    width = max(-(-len(s) // block_size) for s in sequences)
+    cache = KVCache(cfg.num_hidden_layers, len(sequences) * width, block_size, cfg.num_key_value_heads,
+                    cfg.head_dim, dtype, torch.device(device))
+    attn = PagedAttention(cache, cfg.head_dim ** -0.5)
+
+    def t(values, dt) -> torch.Tensor:
+        return torch.tensor(values, dtype=dt, device=device)
+
+    out = []
+    for s, tokens in enumerate(sequences):
+        table = list(range(s * width, (s + 1) * width))
+        rows = []
+        for start, end in ((0, len(tokens) // 2), (len(tokens) // 2, len(tokens))):
+            pos = list(range(start, end))
+            attn.metadata = AttentionMetadata(
+                t([table[p // block_size] * block_size + p % block_size for p in pos], torch.int64),
+                t([table], torch.int32), t([end], torch.int32), t([0, end - start], torch.int32), end - start)
+            rows.append(model.compute_logits(model.forward(t(tokens[start:end], torch.int64), t(pos, torch.int64),
+                                                           attn)).float())
+        out.append(torch.cat(rows))  # [len(tokens), vocab]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_match_transformers(device, dtype):
+    """The model code through the paged path equals Hugging Face transformers' own model
+    loaded from the same checkpoint, on the same device in the same dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model, _ = models(dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(model, tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).to(device).eval()
+    model = model.to(device)
+    sequences = [prompt_of(n, n) for n in (5, 16, 47, 100)]
+    ours = paged_logits(model, sequences, device)
+    for tokens, mine in zip(sequences, ours):
+        with torch.inference_mode():
+            theirs = hf(torch.tensor([tokens], device=device)).logits[0].float()  # [len, vocab]
+        error = float((mine - theirs).norm() / theirs.norm())
+        assert error < {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype], (len(tokens), error)
+        same_argmax = (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+        assert same_argmax > (0.999 if dtype == torch.float32 else 0.9), (len(tokens), same_argmax)

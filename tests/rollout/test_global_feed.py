@@ -1,0 +1,135 @@
+"""GlobalFeed: a worker's own finished samples and the history service's recent-responses
+stream reach the drafter's global index, each response once, and a failing feed never
+raises into the worker."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from services.history.recent import RecentResponse
+from services.rollout.drafter import DrafterConfig, HistoDrafter
+from services.rollout.global_feed import GlobalFeed
+
+
+class InlineLoop:
+    """Stands in for EngineLoop: runs the call at once (the engine thread is not needed
+    to check what reaches the drafter)."""
+
+    async def call(self, fn):
+        return fn()
+
+
+class RecordingDrafter:
+    def __init__(self):
+        self.batches: list[list[list[int]]] = []
+
+    def add_global_responses(self, responses):
+        self.batches.append([list(map(int, r)) for r in responses])
+
+
+class FakeHistory:
+    """Newest first, as the history service answers."""
+
+    def __init__(self, recent: list[RecentResponse], fail: bool = False):
+        self.recent, self.fail, self.calls = recent, fail, []
+
+    async def get_recent_responses(self, max_responses, max_tokens):
+        self.calls.append((max_responses, max_tokens))
+        if self.fail:
+            raise ConnectionError("history down")
+        return self.recent
+
+
+def _recent(prompt_id, step_id, sample_index, tokens):
+    return RecentResponse(prompt_id, step_id, sample_index, np.asarray(tokens, dtype="<i4"))
+
+
+async def _drain():
+    for _ in range(3):  # finished() schedules its add as a task
+        await asyncio.sleep(0)
+
+
+def test_finished_samples_reach_the_real_drafter_and_it_drafts_from_them():
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.0))
+    feed = GlobalFeed(InlineLoop(), drafter)
+    response = [5, 6, 7, 8, 9, 10, 11, 12]
+
+    async def main():
+        feed.finished("p0", "s0", 0, response)
+        await _drain()
+
+    asyncio.run(main())
+    assert feed.num_added == 1
+    assert drafter.global_tokens() >= len(response)
+    # a request of another prompt, whose text matches the response's start, drafts its rest
+    drafter.start_request("r", "p1", [1, 2, 3], generated_token_ids=[5, 6, 7])
+    (draft,) = drafter.propose(["r"], [8])
+    assert draft and draft == response[3:3 + len(draft)]
+
+
+def test_each_response_is_added_once_whichever_feed_brings_it_first():
+    drafter = RecordingDrafter()
+    history = FakeHistory([_recent("p1", "s1", 0, [4, 4, 4]), _recent("p0", "s1", 2, [1, 2, 3])])
+    feed = GlobalFeed(InlineLoop(), drafter, history)
+
+    async def main():
+        feed.finished("p0", "s1", 2, [1, 2, 3])
+        feed.finished("p0", "s1", 2, [1, 2, 3])  # the same sample again: ignored
+        feed.finished("p0", "s1", 3, [])  # an empty response: nothing to index
+        await _drain()
+        await feed.step_started({"s1"})
+
+    asyncio.run(main())
+    assert drafter.batches == [[[1, 2, 3]], [[4, 4, 4]]]
+    assert feed.num_added == 2
+
+
+def test_the_stream_is_read_once_per_new_step_and_added_oldest_first():
+    drafter = RecordingDrafter()
+    newest_first = [_recent("a", "s2", 0, [3]), _recent("b", "s1", 0, [2]), _recent("c", "s1", 1, [1])]
+    history = FakeHistory(newest_first)
+    feed = GlobalFeed(InlineLoop(), drafter, history, max_responses=7, max_tokens=99)
+
+    async def main():
+        await feed.step_started({"s2"})
+        await feed.step_started({"s2"})  # same step: no second read
+
+    asyncio.run(main())
+    assert history.calls == [(7, 99)]
+    # oldest first, so the global index (which forgets its oldest) keeps the newest longest
+    assert drafter.batches == [[[1], [2], [3]]]
+
+
+def test_a_failing_history_or_drafter_never_raises_into_the_worker():
+    failing_history = FakeHistory([], fail=True)
+    feed = GlobalFeed(InlineLoop(), RecordingDrafter(), failing_history)
+
+    class BrokenDrafter:
+        def add_global_responses(self, responses):
+            raise RuntimeError("bug")
+
+    broken = GlobalFeed(InlineLoop(), BrokenDrafter())
+
+    async def main():
+        await feed.step_started({"s0"})
+        broken.finished("p", "s0", 0, [1, 2])
+        await _drain()
+
+    asyncio.run(main())
+    assert failing_history.calls and feed.num_added == 0
+    assert broken.num_added == 0
+
+
+def test_without_a_history_client_only_own_samples_feed():
+    drafter = RecordingDrafter()
+    feed = GlobalFeed(InlineLoop(), drafter, history=None)
+
+    async def main():
+        await feed.step_started({"s0"})
+        feed.finished("p", "s0", 0, [9, 9])
+        await _drain()
+
+    asyncio.run(main())
+    assert drafter.batches == [[[9, 9]]]

@@ -11,7 +11,15 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: install proto system-deps run test test-fast bench bench-gpu dashboards helm-test lint clean
 
-install: $(STAMP)
+PROTOS    := $(wildcard protos/rhymerl/v1/*.proto)
+GENERATED := clients/python/src/rhymerl/v1/__init__.py
+
+install: $(STAMP) $(GENERATED)
+
+# The editable SDK imports the generated code from the source tree: regenerate it when a
+# .proto changes (e.g. after a pull), not only on a fresh install.
+$(GENERATED): $(PROTOS) clients/python/setup.py | $(STAMP)
+	$(MAKE) proto
 
 $(STAMP):
 	$(MAKE) system-deps

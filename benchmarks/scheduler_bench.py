@@ -10,7 +10,7 @@ random: what no history foresees). Per fleet size a GRPO batch of
 ``--samples-per-worker`` samples per worker (default 256 with 8 running at once: Seer's
 production shape, hundreds of requests per instance and KV-limited concurrency), the
 step simulated being epoch 3 with the earlier epochs as history. Worker speed is the
-DESIGN.md H100 cost curve of ``--model``. Next to the policies, an ``oracle`` lower bound
+H100 cost curve (docs/cost-model.md) of ``--model``. Next to the policies, an ``oracle`` lower bound
 (see ``oracle_bound``).
 
 Rows (benchmarks/results/scheduler.json ``"rows"``): policy, workers, workload, mode
@@ -359,7 +359,7 @@ def main() -> int:
     command = "python -m benchmarks.scheduler_bench " + " ".join(sys.argv[1:])
     summary = {
         "command": command.strip(),
-        "device": f"simulated fleet of H100 workers ({args.model} cost curve, DESIGN.md) on one CPU core: {cpu_name()}"
+        "device": f"simulated fleet of H100 workers ({args.model} cost curve, docs/cost-model.md) on one CPU core: {cpu_name()}"
         + (f"; live rows: in-process {args.live_device} workers on the same machine" if args.live else ""),
         "commit": git_commit(), "wall_s": total,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -502,7 +502,7 @@ The `oracle` rows are a lower bound, not a schedule (true lengths known, perfect
 
 ## How to read these numbers
 
-- Simulated, not measured on GPUs: worker speed is the DESIGN.md forward-time curve
+- Simulated, not measured on GPUs: worker speed is the forward-time curve of docs/cost-model.md
   (weight matrices only). A migration is charged a re-prefill of prompt + generated tokens
   on the destination; resuming on the same worker is free (prefix cache).
 - The bubble counts a worker as busy while it runs at least one sequence (the issue's

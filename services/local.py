@@ -244,19 +244,3 @@ def load_example(name: str):
         del sys.modules[module_name]
         raise
     return module
-
-
-def run_local(*, num_workers: int, steps: int, num_prompts: int, n: int, max_tokens: int, policy: str,
-              model_dir: str, record: str = "", partial_credit: float = 0.0, temperature: float = 1.0,
-              seed: int = 0) -> None:
-    ensure_model(model_dir)
-    with LocalCluster(model_dir=model_dir, num_workers=num_workers, policy=policy) as cluster:
-        print(f"rhymerl is up: scheduler {cluster.scheduler_address}, {num_workers} CPU workers, "
-              f"metrics on ports {sorted(cluster.metrics_ports.values())}", flush=True)
-        from rhymerl import RolloutClient
-
-        trainer = load_example("grpo_trainer")
-        with RolloutClient(cluster.scheduler_address) as client:
-            trainer.run(client, model_dir, steps=steps, num_prompts=num_prompts, n=n, max_tokens=max_tokens,
-                        record=record or None, partial_credit=partial_credit, temperature=temperature,
-                        seed=seed)

@@ -88,18 +88,21 @@ class Cluster:
                                   advertise_address="", model_path=str(self.model_dir), device=self.device,
                                   dtype="float32", max_num_seqs=32, num_kv_blocks=256, block_size=16,
                                   speculative=self.speculative, batch_invariant=self.batch_invariant,
-                                  scheduler_address=self.address,
+                                  measure_cost=False, scheduler_address=self.address,
                                   history_address=self.history_address, drain_timeout_s=5, **self.tls)
         server, port, stop = await _start_worker_advertised(settings, start_worker)
         self.workers[worker_id] = (server, stop)
         return server
 
-    def wait_running(self, step_id: str | None = None, timeout_s: float = 120.0) -> None:
-        """Until ``step_id`` (or any step) has chunks on the workers; a hang guard."""
+    def wait_running(self, step_id: str | None = None, worker_id: str | None = None,
+                     timeout_s: float = 120.0) -> None:
+        """Until ``step_id`` (or any step) has chunks on the workers (``worker_id``: on that
+        one); a hang guard, never a sleep: a busy machine may take longer to start it."""
         import time
 
         core, deadline = self.scheduler.core, time.monotonic() + timeout_s
-        while (step_id is not None and step_id not in core.steps) or not core.runs.num_chunks:
+        while (step_id is not None and step_id not in core.steps) or not core.runs.num_chunks or not any(
+                w.state.running for w in core.workers.workers.values() if worker_id in (None, w.worker_id)):
             assert time.monotonic() < deadline, f"step {step_id} never started"
             time.sleep(0.01)
 

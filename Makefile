@@ -11,7 +11,15 @@ export PYTHONUNBUFFERED := 1
 
 .PHONY: install install-vllm proto system-deps run test test-fast bench bench-gpu dashboards helm-test lint clean
 
-install: $(STAMP)
+PROTOS    := $(wildcard protos/rhymerl/v1/*.proto)
+GENERATED := clients/python/src/rhymerl/v1/__init__.py
+
+install: $(STAMP) $(GENERATED)
+
+# The editable SDK imports the generated code from the source tree: regenerate it when a
+# .proto changes (e.g. after a pull), not only on a fresh install.
+$(GENERATED): $(PROTOS) clients/python/setup.py | $(STAMP)
+	$(MAKE) proto
 
 $(STAMP):
 	$(MAKE) system-deps
@@ -34,13 +42,10 @@ $(VLLM_STAMP): $(STAMP)
 	touch $@
 
 # Debian packages the tests and the local system use: a real redis-server, and
-# Go + sprig for the Helm chart renderer, Prometheus for the observability test.
+# Prometheus for the observability test. (Helm comes from PyPI: helm-python-sdk.)
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
-	command -v go >/dev/null || missing="$$missing golang-go"; \
-	test -d /usr/share/gocode/src/github.com/Masterminds/sprig || missing="$$missing golang-github-masterminds-sprig-dev"; \
-	test -d /usr/share/gocode/src/sigs.k8s.io/yaml || missing="$$missing golang-k8s-sigs-yaml-dev"; \
 	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
 	if [ -n "$$missing" ]; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -84,6 +89,8 @@ e2e-gpu:
 dashboards: install
 	$(PYTHON) deploy/grafana/generate_dashboards.py
 
+# Real Helm (v4's engine, from helm-python-sdk): `helm lint --strict` and a render with
+# each values file, every object checked against the Kubernetes API types.
 helm-test: install install-vllm
 	$(PYTHON) -m pytest -q helm/tests tests/deploy
 

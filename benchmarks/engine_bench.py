@@ -18,7 +18,7 @@ measure is null and named in "not_measured".
 - GPU: decode step time at batch 1/16/64/256 and verify steps (batch x draft up to 256
   tokens) with random bf16 weights for the Qwen2.5-0.5B/1.5B shapes: the CUDA-graph forward
   alone and the whole engine step, beside the floor measured in the same run (a CUDA-graphed
-  chain of the same weight matrices) and the DESIGN.md H100 floors.
+  chain of the same weight matrices) and the H100 table of docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -569,7 +569,7 @@ def markdown(meta: dict, summary: dict, rows: list[dict]) -> str:
     if gpu:
         lines += ["\n## GPU: decode/verify step, random bf16 weights\n",
                   "| model | batch | draft | tokens/forward | graph forward ms | engine step ms | measured floor ms | "
-                  "DESIGN.md ms | HBM floor ms |", "|---|---|---|---|---|---|---|---|---|"]
+                  "H100 table ms | HBM floor ms |", "|---|---|---|---|---|---|---|---|---|"]
         for r in gpu:
             fwd = f"{r['forward_ms']:.3f}" if r["forward_ms"] is not None else "n/a"
             floor = f"{r['measured_floor_ms']:.3f}" if r["measured_floor_ms"] is not None else ""

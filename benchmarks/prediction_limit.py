@@ -113,7 +113,7 @@ def main() -> int:
     total = time.perf_counter() - started
     summary = {
         "command": ("python -m benchmarks.prediction_limit " + " ".join(sys.argv[1:])).strip(),
-        "device": f"simulated fleet of H100 workers ({args.model} cost curve, DESIGN.md) on {cpu_name()}",
+        "device": f"simulated fleet of H100 workers ({args.model} cost curve, docs/cost-model.md) on {cpu_name()}",
         "commit": git_commit(), "wall_s": total, "config": {k: v for k, v in vars(args).items() if k != "out"},
         "workloads": {name: workload(args, name, fleets[0], args.seed).source + f", epoch {EPOCH}"
                       for name in names},

@@ -10,7 +10,7 @@ random: what no history foresees). Per fleet size a GRPO batch of
 ``--samples-per-worker`` samples per worker (default 256 with 8 running at once: Seer's
 production shape, hundreds of requests per instance and KV-limited concurrency), the
 step simulated being epoch 3 with the earlier epochs as history. Worker speed is the
-DESIGN.md H100 cost curve of ``--model``. Next to the policies, an ``oracle`` lower bound
+H100 cost curve (docs/cost-model.md) of ``--model``. Next to the policies, an ``oracle`` lower bound
 (see ``oracle_bound``).
 
 Rows (benchmarks/results/scheduler.json ``"rows"``): policy, workers, workload, mode
@@ -57,7 +57,7 @@ class OracleLengths(LengthModel):
         self.true_len = true_len
 
     def predict(self, request, use_history: bool = True) -> float:
-        return float(self.true_len[request.request_id])
+        return float(self.true_len[request.key])
 
 
 ORACLE = {"runaway_guard": float("inf")}  # rhymerl, longest true length first
@@ -171,7 +171,7 @@ def oracle_bound(step, cost: CostModel, num_workers: int, capacity: int) -> dict
     min_slope_s = min((y1 - y0) / (x1 - x0) for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])) / 1000.0
     alone, work = [], 0.0
     for request in step.requests:
-        length = step.true_len[request.request_id]
+        length = step.true_len[request.key]
         alone.append(cost.forward_s(request.prompt_len) + length * cost.forward_s(1))
         work += request.prompt_len * min_slope_s + length * per_token_full
     makespan = max(max(alone), work / num_workers)
@@ -359,7 +359,7 @@ def main() -> int:
     command = "python -m benchmarks.scheduler_bench " + " ".join(sys.argv[1:])
     summary = {
         "command": command.strip(),
-        "device": f"simulated fleet of H100 workers ({args.model} cost curve, DESIGN.md) on one CPU core: {cpu_name()}"
+        "device": f"simulated fleet of H100 workers ({args.model} cost curve, docs/cost-model.md) on one CPU core: {cpu_name()}"
         + (f"; live rows: in-process {args.live_device} workers on the same machine" if args.live else ""),
         "commit": git_commit(), "wall_s": total,
         "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -502,7 +502,7 @@ The `oracle` rows are a lower bound, not a schedule (true lengths known, perfect
 
 ## How to read these numbers
 
-- Simulated, not measured on GPUs: worker speed is the DESIGN.md forward-time curve
+- Simulated, not measured on GPUs: worker speed is the forward-time curve of docs/cost-model.md
   (weight matrices only). A migration is charged a re-prefill of prompt + generated tokens
   on the destination; resuming on the same worker is free (prefix cache).
 - The bubble counts a worker as busy while it runs at least one sequence (the issue's

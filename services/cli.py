@@ -1,4 +1,8 @@
-"""The `rhymerl` command: one sub-command per process, plus `local-run`."""
+"""The `rhymerl` command: one sub-command per process, plus `local-run`.
+
+Each sub-command's options are its settings class (services/common/settings_cli.py):
+`rhymerl worker --help` lists every setting with its environment variable and default.
+"""
 
 from __future__ import annotations
 
@@ -7,65 +11,47 @@ import logging
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="rhymerl rollout service")
+from services.common.settings_cli import settings_command
+from services.history.settings import HistorySettings
+from services.local_run import LocalRunSettings
+from services.rollout.settings import WorkerSettings
+from services.scheduler.settings import SchedulerSettings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="rhymerl rollout service: each sub-command is one process; --help lists its settings.")
+log = logging.getLogger("rhymerl")
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-@app.command()
-def history(log_level: str = "info") -> None:
-    """Run the history service (settings: RHYMERL_HISTORY_*)."""
+@settings_command(app, "history", HistorySettings, "Run the history service (earlier rollouts per prompt, in Redis).")
+def history(settings: HistorySettings) -> None:
     from services.history.server import serve
-    from services.history.settings import HistorySettings
 
-    _logging(log_level)
-    asyncio.run(serve(HistorySettings()))
+    asyncio.run(serve(settings))
 
 
-@app.command()
-def scheduler(log_level: str = "info") -> None:
-    """Run the scheduler (settings: RHYMERL_SCHEDULER_*)."""
+@settings_command(app, "scheduler", SchedulerSettings, "Run the scheduler (trainers submit steps to it).")
+def scheduler(settings: SchedulerSettings) -> None:
     from services.scheduler.server import serve
-    from services.scheduler.settings import SchedulerSettings
 
-    _logging(log_level)
-    asyncio.run(serve(SchedulerSettings()))
+    asyncio.run(serve(settings))
 
 
-@app.command()
-def worker(log_level: str = "info") -> None:
-    """Run a rollout worker (settings: RHYMERL_WORKER_*)."""
+@settings_command(app, "worker", WorkerSettings, "Run a rollout worker (loads the policy, serves WorkerService).")
+def worker(settings: WorkerSettings) -> None:
+    log.info("loading %s on device %s (torch, model weights, KV cache)...", settings.model_path or "(no model)",
+             settings.device)
     from services.rollout.server import serve
-    from services.rollout.settings import WorkerSettings
 
-    _logging(log_level)
-    asyncio.run(serve(WorkerSettings()))
+    asyncio.run(serve(settings))
 
 
-@app.command("local-run")
-def local_run(workers: int = typer.Option(2, help="CPU rollout workers"),
-              steps: int = typer.Option(6, help="GRPO steps"),
-              prompts: int = typer.Option(8, help="prompts per step (the same set every step: RL epochs)"),
-              n: int = typer.Option(4, help="samples per prompt"),
-              max_tokens: int = typer.Option(160, help="max tokens per sample"),
-              policy: str = typer.Option("rhymerl", help="placement policy"),
-              model_dir: str = typer.Option("models/tiny", help="trained here if missing"),
-              record: str = typer.Option("", help="write every rollout as a trace file"),
-              temperature: float = typer.Option(1.0, help="sampling temperature"),
-              seed: int = typer.Option(0, help="picks the prompt set and the sampling seeds"),
-              partial_credit: float = typer.Option(
-                  0.5, help="reward share for reproducing the worked steps (0: binary reward; a tiny "
-                            "policy rarely gets a whole answer right, so groups would teach nothing)"),
-              log_level: str = "warning") -> None:
-    """Start Redis, history, scheduler and CPU workers, then run a short GRPO loop."""
-    from services.local import run_local
+@settings_command(app, "local-run", LocalRunSettings,
+                  "Start Redis, history, scheduler and CPU workers, then run a short GRPO loop and summarise it.",
+                  log_level="warning")
+def local_run(settings: LocalRunSettings) -> None:
+    from services.local_run import run_local
 
-    _logging(log_level)
-    run_local(num_workers=workers, steps=steps, num_prompts=prompts, n=n, max_tokens=max_tokens,
-              policy=policy, model_dir=model_dir, record=record, partial_credit=partial_credit,
-              temperature=temperature, seed=seed)
+    run_local(settings)
 
 
 if __name__ == "__main__":

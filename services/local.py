@@ -24,8 +24,23 @@ from services.common.redis_server import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+READY_SERVICE = {"history": "rhymerl.v1.HistoryService", "scheduler": "rhymerl.v1.RolloutService",
+                 "worker": "rhymerl.v1.WorkerService"}
+
+
 @dataclass
 class LocalCluster:
+    """The services as separate processes on loopback, each one killable and restartable
+    by name ("redis", "history", "scheduler", "worker-<i>"): what the e2e tests, the
+    chaos campaign and `make run` start.
+
+    Args:
+        separate_redis: run redis-server as a process of its own (append-only file, so a
+            kill -9 loses nothing written) that history and the scheduler's step log
+            share; otherwise history embeds a private one and the step log is off.
+        extra_env: environment for every process (after the defaults).
+    """
+
     model_dir: str
     num_workers: int = 2
     policy: str = "rhymerl"
@@ -33,30 +48,48 @@ class LocalCluster:
     log_dir: Path = ROOT / "runs" / "local"
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, dict] = field(default_factory=dict)  # per worker name, over extra_env
+    separate_redis: bool = False
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    commands: dict[str, tuple[list[str], dict]] = field(default_factory=dict)
 
     @property
     def scheduler_address(self) -> str:
         return f"127.0.0.1:{self.ports['scheduler']}"
 
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports['redis']}/0" if "redis" in self.ports else ""
+
+    @property
+    def workers(self) -> list[str]:
+        return [f"worker-{i}" for i in range(self.num_workers)]
+
     def start(self, timeout_s: float = 120.0) -> "LocalCluster":
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        for name in ["history", "scheduler", *[f"worker-{i}" for i in range(self.num_workers)]]:
+        names = ["redis"] * self.separate_redis + ["history", "scheduler", *self.workers]
+        for name in names:
             self.ports[name], self.metrics_ports[name] = free_port(), free_port()
         history = f"127.0.0.1:{self.ports['history']}"
-        self._spawn("history", "history", {
+        if self.separate_redis:
+            from services.common.redis_server import find_redis_server
+
+            (self.log_dir / "redis").mkdir(exist_ok=True)
+            self._spawn("redis", [find_redis_server(), "--port", str(self.ports["redis"]), "--bind", "127.0.0.1",
+                                  "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+                                  "--dir", str(self.log_dir / "redis")], {})
+        self._spawn_service("history", "history", {
             "RHYMERL_HISTORY_HOST": "127.0.0.1", "RHYMERL_HISTORY_PORT": self.ports["history"],
-            "RHYMERL_HISTORY_METRICS_PORT": self.metrics_ports["history"]})
-        self._spawn("scheduler", "scheduler", {
+            "RHYMERL_HISTORY_METRICS_PORT": self.metrics_ports["history"], "RHYMERL_HISTORY_REDIS_URL": self.redis_url,
+            "RHYMERL_HISTORY_REDIS_TIMEOUT_S": 1.0})
+        self._spawn_service("scheduler", "scheduler", {
             "RHYMERL_SCHEDULER_HOST": "127.0.0.1", "RHYMERL_SCHEDULER_PORT": self.ports["scheduler"],
             "RHYMERL_SCHEDULER_METRICS_PORT": self.metrics_ports["scheduler"],
             "RHYMERL_SCHEDULER_HISTORY_ADDRESS": history, "RHYMERL_SCHEDULER_POLICY": self.policy,
-            "RHYMERL_SCHEDULER_CHUNK_TOKENS": self.chunk_tokens})
-        for i in range(self.num_workers):
-            name = f"worker-{i}"
-            self._spawn(name, "worker", {
+            "RHYMERL_SCHEDULER_CHUNK_TOKENS": self.chunk_tokens, "RHYMERL_SCHEDULER_REDIS_URL": self.redis_url})
+        for name in self.workers:
+            self._spawn_service(name, "worker", {
                 "RHYMERL_WORKER_HOST": "127.0.0.1", "RHYMERL_WORKER_PORT": self.ports[name],
                 "RHYMERL_WORKER_METRICS_PORT": self.metrics_ports[name], "RHYMERL_WORKER_ID": name,
                 "RHYMERL_WORKER_ADVERTISE_ADDRESS": f"127.0.0.1:{self.ports[name]}",
@@ -66,70 +99,125 @@ class LocalCluster:
                 "RHYMERL_WORKER_SCHEDULER_ADDRESS": self.scheduler_address,
                 "RHYMERL_WORKER_HISTORY_ADDRESS": history}, self.worker_env.get(name, {}))
         deadline = time.monotonic() + timeout_s
-        for name, port in self.ports.items():
-            self._wait_serving(name, port, deadline)
-        self._wait_registered(deadline)
+        for name in names:
+            self.wait_ready(name, deadline - time.monotonic())
+        self.wait_registered(deadline - time.monotonic())
         return self
 
-    def _spawn(self, name: str, command: str, env: dict, own: dict | None = None) -> None:
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    **{k: str(v) for k, v in {**env, **self.extra_env, **(own or {})}.items()}}
-        if full_env.get("RHYMERL_WORKER_ENGINE") == "vllm":
+    def _spawn_service(self, name: str, command: str, env: dict, own: dict | None = None) -> None:
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env, **(own or {})}
+        if {**env, **self.extra_env}.get("RHYMERL_WORKER_ENGINE") == "vllm":
             from services.rollout.vllm_engine.builder import intel_openmp_env
 
-            full_env = intel_openmp_env(full_env)
-        log = open(self.log_dir / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "services.cli", command],
-                                            cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+            env = intel_openmp_env(env)
+        self._spawn(name, [sys.executable, "-m", "services.cli", command], env)
 
-    def _wait_serving(self, name: str, port: int, deadline: float) -> None:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    def _spawn(self, name: str, argv: list[str], env: dict) -> None:
+        self.commands[name] = (argv, env)
+        full_env = {**os.environ, **{k: str(v) for k, v in env.items()}, **self.extra_env}
+        log = open(self.log_dir / f"{name}.log", "a")
+        self.procs[name] = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    # --- process control (tests and the chaos campaign) ------------------------------
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 30.0) -> int:
+        """Sends ``sig`` (kill -9 by default; SIGTERM drains) and waits for the exit code."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def restart(self, name: str, timeout_s: float = 120.0, wait: bool = True) -> None:
+        """Starts ``name`` again, same command, ports and environment (after it exited)."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._spawn(name, *self.commands[name])
+        if wait:
+            self.wait_ready(name, timeout_s)
+
+    def is_running(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def rss_bytes(self, name: str) -> int:
+        """Resident memory of a running process (0 if it is not running)."""
+        try:
+            for line in Path(f"/proc/{self.procs[name].pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def wait_ready(self, name: str, timeout_s: float) -> None:
+        """Until ``name`` answers as ready: Redis a PING, a service its gRPC readiness."""
+        deadline = time.monotonic() + timeout_s
+        if name == "redis":
+            import redis
+
+            client = redis.Redis(port=self.ports["redis"], socket_timeout=1)
+            self._poll(name, deadline, lambda: client.ping())
+            client.close()
+            return
+        service = READY_SERVICE[name.split("-")[0]]
+        with grpc.insecure_channel(f"127.0.0.1:{self.ports[name]}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
-            while True:
-                if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited; see {self.log_dir / (name + '.log')}:\n{self.tail(name)}")
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} not serving; see {self.log_dir / (name + '.log')}")
-                time.sleep(0.2)
+            self._poll(name, deadline, lambda: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                       .status == health_pb2.HealthCheckResponse.SERVING)
 
-    def _wait_registered(self, deadline: float) -> None:
+    def wait_registered(self, timeout_s: float, expected: int | None = None) -> float:
+        """Until ``expected`` workers (default: every running one) are registered and
+        healthy; returns the seconds waited."""
         from rhymerl import RolloutClient
 
-        with RolloutClient(self.scheduler_address, timeout_s=5) as client:
-            while len([w for w in client.stats().workers if w.healthy]) < self.num_workers:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("workers did not register with the scheduler")
-                time.sleep(0.2)
+        started = time.monotonic()
+        expected = sum(self.is_running(w) for w in self.workers) if expected is None else expected
+        with RolloutClient(self.scheduler_address, timeout_s=5, max_retries=0) as client:
+            self._poll("scheduler", started + timeout_s,
+                       lambda: len([w for w in client.stats().workers if w.healthy]) >= expected)
+        return time.monotonic() - started
+
+    def _poll(self, name: str, deadline: float, ready) -> None:
+        while True:
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited; see {self.log_dir / (name + '.log')}:\n{self.tail(name)}")
+            try:
+                if ready():
+                    return
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not ready; see {self.log_dir / (name + '.log')}")
+            time.sleep(0.1)
 
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else ""
 
-    def kill(self, name: str) -> None:
-        self.procs[name].kill()
-        self.procs[name].wait()
-
     def stop(self) -> None:
-        """SIGTERM to all (workers drain first), then SIGKILL what lingers."""
-        order = sorted(self.procs, key=lambda n: (not n.startswith("worker"), n != "scheduler"))
-        for name in order:
-            p = self.procs[name]
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        """SIGTERM to every service (workers drain), to Redis once they are gone; SIGKILL
+        to what lingers."""
+        services = [n for n in self.procs if n != "redis"]
+        for group in (services, [n for n in self.procs if n == "redis"]):
+            for name in group:
+                if self.procs[name].poll() is None:
+                    self.procs[name].send_signal(signal.SIGTERM)
+            for name in group:
+                try:
+                    self.procs[name].wait(15)
+                except subprocess.TimeoutExpired:
+                    self.procs[name].kill()
+                    self.procs[name].wait()
 
     def __enter__(self) -> "LocalCluster":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -161,19 +249,3 @@ def load_example(name: str):
         del sys.modules[module_name]
         raise
     return module
-
-
-def run_local(*, num_workers: int, steps: int, num_prompts: int, n: int, max_tokens: int, policy: str,
-              model_dir: str, record: str = "", partial_credit: float = 0.0, temperature: float = 1.0,
-              seed: int = 0) -> None:
-    ensure_model(model_dir)
-    with LocalCluster(model_dir=model_dir, num_workers=num_workers, policy=policy) as cluster:
-        print(f"rhymerl is up: scheduler {cluster.scheduler_address}, {num_workers} CPU workers, "
-              f"metrics on ports {sorted(cluster.metrics_ports.values())}", flush=True)
-        from rhymerl import RolloutClient
-
-        trainer = load_example("grpo_trainer")
-        with RolloutClient(cluster.scheduler_address) as client:
-            trainer.run(client, model_dir, steps=steps, num_prompts=num_prompts, n=n, max_tokens=max_tokens,
-                        record=record or None, partial_credit=partial_credit, temperature=temperature,
-                        seed=seed)

@@ -1,7 +1,11 @@
-"""Rendering the chart without Helm, and validating what it renders (used by test_chart.py).
+"""Rendering the chart with Helm itself, and validating what it renders (used by test_chart.py).
 
-`render` runs the Go renderer (helm/tests/renderer: text/template + sprig + Helm's
-functions), built once into helm/tests/bin/ and rebuilt when its source changes.
+`render` is `helm template`: helm-python-sdk embeds Helm v4's own engine (templates,
+sprig, `include`/`tpl`/`required`, coalescing the chart's defaults, where a null deletes
+one, and the values.schema.json check), so no helm binary and no imitation of Helm is
+involved. What the Helm CLI does before it calls the engine is done here the CLI's way:
+values files and `--set` merged in order (`--set` parsed by Helm's own strvals parser).
+`lint` is `helm lint --strict` with a values file.
 `validate` checks one rendered object against the Kubernetes API types of the
 `kubernetes` Python client, strictly: an unknown field, a wrong scalar type or a
 missing required field fails (the client itself silently drops unknown fields).
@@ -9,70 +13,79 @@ missing required field fails (the client itself silently drops unknown fields).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
-import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
-import pytest
+import helm_python
 import yaml
+from helm_python import _native
 
 HERE = Path(__file__).parent
 CHART = HERE.parent / "rhymerl"
-RENDERER_SRC = HERE / "renderer"
-BIN = HERE / "bin"
 MONITORING_API = "monitoring.coreos.com/v1"
-
-
-def _build_renderer() -> Path:
-    go = shutil.which("go")
-    if go is None:
-        pytest.fail("the chart tests need Go (Debian golang-go); `make install` installs it")
-    source = b"".join(p.read_bytes() for p in sorted(RENDERER_SRC.glob("*.go")))
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    binary = BIN / f"render-{digest}"
-    if not binary.exists():
-        BIN.mkdir(exist_ok=True)
-        for old in BIN.glob("render-*"):
-            old.unlink()
-        env = {**os.environ, "GO111MODULE": "off", "GOPATH": "/usr/share/gocode", "GOPROXY": "off",
-               "GOFLAGS": "", "CGO_ENABLED": "0"}
-        env.setdefault("GOCACHE", str(Path.home() / ".cache" / "go-build"))
-        partial = binary.with_suffix(".partial")  # renamed when complete: an interrupted build is not cached
-        subprocess.run([go, "build", "-o", str(partial), "."], cwd=RENDERER_SRC, env=env, check=True,
-                       timeout=240)
-        partial.rename(binary)
-    return binary
+KUBE_VERSION = "v1.30.0"
 
 
 class RenderError(Exception):
-    """The chart refused the values (a `fail`, `required` or template error)."""
+    """The chart refused the values (a `fail`, `required`, schema or template error)."""
+
+
+def merge_values(base: dict, override: dict) -> dict:
+    """The Helm CLI's merge of values sources: maps merge key by key, anything else is replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merge_values(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+def user_values(values_files=(), set: dict | None = None) -> dict:
+    """What `-f a.yaml -f b.yaml --set-json k=v ...` hands to Helm, in that order."""
+    values: dict = {}
+    for path in values_files:
+        values = merge_values(values, yaml.safe_load(Path(path).read_text()) or {})
+    for key, value in (set or {}).items():
+        values = merge_values(values, helm_python.parse_set_json(f"{key}={json.dumps(value)}"))
+    return values
+
+
+def render_manifests(chart: Path, values: dict, *, name: str, namespace: str, kube_version: str = KUBE_VERSION,
+                     api_versions=()) -> dict[str, str]:
+    """Template path -> rendered text, as `helm template` renders it for an install."""
+    loaded = helm_python.Chart.load(chart)
+    # Chart.render (helm-python-sdk 0.2.2) does not expose the engine's kube_version and
+    # api_versions options (`helm template --kube-version --api-versions`); the native call does.
+    options = {"name": name, "namespace": namespace, "is_install": True, "kube_version": kube_version,
+               "api_versions": list(api_versions)}
+    try:
+        return json.loads(_native.call_string("helm_render", loaded._raw(), json.dumps(values), json.dumps(options)))
+    except helm_python.HelmError as err:
+        raise RenderError(str(err)) from None
+    finally:
+        loaded.close()
 
 
 def make_renderer():
     """Returns render(*values_files, set={...}, api_versions=[...]) -> list of rendered objects."""
-    binary = _build_renderer()
 
     def run(*values_files: Path, set: dict | None = None, api_versions=(), name="rhymerl",
-            namespace="rollout", chart: Path = CHART, kube_version="v1.30.0") -> list[dict]:
-        args = [str(binary), "-chart", str(chart), "-name", name, "-namespace", namespace,
-                "-kube-version", kube_version]
-        for f in values_files:
-            args += ["-f", str(f)]
-        for key, value in (set or {}).items():
-            args += ["-set", f"{key}={json.dumps(value) if not isinstance(value, str) else value}"]
-        for api in api_versions:
-            args += ["-api-versions", api]
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
-        if proc.returncode != 0:
-            raise RenderError(proc.stderr.strip())
-        return [doc for doc in yaml.safe_load_all(proc.stdout) if doc is not None]
+            namespace="rollout", chart: Path = CHART, kube_version=KUBE_VERSION) -> list[dict]:
+        manifests = render_manifests(chart, user_values(values_files, set), name=name, namespace=namespace,
+                                     kube_version=kube_version, api_versions=api_versions)
+        return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
+                for doc in yaml.safe_load_all(text) if doc is not None]
 
     return run
+
+
+def lint(values_file: Path | None = None, chart: Path = CHART) -> list[str]:
+    """`helm lint --strict` (warnings are errors): the findings above info level."""
+    values = yaml.safe_load(values_file.read_text()) if values_file else None
+    report = helm_python.lint(chart, values, strict=True, kube_version=KUBE_VERSION)
+    return [f"{m['path']}: {m['error'].strip()}" for m in report["messages"] if m["severity"] > 1] + \
+        [e.strip() for e in report["errors"]]
 
 
 # --- strict validation against the kubernetes client's models -------------------------

@@ -1,4 +1,4 @@
-"""Fixtures of the chart tests: a renderer and a validator built once per session."""
+"""Fixtures of the chart tests: Helm's renderer and the Kubernetes validator, once per session."""
 
 import sys
 from pathlib import Path

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.malformed import MalformedRequests
 from services.common.security import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,16 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A peer that restarted (a killed pod) is reconnected within a second or two: gRPC's
+    # default backoff grows to 120 s, and every call fails fast until it expires.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+# Servers accept the clients' keepalive pings above: gRPC's default (one per 5 minutes
+# without data) answers them with GOAWAY "too_many_pings", dropping idle-then-busy
+# connections (a worker's Run stream among them).
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
 
 
 class Server:
@@ -30,7 +40,8 @@ class Server:
         servicers: pairs of (``add_XServicer_to_server`` function, servicer).
         service_names: full names reported SERVING by the health service.
         tls: serve TLS when it holds a certificate; plaintext otherwise.
-        interceptors: e.g. ``BearerTokenAuth``.
+        interceptors: e.g. ``BearerTokenAuth`` (requests that do not parse are always
+            answered INVALID_ARGUMENT naming the field, after these).
         health_port: with TLS, also serve the health service alone in plaintext on this
             port (0: no), for Kubernetes gRPC probes, which cannot speak TLS.
     """
@@ -38,7 +49,8 @@ class Server:
     def __init__(self, servicers: Iterable[tuple[Callable, object]], service_names: Iterable[str],
                  tls: TLSConfig | None = None, interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
                  health_port: int = 0):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+        self.server = grpc.aio.server(options=SERVER_OPTIONS,
+                                      interceptors=[*interceptors, MalformedRequests()])
         self.credentials = tls.server_credentials() if tls is not None else None
         for add, servicer in servicers:
             add(servicer, self.server)
@@ -69,6 +81,11 @@ class Server:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self.service_names:
             await self.health.set(name, status)
+
+    async def set_service_serving(self, name: str, serving: bool) -> None:
+        """Readiness of one service (the process itself, "", stays as it is)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(name, status)
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.set_serving(False)

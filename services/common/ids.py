@@ -1,4 +1,4 @@
-"""Identities derived from content: prompt ids, per-sample seeds, request ids."""
+"""Identities derived from content: prompt ids and per-sample seeds."""
 
 from __future__ import annotations
 
@@ -30,6 +30,3 @@ def sample_seed(step_seed: int | None, step_id: str, prompt_id: str, sample_inde
     h = hashlib.blake2b(key.encode(), digest_size=8)
     return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
 
-
-def request_id(step_id: str, prompt_id: str, sample_index: int) -> str:
-    return f"{step_id}/{prompt_id}/{sample_index}"

@@ -83,6 +83,10 @@ migrations_total = Counter(NS + "migrations", "Chunks that resumed on another wo
 workers_registered = Gauge(NS + "workers_registered", "Workers known to the scheduler", ["healthy"])
 step_spec_draft_tokens = Gauge(NS + "step_spec_draft_tokens", "Draft tokens of the last finished step")
 step_spec_accepted_tokens = Gauge(NS + "step_spec_accepted_tokens", "Accepted draft tokens of the last step")
+step_log_writes = Counter(NS + "step_log_writes",
+                          "Finished samples written to the step log in Redis (ok), or not (failed, skipped)",
+                          ["result"])
+samples_in_flight = Gauge(NS + "samples_in_flight", "Samples admitted and not finished, all steps")
 
 # --- trainer/rollout mismatch (scheduler; services/scheduler/mismatch.py) ------------
 _DIFF_BUCKETS = (0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)  # 0: bitwise-identical tokens

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from pydantic import Field
 from pydantic_settings import BaseSettings
 
 
@@ -50,16 +51,14 @@ class TLSConfig:
 class TLSSettings(BaseSettings):
     """TLS fields every service's settings share (``RHYMERL_<SERVICE>_TLS_*``)."""
 
-    # PEM certificate and key to serve with; both empty: plaintext.
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    # PEM CA that signed the other services' certificates; empty: plaintext outgoing channels.
-    tls_ca_file: str = ""
-    # The name in the services' certificate (peers are reached by IP); empty: the address.
-    tls_server_name: str = ""
-    # With TLS: a plaintext port serving only grpc.health.v1 (Kubernetes probes cannot
-    # speak TLS); 0: none.
-    health_port: int = 0
+    tls_cert_file: str = Field("", description="PEM certificate to serve with; with tls_key_file empty: plaintext.")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file.")
+    tls_ca_file: str = Field("", description="PEM CA that signed the other services' certificates; empty: plaintext "
+                                             "outgoing channels.")
+    tls_server_name: str = Field("", description="The name in the services' certificate (peers are reached by IP); "
+                                                 "empty: the address.")
+    # Kubernetes probes cannot speak TLS.
+    health_port: int = Field(0, description="With TLS: a plaintext port serving only grpc.health.v1; 0: none.")
 
     def tls(self) -> TLSConfig:
         return TLSConfig(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, self.tls_server_name)

@@ -27,6 +27,7 @@ from services.history.store import Epoch, HistoryStore, Reward, Rollout
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = history_pb2.DESCRIPTOR.services_by_name["HistoryService"].full_name
+READINESS_INTERVAL_S = 1.0
 
 
 class HistoryServicer(history_pb2_grpc.HistoryServiceServicer):
@@ -121,12 +122,29 @@ async def start_history(settings: HistorySettings) -> tuple[Server, int, Callabl
         await close_store()
         raise
 
+    readiness = asyncio.create_task(_follow_redis(server, store))
+
     async def cleanup() -> None:
+        readiness.cancel()
         await server.stop()
         await close_store()
 
     log.info("history service on %s:%d (%s, K=%d)", settings.host, port, store.where, settings.num_epochs)
     return server, port, cleanup
+
+
+async def _follow_redis(server: Server, store: HistoryStore) -> None:
+    """Readiness follows Redis: HistoryService is NOT_SERVING while Redis does not answer
+    (every call would fail); the process itself ("") stays SERVING: restarting it would
+    not bring Redis back."""
+    while True:
+        try:
+            await store.ping()
+            ready = True
+        except Exception:  # noqa: BLE001 - any failure to answer is "not ready"
+            ready = False
+        await server.set_service_serving(SERVICE_NAME, ready)
+        await asyncio.sleep(READINESS_INTERVAL_S)
 
 
 async def serve(settings: HistorySettings) -> None:

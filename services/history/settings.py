@@ -12,20 +12,15 @@ from services.history.keys import DEFAULT_PREFIX, DEFAULT_TTL_SECONDS, HistoryKe
 class HistorySettings(TLSSettings):
     model_config = SettingsConfigDict(env_prefix="RHYMERL_HISTORY_", frozen=True)
 
-    host: str = "0.0.0.0"
-    # gRPC port; 0 picks a free one.
-    port: int = Field(50052, ge=0, le=65535)
-    # Prometheus /metrics port; 0 turns the endpoint off.
-    metrics_port: int = Field(9092, ge=0, le=65535)
-    # redis://[user:password@]host:port/db; empty starts a private redis-server.
-    redis_url: str = ""
-    # Epochs (K) kept per prompt; older ones are deleted on write.
-    num_epochs: int = Field(4, ge=1)
-    # A prompt's keys expire this long after its last write.
-    ttl_seconds: int = Field(DEFAULT_TTL_SECONDS, ge=1)
-    key_prefix: str = DEFAULT_PREFIX
-    # Socket connect/read timeout towards Redis: a dead Redis fails a call, never hangs it.
-    redis_timeout_s: float = Field(5.0, gt=0)
+    host: str = Field("0.0.0.0", description="Interface the gRPC server binds.")
+    port: int = Field(50052, ge=0, le=65535, description="gRPC port of HistoryService; 0 picks a free one.")
+    metrics_port: int = Field(9092, ge=0, le=65535, description="Prometheus /metrics port; 0 turns the endpoint off.")
+    redis_url: str = Field("", description="redis://[user:password@]host:port/db; empty starts a private redis-server.")
+    num_epochs: int = Field(4, ge=1, description="Epochs (K) kept per prompt; older ones are deleted on write.")
+    ttl_seconds: int = Field(DEFAULT_TTL_SECONDS, ge=1, description="A prompt's keys expire this long after its last write.")
+    key_prefix: str = Field(DEFAULT_PREFIX, description="Prefix of every Redis key (no braces: the hash tag is the prompt).")
+    redis_timeout_s: float = Field(
+        5.0, gt=0, description="Socket connect/read timeout towards Redis: a dead Redis fails a call, never hangs it.")
 
     @field_validator("key_prefix")
     @classmethod

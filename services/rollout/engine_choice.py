@@ -19,13 +19,13 @@ def build_engine(settings: WorkerSettings, worker_id: str):
     from services.rollout.drafter import DrafterConfig, HistoDrafter
     from services.rollout.engine import LLMEngine
 
-    dtype = None if settings.dtype == "auto" else settings.dtype
     drafter = HistoDrafter(DrafterConfig(max_draft_len=settings.max_draft_len))
     engine = LLMEngine.from_path(
-        settings.model_path, device=settings.device, dtype=dtype, max_num_seqs=settings.max_num_seqs,
+        settings.model_path, device=settings.device, dtype=None if settings.dtype == "auto" else settings.dtype, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
         block_size=settings.block_size, drafter=drafter, speculative=settings.speculative,
-        max_draft_len=settings.max_draft_len, worker_id=worker_id, batch_invariant=settings.batch_invariant)
+        max_draft_len=settings.max_draft_len, worker_id=worker_id, batch_invariant=settings.batch_invariant,
+        measure_cost=settings.measure_cost)
     # The drafter prices draft tokens on the engine's own cost model (its measured curve),
     # which exists only once the engine has sized it for the loaded model.
     drafter.config = dataclasses.replace(drafter.config, cost_model=engine.cost_model)

@@ -12,18 +12,17 @@ import logging
 import time
 from collections import OrderedDict
 
-import grpc
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
-from services.common.grpc_server import Server, channel, run_until_signal
-from services.common.security import TLSConfig
+from services.common.grpc_server import Server, run_until_signal
 from services.common.validation import check_sampling, check_token_ids
 from services.rollout import weights
 from services.rollout.engine_choice import build_engine
 from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
 from services.rollout.global_feed import GlobalFeed
+from services.rollout.registration import deregister, keep_registered
 from services.rollout.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -212,7 +211,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _apply(self, version: int, read) -> None:
         started = time.monotonic()
-        state = await asyncio.to_thread(read)
+        state = await asyncio.to_thread(lambda: weights.check_finite(read()))
 
         def load() -> None:
             try:
@@ -237,25 +236,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             accepting=self.accepting)
 
 
-async def _register(settings: WorkerSettings, servicer: WorkerServicer, address: str) -> None:
-    """Registers with the scheduler, retrying until it answers."""
-    request = worker_pb2.RegisterRequest(
-        worker_id=servicer.worker_id, address=address, policy_version=servicer.version,
-        max_num_seqs=settings.max_num_seqs, vocab_size=servicer.config.vocab_size,
-        max_model_len=servicer.config.max_position_embeddings)
-    ch = channel(settings.scheduler_address, settings.tls())
-    try:
-        for attempt in range(10_000):
-            try:
-                await worker_pb2_grpc.RegistryServiceStub(ch).Register(request, timeout=5)
-                log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
-                return
-            except grpc.RpcError as err:
-                if attempt % 10 == 0:
-                    log.info("scheduler not reachable yet (%s); retrying", err.code())
-                await asyncio.sleep(1.0)
-    finally:
-        await ch.close()
 
 
 async def start_worker(settings: WorkerSettings, engine=None):
@@ -284,7 +264,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         servicer.worker_id = settings.worker_id(port)
     registration = None
     if settings.scheduler_address:
-        registration = asyncio.create_task(_register(settings, servicer, settings.address(port)))
+        registration = asyncio.create_task(keep_registered(settings, servicer, settings.address(port)))
     log.info("worker %s listening on port %d", servicer.worker_id, port)
 
     async def stop() -> None:
@@ -293,7 +273,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         await server.set_serving(False)
         if registration is not None:
             registration.cancel()
-            await _deregister(settings.scheduler_address, servicer.worker_id, settings.tls())
+            await deregister(settings.scheduler_address, servicer.worker_id, settings.tls())
         deadline = time.monotonic() + settings.drain_timeout_s
         while servicer.num_runs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -304,17 +284,6 @@ async def start_worker(settings: WorkerSettings, engine=None):
 
     server.servicer = servicer
     return server, port, stop
-
-
-async def _deregister(address: str, worker_id: str, tls: TLSConfig | None = None) -> None:
-    ch = channel(address, tls)
-    try:
-        await worker_pb2_grpc.RegistryServiceStub(ch).Deregister(
-            worker_pb2.DeregisterRequest(worker_id=worker_id), timeout=5)
-    except grpc.RpcError as err:
-        log.warning("deregistration failed: %s", err.code())
-    finally:
-        await ch.close()
 
 
 async def serve(settings: WorkerSettings) -> None:

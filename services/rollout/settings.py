@@ -3,7 +3,7 @@
 import socket
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.security import TLSSettings
@@ -12,48 +12,50 @@ from services.common.security import TLSSettings
 class WorkerSettings(TLSSettings):
     model_config = SettingsConfigDict(env_prefix="RHYMERL_WORKER_", protected_namespaces=())
 
-    host: str = "0.0.0.0"
-    port: int = 50061
-    metrics_port: int = 9161
-    # Defaults to the host name; must be unique in the fleet.
-    id: str = ""
-    # Where the scheduler reaches this worker; defaults to <hostname>:<port>.
-    advertise_address: str = ""
-    # A Hugging Face-format checkpoint directory (config.json + *.safetensors).
-    model_path: str = ""
-    device: str = "auto"
-    # "rhymerl" (its own engine) or "vllm" (vLLM's V1 engine, `make install-vllm`; docs/vllm.md).
-    engine: Literal["rhymerl", "vllm"] = "rhymerl"
-    vllm_gpu_memory_utilization: float = 0.3
-    vllm_kv_cache_gib: int = 2  # VLLM_CPU_KVCACHE_SPACE on the CPU build
-    # vLLM's engine-core process (its default) is refused: see _vllm_in_process.
-    vllm_multiprocessing: bool = False
-    dtype: str = "auto"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # KV-cache blocks; 0 sizes the cache from free memory.
-    num_kv_blocks: int = 0
-    block_size: int = 16
-    speculative: bool = True
-    max_draft_len: int = 16
-    # Batch-invariant kernels: a sample's logits, tokens and logprobs are bitwise the same
-    # whatever it is batched with, verified with, or where it resumes, and equal to
-    # services/rollout/engine/logprobs.py's trainer reference. Off: identical in
-    # distribution only. The default and its cost: docs/sampling.md.
-    batch_invariant: bool = False
-
-    # Registers with this scheduler on start and leaves on SIGTERM; empty = static config.
-    scheduler_address: str = ""
-    # HistoryService for drafts from earlier epochs; empty = siblings and prompt only.
-    history_address: str = ""
-    history_epochs: int = 4
-    # At each step start, this many of the history service's most recent responses to any
-    # prompt (at most this many tokens) feed the drafter's global index; 0: own samples only.
-    global_recent_responses: int = 512
-    global_recent_tokens: int = 131072
-    drain_timeout_s: float = 60.0
-    # Policy version of the checkpoint at model_path.
-    initial_version: int = 0
+    host: str = Field("0.0.0.0", description="Interface the gRPC server binds.")
+    port: int = Field(50061, description="gRPC port of WorkerService.")
+    metrics_port: int = Field(9161, description="Prometheus /metrics port; 0 turns the endpoint off.")
+    id: str = Field("", description="Worker id, unique in the fleet; empty: <hostname>:<port>.")
+    advertise_address: str = Field("", description="Where the scheduler reaches this worker; empty: <hostname>:<port>.")
+    model_path: str = Field("", description="A Hugging Face-format checkpoint directory (config.json + *.safetensors).")
+    device: str = Field("auto", description="auto (cuda when there is a GPU), cpu, cuda or cuda:N.")
+    engine: Literal["rhymerl", "vllm"] = Field(
+        "rhymerl", description="rhymerl (its own engine) or vllm (vLLM's V1 engine, `make install-vllm`; "
+                               "docs/vllm.md).")
+    vllm_gpu_memory_utilization: float = Field(0.3, description="vLLM's gpu_memory_utilization.")
+    vllm_kv_cache_gib: int = Field(2, description="VLLM_CPU_KVCACHE_SPACE on vLLM's CPU build.")
+    vllm_multiprocessing: bool = Field(
+        False, description="vLLM's engine-core process (its default); refused: the vLLM worker runs in-process.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations; auto: the checkpoint's (float32 on a CPU).")
+    max_num_seqs: int = Field(256, description="Most sequences decoding at once (the batch).")
+    max_num_batched_tokens: int = Field(2048, description="Most tokens in one forward (prefill chunks + decode + drafts).")
+    num_kv_blocks: int = Field(0, description="KV-cache blocks; 0 sizes the cache from free memory.")
+    block_size: int = Field(16, description="Tokens per KV-cache block.")
+    speculative: bool = Field(True, description="Draft from history and siblings, verified by the policy (lossless).")
+    max_draft_len: int = Field(16, description="Most draft tokens per sequence and verify step.")
+    batch_invariant: bool = Field(
+        False, description="Batch-invariant kernels: a sample's logits, tokens and logprobs are bitwise the same "
+                           "whatever it is batched with, verified with, or where it resumes, and equal to the "
+                           "trainer reference (services/rollout/engine/logprobs.py). Off: identical in "
+                           "distribution only. Its cost: docs/sampling.md.")
+    measure_cost: bool = Field(
+        True, description="Re-measure the forward cost curve from this worker's own step times; off: keep the "
+                          "H100 table of docs/cost-model.md, so draft lengths do not depend on the machine's speed.")
+    scheduler_address: str = Field(
+        "", description="Registers with this scheduler on start and leaves on SIGTERM; empty: static config.")
+    heartbeat_s: float = Field(
+        2.0, description="Re-registers this often for as long as it runs (a restarted scheduler gets the worker "
+                         "back within one interval); unanswered attempts back off up to it.")
+    history_address: str = Field(
+        "", description="HistoryService for drafts from earlier epochs; empty: siblings and prompt only.")
+    history_epochs: int = Field(4, description="Earlier epochs of a prompt the drafter reads.")
+    global_recent_responses: int = Field(
+        512, description="At each step start, this many of the history service's most recent responses to any "
+                         "prompt feed the drafter's global index; 0: own samples only.")
+    global_recent_tokens: int = Field(131072, description="At most this many tokens of those responses.")
+    drain_timeout_s: float = Field(60.0, description="On SIGTERM, seconds to finish running work before exiting.")
+    initial_version: int = Field(0, description="Policy version of the checkpoint at model_path.")
 
     @field_validator("vllm_multiprocessing")
     @classmethod

@@ -1,7 +1,7 @@
 """Receiving new weights on a worker: a checked stream or a path, applied between samples.
 
-The payload is complete and verified (size, SHA-256, tensor names and shapes)
-before the engine sees any of it; only then is it copied into the model, while
+The payload is complete and verified (size, SHA-256, finite values, tensor names and
+shapes) before the engine sees any of it; only then is it copied into the model, while
 the engine is idle. Anything short of that leaves the current version serving.
 """
 
@@ -49,6 +49,17 @@ async def receive(chunks: AsyncIterator[common_pb2.WeightChunk], max_bytes: int)
         raise DataLoss(f"checksum mismatch for version {header.version} (got {digest}); "
                        "the previous version keeps serving", "header.sha256")
     return Payload(header.version, digest, bytes(buf))
+
+
+def check_finite(state: dict) -> dict:
+    """Returns ``state`` if every floating-point tensor is finite: NaN or Inf weights make
+    every later sample token 0 with NaN logprobs, so they never reach the engine."""
+    import torch
+
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise InvalidArgument(f"tensor {name!r} is not finite (it holds NaN or Inf)", "data")
+    return state
 
 
 def check_version(new: int, current: int, new_sha: str = "", current_sha: str = "") -> bool:

@@ -2,7 +2,7 @@
 
 Piecewise-linear through measured points; beyond the last point it keeps the last
 segment's slope (compute-bound: time grows linearly with tokens). The default curves
-are the H100 bf16 measurements in DESIGN.md (weight matrices only: attention over the
+are the H100 bf16 measurements of docs/cost-model.md (weight matrices only: attention over the
 KV cache is not in them). Knows nothing about requests or workers.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# tokens per forward -> ms, one H100, bf16, CUDA graphs (DESIGN.md)
+# tokens per forward -> ms, one H100, bf16, CUDA graphs (docs/cost-model.md)
 DEFAULT_CURVES: dict[str, tuple[tuple[int, float], ...]] = {
     "0.5B": ((1, 0.66), (32, 0.70), (128, 0.82), (256, 0.93), (512, 1.12)),
     "1.5B": ((1, 1.44), (32, 1.49), (128, 1.59), (256, 1.95), (512, 2.94)),
@@ -37,7 +37,7 @@ class CostModel:
 
     @classmethod
     def default(cls, shape: str = "7B") -> CostModel:
-        """The DESIGN.md curve of a model shape: "0.5B", "1.5B" or "7B"."""
+        """The H100 curve (docs/cost-model.md) of a model shape: "0.5B", "1.5B" or "7B"."""
         try:
             points = DEFAULT_CURVES[shape]
         except KeyError:

@@ -9,8 +9,8 @@ The tokens were sampled from the rollout policy, which is what makes these per-t
 averages estimates of the KL between the two.
 
 Each (step, sample) keeps only its sums (re-reporting a sample replaces them); the
-Prometheus histograms see each sample once. Steps are forgotten with the dispatcher's
-(max_steps_retained). This module knows nothing about gRPC transport or placement.
+Prometheus histograms see each sample once. Steps are forgotten with the scheduler's
+in-memory ones (max_steps_retained). This module knows nothing about gRPC transport or placement.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from rhymerl.v1 import rollout_pb2
 
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.scheduler.policies.base import RequestKey
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def summarize(parts) -> rollout_pb2.MismatchStats:
 
 class MismatchTracker:
     """Args:
-        steps: the dispatcher's steps by id (read only: the samples to compare with).
+        steps: the scheduler's steps by id (read only: the samples to compare with).
     """
 
     def __init__(self, steps: Mapping):
@@ -72,7 +73,7 @@ class MismatchTracker:
         records it, exports it and returns the step's and this report's figures."""
         compared = self._compare(request)
         for step_id in [s for s in self._reports if s not in self.steps]:
-            del self._reports[step_id]  # the dispatcher forgot the step
+            del self._reports[step_id]  # the scheduler forgot the step
         recorded = self._reports.setdefault(request.step_id, {})
         for key, part, abs_diff in compared:
             if key not in recorded:  # the histograms count each sample once
@@ -93,17 +94,18 @@ class MismatchTracker:
         if not run.sampling.logprobs:
             raise FailedPrecondition("the step was sampled with logprobs off: nothing to compare with",
                                      "step_id")
-        samples = {(s.request.prompt_id, s.request.sample_index): s for s in run.samples.values()}
+        # The finished samples are the step's published results (its progress is released).
+        finished = {(e.sample.prompt_id, e.sample.sample_index): e.sample for e in run.events if e.HasField("sample")}
         out, seen = [], set()
         for i, reported in enumerate(request.samples):
             field, key = f"samples[{i}]", (reported.prompt_id, reported.sample_index)
-            prog = samples.get(key)
-            if prog is None:
+            prog = finished.get(key)
+            if prog is None and RequestKey(request.step_id, *key) not in run.samples:
                 raise NotFound(f"no sample {key} in step {request.step_id!r}", field)
             if key in seen:
                 raise InvalidArgument(f"sample {key} is reported twice", field)
             seen.add(key)
-            if not prog.done:
+            if prog is None:
                 raise FailedPrecondition(f"sample {key} has not finished", field)
             trainer = np.asarray(reported.logprobs, dtype=np.float32)
             if len(trainer) != len(prog.logprobs):

@@ -3,6 +3,7 @@
 The log is what makes SubmitStep idempotent: a re-submission (a trainer's
 retry) replays the log from the start and then follows it live, so every
 (prompt, sample) is delivered exactly once per stream and never generated twice.
+A finished step keeps only its log (the samples' progress is released).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from rhymerl.v1 import common_pb2, rollout_pb2
 
-from services.scheduler.policies.base import Request
+from services.scheduler.policies.base import Request, RequestKey
 
 
 def fingerprint(request: rollout_pb2.SubmitStepRequest) -> str:
@@ -22,12 +23,12 @@ def fingerprint(request: rollout_pb2.SubmitStepRequest) -> str:
     return hashlib.sha256(request.SerializeToString(deterministic=True)).hexdigest()
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleProgress:
     """Tokens and counters of one sample, accumulated over its chunks."""
 
     request: Request
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # shared by the prompt's samples
     seed: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -39,23 +40,39 @@ class SampleProgress:
     done: bool = False
     num_failures: int = 0  # Run calls that failed while it was in them
     error: str = ""  # why the service gave it up (finish reason ABORT)
+    dispatch_id: str | None = None  # the chunk in flight; a result for any other is stale
 
 
 class StepRun:
-    """State of one step; the dispatcher fills it, SubmitStep streams read it."""
+    """State of one step; the scheduler core fills it, SubmitStep streams read it.
+
+    Args:
+        request: the trainer's request (kept until the step finishes).
+        samples: one progress per (prompt, sample), from the intake.
+    """
 
     def __init__(self, request: rollout_pb2.SubmitStepRequest, samples: list[SampleProgress]):
         self.step_id = request.step_id
         self.fingerprint = fingerprint(request)
-        self.request = request
+        self.request: rollout_pb2.SubmitStepRequest | None = request
         self.sampling = request.sampling
-        self.samples = {s.request.request_id: s for s in samples}
-        self.num_done = 0
+        self.n = request.n
+        self.samples: dict[RequestKey, SampleProgress] = {s.request.key: s for s in samples}
+        self.prompt_ids = {s.request.prompt_id for s in samples}
+        self.num_samples = len(samples)
+        self.num_done = 0  # samples finished (their results may still be on the way to the log)
+        self.num_published = 0  # samples in ``events``: the last one closes the step
+        self.num_running = 0  # chunks in flight
+        self.aborted: set[tuple[str, int]] = set()  # (prompt_id, sample_index) that ended as ABORT
         self.events: list[rollout_pb2.StepEvent] = []
+        self.num_bytes = 0  # serialized size of the events (what retaining the step costs)
         self.finished = asyncio.Event()
         self._changed = asyncio.Condition()
         self.history_hit_rate = 0.0
         self.cancelled = False
+        self.abort_error = ""  # why the service ended it early (empty: the trainer cancelled it)
+        self.closing = False  # its summary is being written
+        self.in_policy = False  # its requests were handed to the policy (not held for a push)
 
     fingerprint_of = staticmethod(fingerprint)
 
@@ -63,11 +80,21 @@ class StepRun:
     def is_finished(self) -> bool:
         return self.finished.is_set()
 
-    async def publish(self, event: rollout_pb2.StepEvent, last: bool = False) -> None:
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_samples - self.num_done
+
+    def has_sample(self, prompt_id: str, sample_index: int) -> bool:
+        return 0 <= sample_index < self.n and prompt_id in self.prompt_ids
+
+    async def publish(self, events: list[rollout_pb2.StepEvent], last: bool = False) -> None:
         async with self._changed:
-            self.events.append(event)
+            self.events.extend(events)
+            self.num_bytes += sum(e.ByteSize() for e in events)
             if last:
                 self.finished.set()
+                self.request = None
+                self.samples = {}  # only the log is kept: it holds every sample
             self._changed.notify_all()
 
     async def follow(self) -> AsyncIterator[rollout_pb2.StepEvent]:

@@ -1,109 +1,219 @@
 """Fans a weight update out to every worker, keeping the fleet on one version.
 
-A push is streamed through: each chunk from the trainer is forwarded to every
-worker as it arrives (the scheduler never holds the whole model). Workers check
-size and SHA-256 themselves and switch only when the payload is complete, so an
-interrupted or corrupt push leaves the previous version serving everywhere.
+A push is streamed through: each chunk from the trainer is forwarded to every worker
+as it arrives (the scheduler never holds the whole model). Workers check size,
+SHA-256 and finiteness themselves and switch only when the payload is complete.
+
+When a push applies, by ``mode``:
+  - ``after_steps`` (synchronous RL): it waits for the steps running when it arrived
+    to finish, while their chunks keep dispatching; steps submitted meanwhile wait for
+    the push and then sample the new version.
+  - ``between_chunks`` (bounded staleness): it waits only for the chunks in flight;
+    unfinished samples continue on the new version, and their per-token versions say so.
+Either way, a push that fails or is cancelled (the trainer's deadline) leaves dispatch
+running and the old version serving. Re-pushing the version that serves, with the same
+bytes, is acknowledged (the SDK retries pushes) and catches up workers that lag.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 from rhymerl.v1 import common_pb2
 
-from services.common import metrics
-from services.common.errors import FailedPrecondition, InvalidArgument, RhymerlError, Unavailable
-from services.scheduler.dispatcher import Dispatcher
+from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, RhymerlError, Unavailable
+from services.scheduler.core import SchedulerCore
 from services.scheduler.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
+MODES = ("after_steps", "between_chunks")
 _END = object()
 
 
 class WeightFanout:
-    def __init__(self, dispatcher: Dispatcher):
-        self.dispatcher = dispatcher
+    def __init__(self, core: SchedulerCore, mode: str = "after_steps"):
+        if mode not in MODES:
+            raise ValueError(f"weight update mode must be one of {MODES}, got {mode!r}")
+        self.core, self.mode = core, mode
+        # Where a version came from: its SHA-256 when pushed (re-push check), its path when
+        # loaded (catch-up). Only for ``source[0]``: a version the scheduler learned from
+        # its workers after a restart has no known source.
+        self.source: tuple[int, str, str] = (-1, "", "")  # (version, sha256, path)
         self._lock = asyncio.Lock()
+        self._catching_up: set[str] = set()  # worker ids
+        self._unrecorded = False  # the serving version is not in Redis yet
 
     async def push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
         first = await anext(aiter(chunks), None)
         if first is None or not first.HasField("header"):
             raise InvalidArgument("the first message must be a header", "header")
         header = first.header
+        sha256 = header.sha256.lower()
         async with self._lock:
-            workers = await self._prepare(header.version)
-            queues = [asyncio.Queue(maxsize=4) for _ in workers]
-
-            async def forward(q: asyncio.Queue) -> AsyncIterator[common_pb2.WeightChunk]:
-                yield first
-                while (item := await q.get()) is not _END:
-                    yield item
-
-            calls = [asyncio.ensure_future(w.stub.PushWeights(forward(q))) for w, q in zip(workers, queues)]
-            try:
-                async for chunk in chunks:
-                    if chunk.HasField("header"):
-                        raise InvalidArgument("only the first message may be a header", "header")
-                    await asyncio.gather(*(q.put(chunk) for q in queues))
-            except BaseException:
-                # The trainer's stream broke: end the workers' streams short, so each
-                # rejects the incomplete payload and keeps serving its version.
-                for call in calls:
-                    call.cancel()
-                await asyncio.gather(*calls, return_exceptions=True)
-                self.dispatcher.resume()
-                raise
-            for q in queues:
-                await q.put(_END)
-            return await self._finish(header.version, workers, calls)
+            re_push = self._check(header.version, sha256=sha256)
+            async with self._window(re_push):
+                workers = self._targets(header.version)
+                if not workers:  # every worker serves it already: read the payload, check it, ack
+                    await _drain(header, chunks)
+                    return self._ack()
+                queues = [asyncio.Queue(maxsize=4) for _ in workers]
+                calls = [asyncio.ensure_future(self.core.link.stub(w).PushWeights(_forward(first, q)))
+                         for w, q in zip(workers, queues)]
+                try:
+                    async for chunk in chunks:
+                        if chunk.HasField("header"):
+                            raise InvalidArgument("only the first message may be a header", "header")
+                        await asyncio.gather(*(q.put(chunk) for q in queues))
+                except BaseException:
+                    for call in calls:  # the workers' streams end short: each keeps its version
+                        call.cancel()
+                    await asyncio.gather(*calls, return_exceptions=True)
+                    raise
+                for q in queues:
+                    await q.put(_END)
+                return await self._finish(header.version, workers, calls, sha256=sha256)
 
     async def load(self, request: common_pb2.LoadWeightsRequest) -> common_pb2.WeightUpdateResponse:
         if not request.path:
             raise InvalidArgument("must be non-empty", "path")
         async with self._lock:
-            workers = await self._prepare(request.version)
-            calls = [asyncio.ensure_future(w.stub.LoadWeights(request)) for w in workers]
-            return await self._finish(request.version, workers, calls)
+            re_load = self._check(request.version, path=request.path)
+            async with self._window(re_load):
+                workers = self._targets(request.version)
+                if not workers:
+                    return self._ack()
+                calls = [asyncio.ensure_future(self.core.link.stub(w).LoadWeights(request)) for w in workers]
+                return await self._finish(request.version, workers, calls, path=request.path)
 
-    async def _prepare(self, version: int) -> list[WorkerHandle]:
-        if version <= self.dispatcher.policy_version:
-            raise FailedPrecondition(
-                f"must be greater than the version serving ({self.dispatcher.policy_version})", "version")
-        workers = self.dispatcher.workers.usable()
+    async def catch_up(self, worker: WorkerHandle) -> None:
+        """Loads the serving version into a worker that lags (e.g. restarted), when that
+        version came from a path every worker can read; a pushed version cannot be
+        replayed (the scheduler keeps no copy): such a worker waits for the next push.
+        Not under the push lock: a push waiting for steps may need this worker to end them."""
+        version = self.core.policy_version
+        source_version, _, path = self.source
+        if source_version != version or not path or worker.policy_version >= version \
+                or worker.worker_id in self._catching_up:
+            return
+        self._catching_up.add(worker.worker_id)
+        try:
+            request = common_pb2.LoadWeightsRequest(version=version, path=path)
+            worker.policy_version = (await self.core.link.stub(worker).LoadWeights(request, timeout=600)).version
+            log.info("worker %s caught up to version %d", worker.worker_id, version)
+        except grpc.RpcError as err:
+            log.warning("worker %s could not catch up to version %d: %s", worker.worker_id, version, err.code())
+        finally:
+            self._catching_up.discard(worker.worker_id)
+        self.core.wake()
+
+    def _check(self, version: int, sha256: str = "", path: str = "") -> bool:
+        """True for a re-send of the serving version (same bytes or path); raises for an
+        older version, or the serving one with other content."""
+        serving = self.core.policy_version
+        source_version, source_sha256, source_path = self.source
+        same = source_version == version and bool((sha256 and sha256 == source_sha256)
+                                                    or (path and path == source_path))
+        if version < serving or (version == serving and not same):
+            raise FailedPrecondition(f"must be greater than the version serving ({serving}), got {version}",
+                                     "version")
+        if not self.core.workers.usable():
+            raise Unavailable("no rollout worker is registered and healthy")
+        return version == serving
+
+    def _targets(self, version: int) -> list[WorkerHandle]:
+        """The usable workers not on ``version`` yet (chosen once the push may apply)."""
+        workers = self.core.workers.usable()
         if not workers:
             raise Unavailable("no rollout worker is registered and healthy")
-        await self.dispatcher.exclusive()
-        return workers
+        return [w for w in workers if w.policy_version != version]
 
-    async def _finish(self, version: int, workers: list[WorkerHandle], calls) -> common_pb2.WeightUpdateResponse:
+    @contextlib.asynccontextmanager
+    async def _window(self, re_push: bool):
+        """The moment the push applies (see the module docstring); always released. A
+        re-push only updates workers that get no work (they lag): it needs no window."""
+        core = self.core
+        if re_push:
+            yield
+            return
+        try:
+            if self.mode == "after_steps":
+                core.hold_new_steps = True
+                await asyncio.gather(*(run.finished.wait() for run in list(core.active.values())))
+            core.paused = True
+            await core.runs.drained()
+            yield
+        finally:
+            core.paused = False
+            core.hold_new_steps = False
+            core.release_held()
+            core.wake()
+
+    async def _finish(self, version: int, workers: list[WorkerHandle], calls, *, sha256: str = "",
+                      path: str = "") -> common_pb2.WeightUpdateResponse:
         results = await asyncio.gather(*calls, return_exceptions=True)
-        updated, errors = 0, []
-        for w, res in zip(workers, results):
-            if isinstance(res, BaseException):
-                errors.append((w, res))
-            else:
-                w.policy_version = res.version
-                updated += 1
-        if updated == 0:
-            self.dispatcher.resume()
+        errors = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
+        for w, r in zip(workers, results):
+            if not isinstance(r, BaseException):
+                w.policy_version = r.version
+        if len(errors) == len(workers):
             err = errors[0][1]
-            if isinstance(err, grpc.aio.AioRpcError):
-                raise _as_error(err)
-            raise err
+            raise _as_error(err) if isinstance(err, grpc.aio.AioRpcError) else err
         for w, err in errors:
             log.error("worker %s did not take version %d (%s); it gets no work until updated",
                       w.worker_id, version, err)
-        self.dispatcher.resume(version)
-        metrics.weight_version.labels(component="scheduler").set(version)
-        return common_pb2.WeightUpdateResponse(version=version, num_workers_updated=updated)
+        if version != self.core.policy_version:
+            self.source = (version, sha256, path)
+            self.core.set_version(version)
+            self._unrecorded = True
+            await self.record()
+        return self._ack()
+
+    async def record(self) -> None:
+        """Records the serving version for a restarted scheduler; the watchdog calls it
+        again while Redis could not take it (a stale record would make it serve an old one)."""
+        if self._unrecorded and self.source[0] == self.core.policy_version:
+            self._unrecorded = not await self.core.log.save_serving(*self.source)
+
+    async def restore(self) -> None:
+        """A restarted scheduler takes up the serving version its predecessor recorded."""
+        record = await self.core.log.load_serving()
+        if record is not None:
+            self.source = record
+            self.core.serving.restore(record[0])
+            log.info("serving version %d (recorded)", record[0])
+
+    def _ack(self) -> common_pb2.WeightUpdateResponse:
+        version = self.core.policy_version
+        return common_pb2.WeightUpdateResponse(version=version, num_workers_updated=sum(
+            w.policy_version == version for w in self.core.workers.usable()))
+
+
+async def _forward(first: common_pb2.WeightChunk, q: asyncio.Queue) -> AsyncIterator[common_pb2.WeightChunk]:
+    yield first
+    while (item := await q.get()) is not _END:
+        yield item
+
+
+async def _drain(header: common_pb2.WeightHeader, chunks: AsyncIterator[common_pb2.WeightChunk]) -> None:
+    """Reads a re-sent payload to its end and checks it is the one announced."""
+    digest, size = hashlib.sha256(), 0
+    async for chunk in chunks:
+        digest.update(chunk.data)
+        size += len(chunk.data)
+        if size > header.total_bytes:
+            raise InvalidArgument(f"more than total_bytes ({header.total_bytes}) received", "data")
+    if size != header.total_bytes or digest.hexdigest() != header.sha256.lower():
+        raise DataLoss(f"re-push of version {header.version} incomplete or corrupt "
+                       f"({size} of {header.total_bytes} bytes)", "header.sha256")
 
 
 def _as_error(err: grpc.aio.AioRpcError) -> RhymerlError:
     """Re-raises a worker's status to the trainer with the same code."""
-    exc = RhymerlError(f"worker rejected the update: {err.details()}")
+    exc = RhymerlError(err.details())  # the worker's message names the field
     exc.code = err.code()
     return exc

@@ -21,7 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 SETTINGS = {"history": HistorySettings, "scheduler": SchedulerSettings, "worker": WorkerSettings}
-HEALTH_NAMES = {"history": "rhymerl.v1.HistoryService", "scheduler": "rhymerl.v1.RolloutService",
+# The scheduler's compose health is "takes registrations": workers start after it, and its
+# RolloutService is unready until they register.
+HEALTH_NAMES = {"history": "rhymerl.v1.HistoryService", "scheduler": "rhymerl.v1.RegistryService",
                 "worker": "rhymerl.v1.WorkerService"}
 
 

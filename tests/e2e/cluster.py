@@ -15,6 +15,22 @@ TINY = {**TINY_VLLM, "hidden_size": 64, "intermediate_size": 128, "num_attention
         "num_key_value_heads": 2, "head_dim": 16}
 
 
+def expect_status(err, code, field: str) -> None:
+    """``err`` has status ``code`` (a grpc.StatusCode or its name) and names ``field`` first."""
+    import grpc
+
+    code = getattr(grpc.StatusCode, code) if isinstance(code, str) else code
+    assert err.code() == code, (err.code(), err.details())
+    assert err.details().startswith(field + ":"), err.details()
+
+
+def prompts(k: int, length: int = 6, offset: int = 0):
+    """``k`` distinct prompts p{offset}.. of ``length`` tokens inside the tiny vocabulary."""
+    from rhymerl import Prompt
+
+    return [Prompt(f"p{offset + i}", [2 + (7 * (offset + i) + 3 * j) % 90 for j in range(length)]) for i in range(k)]
+
+
 def save_tiny_model(path: Path, seed: int = 0) -> Path:
     from services.rollout.loader import init_random_model, save_model
 
@@ -53,22 +69,15 @@ class Cluster:
     async def _start(self) -> None:
         from services.history.server import start_history
         from services.history.settings import HistorySettings
-        from services.scheduler.server import start_scheduler
-        from services.scheduler.settings import SchedulerSettings
 
         _, history_port, stop = await start_history(
             HistorySettings(host="127.0.0.1", port=0, metrics_port=0, redis_url=self.redis_url, **self.tls))
         self.stops.append(stop)
         self.history_address = f"127.0.0.1:{history_port}"
-        self.scheduler, port, stop = await start_scheduler(SchedulerSettings(
-            host="127.0.0.1", port=0, metrics_port=0, history_address=self.history_address,
-            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls,
-            **self.scheduler_settings))
-        self.stops.append(stop)
-        self.address = f"127.0.0.1:{port}"
+        await self._start_scheduler()
         for i in range(self.num_workers):
             await self.add_worker(f"w{i}")
-        while len(self.scheduler.dispatcher.workers.usable()) < self.num_workers:
+        while len(self.scheduler.core.workers.usable()) < self.num_workers:
             await asyncio.sleep(0.05)
 
     async def add_worker(self, worker_id: str):
@@ -79,11 +88,48 @@ class Cluster:
                                   advertise_address="", model_path=str(self.model_dir), device=self.device,
                                   dtype="float32", max_num_seqs=32, num_kv_blocks=256, block_size=16,
                                   speculative=self.speculative, batch_invariant=self.batch_invariant,
-                                  scheduler_address=self.address,
+                                  measure_cost=False, scheduler_address=self.address,
                                   history_address=self.history_address, drain_timeout_s=5, **self.tls)
         server, port, stop = await _start_worker_advertised(settings, start_worker)
         self.workers[worker_id] = (server, stop)
         return server
+
+    def wait_running(self, step_id: str | None = None, worker_id: str | None = None,
+                     timeout_s: float = 120.0) -> None:
+        """Until ``step_id`` (or any step) has chunks on the workers (``worker_id``: on that
+        one); a hang guard, never a sleep: a busy machine may take longer to start it."""
+        import time
+
+        core, deadline = self.scheduler.core, time.monotonic() + timeout_s
+        while (step_id is not None and step_id not in core.steps) or not core.runs.num_chunks or not any(
+                w.state.running for w in core.workers.workers.values() if worker_id in (None, w.worker_id)):
+            assert time.monotonic() < deadline, f"step {step_id} never started"
+            time.sleep(0.01)
+
+    def crash_scheduler(self) -> None:
+        """Stops the scheduler abruptly (no grace, nothing saved), like kill -9 of its pod."""
+        server = self.scheduler
+        self.stops.remove(self._scheduler_stop)
+
+        async def crash():
+            await server.server.stop(0)
+            await server.core.stop()
+        self.run(crash())
+
+    def start_scheduler(self) -> None:
+        """Starts a fresh scheduler on the address the workers know."""
+        self.run(self._start_scheduler(int(self.address.rsplit(":", 1)[1])))
+
+    async def _start_scheduler(self, port: int = 0) -> None:
+        from services.scheduler.server import start_scheduler
+        from services.scheduler.settings import SchedulerSettings
+
+        self.scheduler, port, self._scheduler_stop = await start_scheduler(SchedulerSettings(
+            host="127.0.0.1", port=port, metrics_port=0, history_address=self.history_address,
+            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls,
+            **self.scheduler_settings))
+        self.stops.append(self._scheduler_stop)
+        self.address = f"127.0.0.1:{port}"
 
     def kill_worker(self, worker_id: str) -> None:
         """Stops a worker abruptly (no draining), like a crashed pod."""

@@ -52,7 +52,7 @@ def stored_prompts(cluster, prompt_ids) -> dict:
     from services.history.client import HistoryClient
 
     async def read():
-        async with HistoryClient(cluster.history_address, tls=cluster.scheduler.dispatcher.workers.tls) as h:
+        async with HistoryClient(cluster.history_address, tls=cluster.scheduler.core.link.tls) as h:
             return await h.get_history(prompt_ids, include_tokens=False)
     return asyncio.run(read())
 
@@ -76,7 +76,7 @@ def test_no_or_a_wrong_token_is_unauthenticated_and_leaves_no_trace(cluster, cer
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert f"intruder-{token}" not in cluster.scheduler.dispatcher.steps
+    assert f"intruder-{token}" not in cluster.scheduler.core.steps
     assert stored_prompts(cluster, ["intruder"])["intruder"] == []
 
 

@@ -122,10 +122,10 @@ def test_without_a_seed_each_step_samples_fresh_noise_and_a_regenerated_step_rep
     assert all(tokens(r) != tokens(first) for r in later)
     assert len({tuple(s.token_ids) for s in first.samples}) > 1
     assert len({s.seed for s in first.samples}) == 8
-    assert "fresh-0" not in cluster.scheduler.dispatcher.steps
-    generated = cluster.scheduler.dispatcher.num_generated_tokens
+    assert "fresh-0" not in cluster.scheduler.core.steps
+    generated = cluster.scheduler.core.num_generated_tokens
     again = client.rollout("fresh-0", step_prompts, n=4, sampling=SAMPLING)
-    assert cluster.scheduler.dispatcher.num_generated_tokens > generated  # generated anew, not replayed
+    assert cluster.scheduler.core.num_generated_tokens > generated  # generated anew, not replayed
     assert {s.key: (s.token_ids, s.logprobs, s.seed) for s in again.samples} == \
         {s.key: (s.token_ids, s.logprobs, s.seed) for s in first.samples}
     seeded = SamplingParams(**{**SAMPLING.__dict__, "seed": 123})

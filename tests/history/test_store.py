@@ -273,7 +273,7 @@ async def test_unreachable_redis_fails_fast_with_unavailable():
     for call in (store.ping(), store.get_history(["p"]), store.put_rollouts([Rollout("p", "s", 0, 0, [1])])):
         with pytest.raises(Unavailable, match="unreachable"):
             await call
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # a hang guard, not a speed check: refused connections fail at once
     await store.close()
 
 
@@ -283,11 +283,12 @@ async def test_a_redis_that_stops_answering_fails_the_call_within_the_timeout():
     with EmbeddedRedis() as server:
         store = HistoryStore.from_url(server.url, HistoryKeys(), 4, timeout_s=0.3)
         await store.ping()
-        await store.client.execute_command("CLIENT", "PAUSE", 5000, "ALL")
+        await store.client.execute_command("CLIENT", "PAUSE", 120_000, "ALL")
         start = time.monotonic()
         with pytest.raises(Unavailable, match="unreachable"):
             await store.get_history(["p"])
-        assert time.monotonic() - start < 3
+        # Without the timeout the call would wait out the 120 s pause; the margin is for a busy machine.
+        assert time.monotonic() - start < 60
         await store.close()
 
 

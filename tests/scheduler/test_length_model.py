@@ -9,7 +9,7 @@ from services.scheduler.simulator import synthetic_workload
 
 
 def req(prompt="p", step="s", i=0, generated=0, max_tokens=1000):
-    return Request(f"{step}/{prompt}/{i}", step, prompt, i, 10, max_tokens, num_generated=generated)
+    return Request(step, prompt, i, 10, max_tokens, num_generated=generated)
 
 
 def test_history_prediction_is_the_recency_weighted_mean_above_what_was_generated():
@@ -78,7 +78,7 @@ def test_history_ranks_a_correlated_synthetic_workload():
     and more recent epochs weigh more (lengths drift upward during RL)."""
     workload = synthetic_workload(200, n=16, num_epochs=4, seed=3, runaway_prob=0.0)
     step = workload.step(3)
-    true = [step.true_len[r.request_id] for r in step.requests]
+    true = [step.true_len[r.key] for r in step.requests]
     recent = LengthModel(step.history, recency=0.5)
     flat = LengthModel(step.history, recency=1.0)
     acc = accuracy([recent.predict(r) for r in step.requests], true)

@@ -25,15 +25,17 @@ ROLLOUT = {("p0", 0): [-0.5, -1.25, -3.0], ("p0", 1): [-0.125, -2.0], ("p1", 0):
 def step(step_id: str, logprobs: bool = True, unfinished=()) -> StepRun:
     samples = []
     for (pid, k), lps in ROLLOUT.items():
-        r = Request(request_id=f"{step_id}/{pid}/{k}", step_id=step_id, prompt_id=pid, sample_index=k,
-                    prompt_len=3, max_tokens=8)
-        prog = SampleProgress(r, [5, 6, 7], seed=1, token_ids=list(range(len(lps))),
-                              logprobs=list(lps) if logprobs else [])
-        prog.done = (pid, k) not in unfinished
-        samples.append(prog)
+        r = Request(step_id, pid, k, prompt_len=3, max_tokens=8)
+        samples.append(SampleProgress(r, [5, 6, 7], seed=1, token_ids=list(range(len(lps))),
+                                      logprobs=list(lps) if logprobs else []))
     request = rollout_pb2.SubmitStepRequest(step_id=step_id, n=2,
                                             sampling=common_pb2.SamplingParams(logprobs=logprobs, max_tokens=8))
-    return StepRun(request, samples)
+    run = StepRun(request, samples)
+    for prog in samples:  # finished: published, as the scheduler does
+        if (prog.request.prompt_id, prog.request.sample_index) not in unfinished:
+            prog.done = True
+            run.events.append(rollout_pb2.StepEvent(sample=run.sample_result(prog, 0)))
+    return run
 
 
 def report(step_id: str, samples: dict) -> rollout_pb2.ReportLogprobsRequest:
@@ -109,7 +111,7 @@ def test_a_sample_reported_twice_in_one_call_is_rejected():
     assert err.value.field == "samples[1]"
 
 
-def test_steps_the_dispatcher_forgot_are_forgotten():
+def test_steps_the_scheduler_forgot_are_forgotten():
     steps = {"a": step("a"), "b": step("b")}
     tracker = MismatchTracker(steps)
     tracker.report(report("a", ROLLOUT))

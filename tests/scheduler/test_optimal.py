@@ -34,9 +34,9 @@ HISTORY_POLICIES = [
 
 def known_lengths_step(lengths: list[int]) -> SimStep:
     """One request per prompt, in this arrival order; history = the true length."""
-    requests = [Request(f"s/q{i}/0", "s", f"q{i}", 0, prompt_len=0, max_tokens=100)
+    requests = [Request("s", f"q{i}", 0, prompt_len=0, max_tokens=100)
                 for i in range(len(lengths))]
-    return SimStep("s", requests, {r.request_id: n for r, n in zip(requests, lengths)},
+    return SimStep("s", requests, {r.key: n for r, n in zip(requests, lengths)},
                    {f"q{i}": [[n]] for i, n in enumerate(lengths)})
 
 

@@ -26,7 +26,7 @@ POLICY_CONFIGS = [
 
 
 def make_requests(step_id: str, num_prompts: int, n: int, max_tokens: int) -> list[Request]:
-    return [Request(f"{step_id}/p{p}/{i}", step_id, f"p{p}", i, prompt_len=10, max_tokens=max_tokens)
+    return [Request(step_id, f"p{p}", i, prompt_len=10, max_tokens=max_tokens)
             for p in range(num_prompts) for i in range(n)]
 
 
@@ -46,8 +46,8 @@ class Harness:
 
     def add_step(self, requests: list[Request], rng: random.Random) -> None:
         for r in requests:
-            self.requests[r.request_id] = r
-            self.true_len[r.request_id] = rng.randint(1, r.max_tokens)
+            self.requests[r.key] = r
+            self.true_len[r.key] = rng.randint(1, r.max_tokens)
         self.policy.add_step(requests, self.lengths, self.now)
         self.schedule()
 
@@ -59,11 +59,11 @@ class Harness:
         for a in self.policy.schedule(self.workers, self.now):
             worker, r = self.by_id[a.worker_id], a.request
             assert worker.healthy and worker.free > 0, "over-filled or dead worker"
-            assert all(r.request_id not in w.running for w in self.workers), "duplicate dispatch"
-            assert r.request_id not in self.finished and r.request_id not in self.cancelled
+            assert all(r.key not in w.running for w in self.workers), "duplicate dispatch"
+            assert r.key not in self.finished and r.key not in self.cancelled
             assert 1 <= a.max_new_tokens <= r.max_tokens - r.num_generated, "chunk over budget"
-            worker.running[r.request_id] = r
-            self.budgets[r.request_id] = a.max_new_tokens
+            worker.running[r.key] = r
+            self.budgets[r.key] = a.max_new_tokens
         self.check()
 
     def complete(self, pick: int) -> None:
@@ -71,13 +71,13 @@ class Harness:
         if not running:
             return
         worker, r = running[pick % len(running)]
-        del worker.running[r.request_id]
-        new = min(self.budgets[r.request_id], self.true_len[r.request_id] - r.num_generated)
-        finished = r.num_generated + new == self.true_len[r.request_id]
+        del worker.running[r.key]
+        new = min(self.budgets[r.key], self.true_len[r.key] - r.num_generated)
+        finished = r.num_generated + new == self.true_len[r.key]
         self.policy.on_chunk_done(r, worker.worker_id, new, finished, self.now)
         if finished:
-            assert r.request_id not in self.finished, "finished twice"
-            self.finished.append(r.request_id)
+            assert r.key not in self.finished, "finished twice"
+            self.finished.append(r.key)
         self.schedule()
 
     def lose(self, pick: int) -> None:
@@ -97,11 +97,11 @@ class Harness:
         self.schedule()
 
     def cancel(self, step_id: str) -> None:
-        running = {r.request_id for _, r in self.running()}
+        running = {r.key for _, r in self.running()}
         queued = {rid for rid, r in self.requests.items() if r.step_id == step_id and rid not in running
                   and rid not in self.finished and rid not in self.cancelled}
         removed = self.policy.cancel_step(step_id)
-        ids = [r.request_id for r in removed]
+        ids = [r.key for r in removed]
         assert sorted(ids) == sorted(queued), "cancel_step must return exactly the step's queued requests"
         for w in self.workers:  # the caller aborts the step's running chunks
             for rid in [rid for rid, r in w.running.items() if r.step_id == step_id]:
@@ -113,7 +113,7 @@ class Harness:
         self.schedule()
 
     def check(self) -> None:
-        running = {r.request_id for _, r in self.running()}
+        running = {r.key for _, r in self.running()}
         live = {rid for rid, r in self.requests.items()
                 if rid not in self.finished and rid not in self.cancelled}
         assert running <= live
@@ -172,7 +172,7 @@ def test_seer_runs_one_probe_per_group_first_then_longest_group():
     requests = make_requests("s", 2, 3, max_tokens=100)
     policy.add_step(requests, LengthModel(), 0.0)
     first = policy.schedule([worker], 0.0)
-    assert sorted(a.request.request_id for a in first) == ["s/p0/0", "s/p1/0"]
+    assert sorted(a.request.key for a in first) == [("s", "p0", 0), ("s", "p1", 0)]
     assert all(a.request.is_probe for a in first)
     short, long_ = first[0].request, first[1].request
     policy.on_chunk_done(short, "w0", 10, True, 1.0)  # p0's probe: 10 tokens
@@ -217,14 +217,14 @@ def test_static_pins_groups_round_robin_and_never_steals():
     policy.add_step(requests, LengthModel(), 0.0)
     workers = [WorkerState("w0", 1), WorkerState("w1", 1)]
     first = policy.schedule(workers, 0.0)
-    assert [(a.request.request_id, a.worker_id, a.max_new_tokens) for a in first] == \
-        [("s/p0/0", "w0", 50), ("s/p1/0", "w1", 50)]
+    assert [(a.request.key, a.worker_id, a.max_new_tokens) for a in first] == \
+        [(("s", "p0", 0), "w0", 50), (("s", "p1", 0), "w1", 50)]
     for a in first:
-        workers[int(a.worker_id[1])].running[a.request.request_id] = a.request
+        workers[int(a.worker_id[1])].running[a.request.key] = a.request
     workers[1].running.clear()
     policy.on_chunk_done(first[1].request, "w1", 5, True, 1.0)
     second = policy.schedule(workers, 1.0)
-    assert [(a.request.request_id, a.worker_id) for a in second] == [("s/p1/1", "w1")]
+    assert [(a.request.key, a.worker_id) for a in second] == [(("s", "p1", 1), "w1")]
     workers[1].running.clear()
     policy.on_chunk_done(second[0].request, "w1", 5, True, 2.0)
     assert policy.schedule(workers, 2.0) == []  # w1 is idle; p0 and p2 wait for w0
@@ -261,7 +261,7 @@ def _sharing_step(policy, max_tokens: int = 1000):
     """Two prompts whose history hides runaways (1 in 21 samples ran to the cap): rhymerl
     runs the step in sharing mode; ``a`` is predicted shorter than ``b``."""
     lengths = LengthModel({"a": [[10] * 20 + [max_tokens]], "b": [[20] * 20 + [max_tokens]]})
-    requests = [Request(f"s/{p}/{i}", "s", p, i, prompt_len=10, max_tokens=max_tokens)
+    requests = [Request("s", p, i, prompt_len=10, max_tokens=max_tokens)
                 for p in ("a", "b") for i in range(16)]
     policy.add_step(requests, lengths, 0.0)
     return requests
@@ -275,14 +275,14 @@ def test_rhymerl_sharing_order(order, first_prompt, keeps_running):
     policy = make_policy("rhymerl", chunk_size=4, share_order=order)
     _sharing_step(policy)
     scouts = policy.schedule([WorkerState("w0", 2)], 0.0)  # each group's first sample goes first
-    assert sorted(a.request.request_id for a in scouts) == ["s/a/0", "s/b/0"]
+    assert sorted(a.request.key for a in scouts) == [("s", "a", 0), ("s", "b", 0)]
     for a in scouts:
         policy.on_chunk_done(a.request, "w0", 4, True, 0.5)
     worker = WorkerState("w0", 1)
     (first,) = policy.schedule([worker], 0.0)
     assert first.request.prompt_id == first_prompt
-    worker.running[first.request.request_id] = first.request
-    del worker.running[first.request.request_id]
+    worker.running[first.request.key] = first.request
+    del worker.running[first.request.key]
     policy.on_chunk_done(first.request, "w0", 4, False, 1.0)
     (second,) = policy.schedule([worker], 1.0)
     assert (second.request is first.request) == keeps_running
@@ -299,14 +299,14 @@ def test_rhymerl_scout_that_outruns_its_history_pulls_its_group_forward():
     changed: ``a``'s queued siblings must now run before ``b``'s, not after."""
     policy = make_policy("rhymerl", chunk_size=200)
     lengths = LengthModel({"a": [[10] * 16], "b": [[100] * 16]})
-    requests = [Request(f"s/{p}/{i}", "s", p, i, prompt_len=10, max_tokens=1000) for p in "ab" for i in range(3)]
+    requests = [Request("s", p, i, prompt_len=10, max_tokens=1000) for p in "ab" for i in range(3)]
     policy.add_step(requests, lengths, 0.0)
     scouts = policy.schedule([WorkerState("w0", 2)], 0.0)
-    assert [a.request.request_id for a in scouts] == ["s/b/0", "s/a/0"]  # longest predicted first
+    assert [a.request.key for a in scouts] == [("s", "b", 0), ("s", "a", 0)]  # longest predicted first
     policy.on_chunk_done(scouts[0].request, "w0", 100, True, 1.0)
     policy.on_chunk_done(scouts[1].request, "w0", 200, False, 2.0)
-    order = [a.request.request_id for a in policy.schedule([WorkerState("w1", 5)], 2.0)]
-    assert order == ["s/a/0", "s/a/1", "s/a/2", "s/b/1", "s/b/2"]
+    order = [a.request.key for a in policy.schedule([WorkerState("w1", 5)], 2.0)]
+    assert order == [("s", "a", 0), ("s", "a", 1), ("s", "a", 2), ("s", "b", 1), ("s", "b", 2)]
 
 
 def test_rhymerl_learns_the_runaway_rate_for_prompts_without_history():

@@ -80,14 +80,14 @@ def test_worker_loss_cancel_and_abort_replay_identically():
     lengths = LengthModel({"p0": [[30, 40]], "p1": [[5, 6]]})
     recorder = EventRecorder(make_policy("rhymerl", chunk_size=4))
     workers = [WorkerState("a", 2), WorkerState("b", 2)]
-    reqs = {s: [Request(f"{s}/p{p}/{i}", s, f"p{p}", i, 3, 50) for p in range(3) for i in range(2)]
+    reqs = {s: [Request(s, f"p{p}", i, 3, 50) for p in range(3) for i in range(2)]
             for s in ("s1", "s2")}
     now = 0.0
 
     def schedule():
         assignments = recorder.schedule(workers, now)
         for a in assignments:
-            next(w for w in workers if w.worker_id == a.worker_id).running[a.request.request_id] = a.request
+            next(w for w in workers if w.worker_id == a.worker_id).running[a.request.key] = a.request
         return assignments
 
     recorder.add_step(reqs["s1"], lengths, now)
@@ -105,9 +105,9 @@ def test_worker_loss_cancel_and_abort_replay_identically():
             recorder.cancel_step("s2")
         elif running:
             worker, request = running[0]
-            del worker.running[request.request_id]
+            del worker.running[request.key]
             if tick == 7:
-                request.aborted = True  # the dispatcher gives it up
+                request.aborted = True  # the scheduler gives it up
                 recorder.on_chunk_done(request, worker.worker_id, 0, True, now)
             else:
                 recorder.on_chunk_done(request, worker.worker_id, 4, request.num_generated + 4 >= 12, now)
@@ -140,7 +140,7 @@ def test_live_scheduler_decisions_replay_identically(tmp_path, redis_url):
     prompts = [Prompt(f"rp{i}", [2 + (5 * i + 3 * j) % 90 for j in range(6)]) for i in range(4)]
     sampling = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, max_tokens=24, seed=11)
     try:
-        assert isinstance(cluster.scheduler.dispatcher.policy, EventRecorder)
+        assert isinstance(cluster.scheduler.core.policy, EventRecorder)
         with RolloutClient(cluster.address, timeout_s=120, max_retries=2) as client:
             for step in ("replay-1", "replay-2"):
                 result = client.rollout(step, prompts, n=3, sampling=sampling)
@@ -153,7 +153,7 @@ def test_live_scheduler_decisions_replay_identically(tmp_path, redis_url):
     assert any(e["lengths"]["history"] for e in events if e["op"] == "add_step")  # step 2 had history
     recorded = decisions_of(events)
     assignments = [a for d in recorded for a in d["assignments"]]
-    assert len({a["request_id"] for a in assignments}) == 24
+    assert len({tuple(a["request"]) for a in assignments}) == 24
     assert len({a["worker_id"] for a in assignments}) == 2
     mismatches: list[str] = []
     assert replay(events, make_policy("rhymerl", chunk_size=8), mismatches) == recorded

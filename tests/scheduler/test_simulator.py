@@ -22,9 +22,9 @@ FLAT_1MS = CostModel((1.0, 512.0), (1.0, 1.0))  # every forward takes 1 ms, what
 def tiny_step(lengths: list[int], step_id: str = "s", prompt_len: int = 4, n: int | None = None) -> SimStep:
     """One request per length; ``n`` samples per prompt (default: all one prompt's)."""
     n = n or len(lengths)
-    requests = [Request(f"{step_id}/p{i // n}/{i % n}", step_id, f"p{i // n}", i % n, prompt_len, max_tokens=100)
+    requests = [Request(step_id, f"p{i // n}", i % n, prompt_len, max_tokens=100)
                 for i in range(len(lengths))]
-    return SimStep(step_id, requests, {r.request_id: n for r, n in zip(requests, lengths)}, {})
+    return SimStep(step_id, requests, {r.key: n for r, n in zip(requests, lengths)}, {})
 
 
 def test_clock_on_a_hand_computed_step():

@@ -1,7 +1,7 @@
 """Forward cost as a function of tokens per forward, and the draft budget it implies.
 
 A decode forward is bound by reading the weights, so up to a few hundred tokens per
-forward cost about the same as one (DESIGN.md, H100 table below). The draft budget of a
+forward cost about the same as one (docs/cost-model.md, H100 table below). The draft budget of a
 step is the number of extra tokens that keep the forward within ``tolerance`` of a
 one-token forward: long drafts when few sequences decode, none when the batch alone
 fills the flat part of the curve. Optionally the curve is re-measured on the fly from
@@ -38,7 +38,7 @@ class CostModel:
 
     @classmethod
     def for_num_params(cls, num_params: int, **kw) -> "CostModel":
-        """The DESIGN.md curve of the nearest model size."""
+        """The H100 curve (docs/cost-model.md) of the nearest model size."""
         name = min(_CURVE_PARAMS, key=lambda k: abs(_CURVE_PARAMS[k] - num_params) / _CURVE_PARAMS[k])
         return cls(H100_CURVES[name], **kw)
 

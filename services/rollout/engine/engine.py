@@ -40,7 +40,7 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, block_size: int = 16, kv_cache_memory_fraction: float = 0.8,
                  drafter: Drafter | None = None, speculative: bool = True, max_draft_len: int = 16,
                  cost_model: CostModel | None = None, use_cuda_graphs: bool = True, worker_id: str = "local",
-                 max_model_len: int | None = None, batch_invariant: bool = False):
+                 max_model_len: int | None = None, batch_invariant: bool = False, measure_cost: bool = True):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_draft_len < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_draft_len >= 0")
         self.device = _resolve_device(device, model)
@@ -53,10 +53,11 @@ class LLMEngine:
         # Requests the drafter failed on: they decode without drafts (still lossless).
         # A drafter bug costs speed, never a sample.
         self._undrafted: set[str] = set()
-        # The DESIGN.md curve of the nearest H100 model size is the prior; the engine's own
-        # step times replace it as they come in (on a CPU, drafts rarely pay: see the curve).
+        # The H100 curve of the nearest model size (docs/cost-model.md) is the prior; with
+        # measure_cost the engine's own step times replace it as they come in (on a CPU,
+        # drafts rarely pay). Without, draft lengths do not depend on the machine's speed.
         self.cost_model = cost_model or CostModel.for_num_params(sum(p.numel() for p in model.parameters()),
-                                                                 measure=True)
+                                                                 measure=measure_cost)
         if num_kv_blocks is None:
             num_kv_blocks = default_num_kv_blocks(self.model, self.device, block_size, max_num_batched_tokens,
                                                   kv_cache_memory_fraction, batch_invariant=batch_invariant)

@@ -1,10 +1,10 @@
 """What the worker server hands the engine, and what it gets back: one chunk of one sample.
 
 A request is one (prompt, sample index) of a training step, asked to generate at most
-``max_new_tokens`` more tokens (a chunk of a divided rollout). A later chunk of the same
-sample arrives as a new request whose ``generated_token_ids`` holds the earlier chunks'
-tokens; because sampling is keyed on (seed, position), the resumed sample continues as an
-uninterrupted one would (bit for bit in batch-invariant mode, docs/sampling.md).
+``max_new_tokens`` more tokens (a chunk: divided rollout, docs/architecture.md). A later chunk
+of the same sample arrives as a new request whose ``generated_token_ids`` holds the
+earlier chunks' tokens; because sampling is keyed on (seed, position), the resumed sample
+continues as an uninterrupted one would (bit for bit in batch-invariant mode, docs/sampling.md).
 """
 
 from __future__ import annotations

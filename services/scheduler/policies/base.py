@@ -9,8 +9,10 @@ Who writes what: the policy updates the ``Request`` fields (``num_generated``,
 ``predicted_len``, ``last_worker``, ``num_chunks``, ``num_migrations``, ``is_probe``);
 the caller updates ``WorkerState.running`` and ``healthy``. The caller's contract:
   1. ``add_step(requests, lengths, now)`` when a step's requests arrive;
-  2. ``schedule(workers, now)`` after every event; the caller puts each returned
-     assignment's request into ``workers[...].running`` and sends the chunk;
+  2. ``schedule(workers, now, quota)`` after every event; the caller puts each returned
+     assignment's request into ``workers[...].running`` (keyed by ``request.key``) and
+     sends the chunk; ``quota`` (optional) caps the chunks each step may start in this
+     call: the caller's fair share of the fleet between steps;
   3. ``on_chunk_done(request, worker_id, num_new_tokens, finished, now)`` when a chunk
      ends, after the caller removed the request from ``worker.running``; the policy adds
      ``num_new_tokens`` to ``num_generated``; unfinished requests go back to its pool;
@@ -25,18 +27,30 @@ the caller updates ``WorkerState.running`` and ``healthy``. The caller's contrac
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 if TYPE_CHECKING:
     from services.scheduler.length_model import LengthModel
 
 
-@dataclass(eq=False)
+class RequestKey(NamedTuple):
+    """Who a request is: sample ``sample_index`` of prompt ``prompt_id`` in step ``step_id``.
+
+    A tuple, never a joined string: ids are the trainer's and may contain any
+    separator ("X/a" + "b" and "X" + "a/b" are different requests).
+    """
+
+    step_id: str
+    prompt_id: str
+    sample_index: int
+
+
+@dataclass(eq=False, slots=True)
 class Request:
     """One sample of a step; mutable bookkeeping owned by the scheduler."""
 
-    request_id: str
     step_id: str
     prompt_id: str
     sample_index: int
@@ -49,6 +63,10 @@ class Request:
     num_migrations: int = 0
     is_probe: bool = False
     aborted: bool = False  # ended without a natural finish: its length says nothing
+    key: RequestKey = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = RequestKey(self.step_id, self.prompt_id, self.sample_index)
 
     @property
     def group_id(self) -> tuple[str, str]:
@@ -66,7 +84,7 @@ class WorkerState:
 
     worker_id: str
     capacity: int  # most requests it runs at once
-    running: dict[str, Request] = field(default_factory=dict)
+    running: dict[RequestKey, Request] = field(default_factory=dict)
     healthy: bool = True
 
     @property
@@ -80,6 +98,26 @@ class Assignment:
     worker_id: str
     max_new_tokens: int  # this chunk's budget, 1 <= budget <= max_tokens - num_generated
     is_migration: bool = False  # resumes on another worker than its previous chunk's
+
+
+class StepQuota:
+    """How many chunks each step may still start in one ``schedule()`` call: the caller's
+    fair share of the fleet between steps. A step it does not name may start none."""
+
+    def __init__(self, slots: Mapping[str, int]) -> None:
+        self._left = dict(slots)
+
+    def allows(self, step_id: str) -> bool:
+        return self._left.get(step_id, 0) > 0
+
+    def take(self, step_id: str) -> None:
+        self._left[step_id] -= 1
+
+    def give_back(self, step_id: str) -> None:
+        self._left[step_id] += 1
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self._left)
 
 
 def chunk_budget(request: Request, chunk_size: int | None) -> int:
@@ -107,7 +145,7 @@ class Policy(ABC):
     @staticmethod
     def _record_chunk(request: Request, num_new_tokens: int) -> None:
         if num_new_tokens < 0 or request.num_generated + num_new_tokens > request.max_tokens:
-            raise ValueError(f"{request.request_id}: {num_new_tokens} new tokens overflow "
+            raise ValueError(f"{request.key}: {num_new_tokens} new tokens overflow "
                              f"{request.num_generated}/{request.max_tokens}")
         request.num_generated += num_new_tokens
 
@@ -116,8 +154,10 @@ class Policy(ABC):
         """A step's requests arrive; the policy sets ``predicted_len`` via ``lengths``."""
 
     @abstractmethod
-    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
-        """Fill free capacity. Called after every event; never over-fills a worker."""
+    def schedule(self, workers: list[WorkerState], now: float,
+                 quota: StepQuota | None = None) -> list[Assignment]:
+        """Fill free capacity. Called after every event; never over-fills a worker, and
+        never starts more chunks of a step than ``quota`` allows (None: no cap)."""
 
     @abstractmethod
     def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,

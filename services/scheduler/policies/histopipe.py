@@ -17,8 +17,8 @@ import heapq
 
 from services.scheduler.cost_model import CostModel
 from services.scheduler.length_model import LengthModel
-from services.scheduler.policies.base import Assignment, Policy, Request, WorkerState
-from services.scheduler.policies.queue import RequestQueue
+from services.scheduler.policies.base import Assignment, Policy, Request, RequestKey, StepQuota, WorkerState
+from services.scheduler.policies.queue import StepQueues
 from services.scheduler.policies.steps import StepBook
 
 
@@ -28,8 +28,8 @@ class HistoPipePolicy(Policy):
     def __init__(self, cost: CostModel | None = None, model_shape: str = "7B") -> None:
         self.cost = cost or CostModel.default(model_shape)
         self._unplaced: list[Request] = []
-        self._queues: dict[str, RequestQueue] = {}  # worker_id -> key (-predicted_len, arrival)
-        self._home: dict[str, str] = {}  # request_id -> worker whose queue holds it
+        self._queues: dict[str, StepQueues] = {}  # worker_id -> key (-predicted_len, arrival)
+        self._home: dict[RequestKey, str] = {}  # request -> worker whose queue holds it
         self._steps = StepBook()
         self._lengths = LengthModel()
 
@@ -40,7 +40,8 @@ class HistoPipePolicy(Policy):
             request.predicted_len = lengths.predict(request)
         self._unplaced.extend(requests)
 
-    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
+    def schedule(self, workers: list[WorkerState], now: float,
+                 quota: StepQuota | None = None) -> list[Assignment]:
         for worker in workers:
             if not worker.healthy and worker.worker_id in self._queues:
                 self._unqueue_worker(worker.worker_id)
@@ -51,8 +52,10 @@ class HistoPipePolicy(Policy):
             num_free = worker.capacity - len(worker.running)
             queue = self._queues.get(worker.worker_id)
             while num_free > 0 and worker.healthy and queue:
-                request = queue.pop()
-                del self._home[request.request_id]
+                request = queue.pop(quota)
+                if request is None:
+                    break
+                del self._home[request.key]
                 assignments.append(self._assign(request, worker, request.num_remaining))
                 num_free -= 1
         return assignments
@@ -76,16 +79,16 @@ class HistoPipePolicy(Policy):
     def _unqueue_worker(self, worker_id: str) -> None:
         """Move a lost worker's queue back to the unplaced requests."""
         for request in self._queues.pop(worker_id, ()):
-            del self._home[request.request_id]
+            del self._home[request.key]
             self._unplaced.append(request)
 
     def cancel_step(self, step_id: str) -> list[Request]:
         removed = [r for r in self._unplaced if r.step_id == step_id]
         self._unplaced = [r for r in self._unplaced if r.step_id != step_id]
         for queue in self._queues.values():
-            removed += queue.remove_where(lambda r: r.step_id == step_id)
+            removed += queue.remove_step(step_id)
         for request in removed:
-            self._home.pop(request.request_id, None)
+            self._home.pop(request.key, None)
         self._steps.cancel(step_id)
         self._lengths.forget_step(step_id)
         return removed
@@ -125,6 +128,6 @@ class HistoPipePolicy(Policy):
 
     def _enqueue(self, request: Request, worker_id: str) -> None:
         request.predicted_len = self._lengths.predict(request)
-        self._queues.setdefault(worker_id, RequestQueue()).push(
+        self._queues.setdefault(worker_id, StepQueues()).push(
             request, (-request.predicted_len, self._steps.arrival(request)))
-        self._home[request.request_id] = worker_id
+        self._home[request.key] = worker_id

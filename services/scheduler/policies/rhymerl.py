@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from services.scheduler.cost_model import CostModel
 from services.scheduler.length_model import LengthModel
-from services.scheduler.policies.base import Assignment, Request, WorkerState
+from services.scheduler.policies.base import Assignment, Request, StepQuota, WorkerState
 from services.scheduler.policies.placement import LeastLoaded
 from services.scheduler.policies.seer import SeerPolicy
 
@@ -79,7 +79,8 @@ class RhymeRLPolicy(SeerPolicy):
         self._sharing.pop(step_id, None)
         return removed
 
-    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
+    def schedule(self, workers: list[WorkerState], now: float,
+                 quota: StepQuota | None = None) -> list[Assignment]:
         if not self.num_queued():
             return []
         free = LeastLoaded(workers, affinity_slack=1 << 30)
@@ -87,7 +88,7 @@ class RhymeRLPolicy(SeerPolicy):
         num_slots = free.num_free()
         chosen, waiting = [], []  # 1. what runs: the queue's head, as many as there are slots
         while len(chosen) < num_slots and len(waiting) < 4 * num_slots:  # bounded scan
-            request = self._pop()
+            request = self._pop(quota)
             if request is None:
                 break
             if (self.wait_for_home and request.last_worker in busy_homes
@@ -99,6 +100,8 @@ class RhymeRLPolicy(SeerPolicy):
         chosen += waiting[:spare]
         for request in waiting[spare:]:
             self._enqueue(request)
+            if quota is not None:
+                quota.give_back(request.step_id)
         assignments, movers = [], []
         for request in chosen:  # 2. where: returning requests keep their worker first
             worker = None

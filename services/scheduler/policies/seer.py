@@ -23,12 +23,20 @@ from services.scheduler.policies.base import (
     Assignment,
     Policy,
     Request,
+    RequestKey,
+    StepQuota,
     WorkerState,
     chunk_budget,
 )
 from services.scheduler.policies.placement import LeastLoaded
-from services.scheduler.policies.queue import RequestQueue
+from services.scheduler.policies.queue import StepQueues
 from services.scheduler.policies.steps import StepBook
+
+# Re-keying a group costs O(its queued requests). Done on every sibling event, a group
+# of n costs O(n^2) (a 4,096-sample group: seconds per step of the event loop). Past this
+# many queued, a group is re-keyed once per (queued / REKEY_BATCH) events: O(n) amortised,
+# with its order at most that many events stale; smaller groups stay exact.
+REKEY_BATCH = 64
 
 
 class SeerPolicy(Policy):
@@ -40,9 +48,10 @@ class SeerPolicy(Policy):
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = chunk_size
         self.affinity_slack = affinity_slack
-        self._probes = RequestQueue()  # key: (num_generated, arrival)
-        self._rest = RequestQueue()  # key: (-predicted_len, -num_generated, arrival)
-        self._queued: dict[tuple[str, str], dict[str, Request]] = {}  # group -> its queued requests
+        self._probes = StepQueues()  # key: (num_generated, arrival)
+        self._rest = StepQueues()  # key: (-predicted_len, -num_generated, arrival)
+        self._queued: dict[tuple[str, str], dict[RequestKey, Request]] = {}  # group -> its queued requests
+        self._stale: dict[tuple[str, str], int] = {}  # group -> events since it was last re-keyed
         self._steps = StepBook()
         self._lengths = LengthModel()
 
@@ -60,13 +69,14 @@ class SeerPolicy(Policy):
         for request in requests:
             self._enqueue(request)
 
-    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
+    def schedule(self, workers: list[WorkerState], now: float,
+                 quota: StepQuota | None = None) -> list[Assignment]:
         if not self.num_queued():
             return []
         free = LeastLoaded(workers, self.affinity_slack)
         assignments = []
         while free:
-            request = self._pop()
+            request = self._pop(quota)
             if request is None:
                 break
             worker = free.take(request.last_worker)
@@ -95,10 +105,10 @@ class SeerPolicy(Policy):
                 self._enqueue(request)
 
     def cancel_step(self, step_id: str) -> list[Request]:
-        in_step = lambda r: r.step_id == step_id
-        removed = self._probes.remove_where(in_step) + self._rest.remove_where(in_step)
-        for group in [g for g in self._queued if g[0] == step_id]:
-            del self._queued[group]
+        removed = self._probes.remove_step(step_id) + self._rest.remove_step(step_id)
+        for request in removed:
+            self._queued.pop(request.group_id, None)
+            self._stale.pop(request.group_id, None)
         self._steps.cancel(step_id)
         self._lengths.forget_step(step_id)
         return removed
@@ -129,20 +139,31 @@ class SeerPolicy(Policy):
             self._probes.push(request, (request.num_generated, self._steps.arrival(request)))
         else:
             self._rest.push(request, self._priority(request))
-        self._queued.setdefault(request.group_id, {})[request.request_id] = request
+        self._queued.setdefault(request.group_id, {})[request.key] = request
 
-    def _pop(self) -> Request | None:
-        request = self._probes.pop() if self._probes else self._rest.pop()
+    def _pop(self, quota: StepQuota | None = None) -> Request | None:
+        request = self._probes.pop(quota)
+        if request is None:
+            request = self._rest.pop(quota)
         if request is not None:
             group = self._queued[request.group_id]
-            del group[request.request_id]
+            del group[request.key]
             if not group:
                 del self._queued[request.group_id]
+                self._stale.pop(request.group_id, None)
         return request
 
     def _rekey_group(self, group_id: tuple[str, str]) -> None:
-        """A sibling finished: the group's estimate (and probe tier) changed."""
-        for request in list(self._queued.get(group_id, {}).values()):
+        """A sibling finished or ran further: the group's estimate (and probe tier) changed."""
+        queued = self._queued.get(group_id)
+        if not queued:
+            return
+        stale = self._stale.get(group_id, 0) + 1
+        if stale * REKEY_BATCH < len(queued):
+            self._stale[group_id] = stale
+            return
+        self._stale.pop(group_id, None)
+        for request in list(queued.values()):
             if not self._probes.remove(request):
                 self._rest.remove(request)
             self._enqueue(request)

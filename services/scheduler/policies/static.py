@@ -12,10 +12,12 @@ a lost worker's requests are pinned again, to the survivors.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from services.scheduler.length_model import LengthModel
-from services.scheduler.policies.base import Assignment, Policy, Request, WorkerState
+from services.scheduler.policies.base import Assignment, Policy, Request, RequestKey, StepQuota, WorkerState
+from services.scheduler.policies.queue import StepQueues
 from services.scheduler.policies.steps import StepBook
 
 
@@ -24,12 +26,14 @@ class StaticPolicy(Policy):
 
     def __init__(self) -> None:
         self._unpinned: deque[Request] = deque()  # arrived, no worker chosen yet
-        self._pinned: dict[str, deque[Request]] = {}  # worker_id -> its FIFO queue
+        self._pinned: dict[str, StepQueues] = {}  # worker_id -> its FIFO queue (per step, for quotas)
+        self._back = itertools.count()  # FIFO keys: appended requests count up,
+        self._front = itertools.count(-1, -1)  # requests put back in front count down
         self._cursor = 0  # round-robin position
         self._group_worker: dict[tuple[str, str], str] = {}  # group -> the worker it is pinned to
         self._lengths: LengthModel | None = None
         self._steps = StepBook()
-        self._running: set[str] = set()  # dispatched, no result yet
+        self._running: set[RequestKey] = set()  # dispatched, no result yet
 
     def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
         self._lengths = lengths
@@ -38,10 +42,11 @@ class StaticPolicy(Policy):
             request.predicted_len = lengths.predict(request)
         self._unpinned.extend(requests)
 
-    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
+    def schedule(self, workers: list[WorkerState], now: float,
+                 quota: StepQuota | None = None) -> list[Assignment]:
         for worker in workers:
             if not worker.healthy and worker.worker_id in self._pinned:
-                self._unpinned.extendleft(reversed(self._pinned.pop(worker.worker_id)))
+                self._unpinned.extendleft(reversed(self._pinned.pop(worker.worker_id).in_order()))
         if self._unpinned:
             self._pin([w for w in workers if w.healthy])
         assignments = []
@@ -51,8 +56,10 @@ class StaticPolicy(Policy):
                 continue
             queue = self._pinned.get(worker.worker_id)
             for _ in range(min(num_free, len(queue) if queue else 0)):
-                request = queue.popleft()
-                self._running.add(request.request_id)
+                request = queue.pop(quota)
+                if request is None:
+                    break
+                self._running.add(request.key)
                 assignments.append(self._assign(request, worker, request.num_remaining))
         return assignments
 
@@ -66,34 +73,35 @@ class StaticPolicy(Policy):
             if worker_id not in alive:  # a new group, or its worker was lost
                 worker_id = self._group_worker[request.group_id] = healthy[self._cursor % len(healthy)].worker_id
                 self._cursor += 1
-            self._pinned.setdefault(worker_id, deque()).append(request)
+            self._pinned.setdefault(worker_id, StepQueues()).push(request, next(self._back))
 
     def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,
                       finished: bool, now: float) -> None:
-        if request.request_id not in self._running or not self._steps.is_live(request):
-            self._running.discard(request.request_id)  # a cancelled step, or a repeated result
+        if request.key not in self._running or not self._steps.is_live(request):
+            self._running.discard(request.key)  # a cancelled step, or a repeated result
             return
-        self._running.discard(request.request_id)
+        self._running.discard(request.key)
         self._record_chunk(request, num_new_tokens)
         if finished:
             self._lengths.observe(request, request.num_generated)
             if self._steps.finish(request):
                 self._forget(request.step_id)
         else:  # the engine stopped it early (e.g. preemption): resume where it ran
-            self._pinned.setdefault(worker_id, deque()).appendleft(request)
+            self._pinned.setdefault(worker_id, StepQueues()).push(request, next(self._front))
 
     def on_worker_lost(self, worker_id: str, requests: list[Request], now: float) -> None:
-        self._unpinned.extendleft(reversed(self._pinned.pop(worker_id, deque())))
-        live = [r for r in requests if r.request_id in self._running and self._steps.is_live(r)]
-        self._running.difference_update(r.request_id for r in requests)
+        lost_queue = self._pinned.pop(worker_id, None)
+        if lost_queue is not None:
+            self._unpinned.extendleft(reversed(lost_queue.in_order()))
+        live = [r for r in requests if r.key in self._running and self._steps.is_live(r)]
+        self._running.difference_update(r.key for r in requests)
         self._unpinned.extendleft(reversed(live))  # the interrupted ones first
 
     def cancel_step(self, step_id: str) -> list[Request]:
         removed = [r for r in self._unpinned if r.step_id == step_id]
         self._unpinned = deque(r for r in self._unpinned if r.step_id != step_id)
-        for worker_id, queue in self._pinned.items():
-            removed += [r for r in queue if r.step_id == step_id]
-            self._pinned[worker_id] = deque(r for r in queue if r.step_id != step_id)
+        for queue in self._pinned.values():
+            removed += queue.remove_step(step_id)
         self._steps.cancel(step_id)
         self._forget(step_id)
         return removed

@@ -7,24 +7,24 @@ step, is not news (the live scheduler may see both after a reconnect).
 
 from __future__ import annotations
 
-from services.scheduler.policies.base import Request
+from services.scheduler.policies.base import Request, RequestKey
 
 
 class StepBook:
     def __init__(self) -> None:
         self._num_unfinished: dict[str, int] = {}
-        self._arrival: dict[str, tuple[int, str]] = {}  # unfinished request -> (arrival number, step)
+        self._arrival: dict[RequestKey, int] = {}  # unfinished request -> its arrival number
         self._num_arrived = 0
 
     def add(self, requests: list[Request]) -> None:
         for request in requests:
             self._num_unfinished[request.step_id] = self._num_unfinished.get(request.step_id, 0) + 1
-            self._arrival[request.request_id] = (self._num_arrived, request.step_id)
+            self._arrival[request.key] = self._num_arrived
             self._num_arrived += 1
 
     def arrival(self, request: Request) -> int:
         """Its place in arrival order, over all steps."""
-        return self._arrival[request.request_id][0]
+        return self._arrival[request.key]
 
     def is_live(self, request: Request) -> bool:
         """False for requests of cancelled or finished steps: late events about them are ignored."""
@@ -33,14 +33,14 @@ class StepBook:
     def accepts(self, request: Request) -> bool:
         """Whether a chunk result for ``request`` is news: it is unfinished and its step
         is live. A late one is forgotten."""
-        if request.request_id in self._arrival and request.step_id in self._num_unfinished:
+        if request.key in self._arrival and request.step_id in self._num_unfinished:
             return True
-        self._arrival.pop(request.request_id, None)
+        self._arrival.pop(request.key, None)
         return False
 
     def finish(self, request: Request) -> bool:
         """Count one finished request; True when it was its step's last."""
-        self._arrival.pop(request.request_id, None)
+        self._arrival.pop(request.key, None)
         left = self._num_unfinished[request.step_id] - 1
         if left:
             self._num_unfinished[request.step_id] = left
@@ -50,8 +50,8 @@ class StepBook:
 
     def cancel(self, step_id: str) -> None:
         self._num_unfinished.pop(step_id, None)
-        for request_id in [r for r, (_, step) in self._arrival.items() if step == step_id]:
-            del self._arrival[request_id]
+        for key in [k for k in self._arrival if k.step_id == step_id]:
+            del self._arrival[key]
 
     def live_steps(self) -> list[str]:
         return list(self._num_unfinished)

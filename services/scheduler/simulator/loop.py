@@ -121,7 +121,7 @@ class Simulator:
         self.policy.add_step(step.requests, self._lengths, now)
         for request in step.requests:
             self.result.predicted.append(float(request.predicted_len))
-            self.result.actual.append(step.true_len[request.request_id])
+            self.result.actual.append(step.true_len[request.key])
         return True
 
     def _can_overlap(self) -> bool:
@@ -148,14 +148,14 @@ class Simulator:
 
     def _chunk_done(self, worker: SimWorker, chunk: Chunk, now: float) -> None:
         request = chunk.request
-        finished = request.num_generated + chunk.num_tokens >= self._true_len[request.request_id]
+        finished = request.num_generated + chunk.num_tokens >= self._true_len[request.key]
         self.policy.on_chunk_done(request, worker.worker_id, chunk.num_tokens, finished, now)
         if not finished:
             return
         step_id = request.step_id
         self._timelines[step_id].on_sample_done(now)
         self._fleet.on_sample_done(now)
-        started = self._start_version.pop(request.request_id)
+        started = self._start_version.pop(request.key)
         self.result.num_mixed_version += int(started != self._version)
         self.result.num_stale_start += int(started < self._own_version[step_id])
         self._num_left[step_id] -= 1
@@ -174,11 +174,11 @@ class Simulator:
             index = self._index[assignment.worker_id]
             worker = self.workers[index]
             num_tokens = min(assignment.max_new_tokens,
-                             self._true_len[request.request_id] - request.num_generated)
+                             self._true_len[request.key] - request.num_generated)
             if not worker.chunks:
                 self._set_busy(worker, True, now)
             worker.admit(request, assignment.max_new_tokens, num_tokens, assignment.is_migration, now)
-            self._start_version.setdefault(request.request_id, self._version)
+            self._start_version.setdefault(request.key, self._version)
             timeline = self._timelines[request.step_id]
             timeline.on_dispatch(worker.worker_id, now)
             self._fleet.on_dispatch(worker.worker_id, now)

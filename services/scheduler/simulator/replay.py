@@ -6,13 +6,13 @@ that checkable and debuggable offline:
   1. ``EventRecorder(policy, path)`` wraps a policy (same interface, every call
      delegated) and records each call with a snapshot of what the policy reads: the
      requests' field values, the worker states (id, capacity, health, running request
-     ids in order), ``now``, and for ``add_step`` the LengthModel state the caller set
+     keys in order), ``now``, the step quotas given, and for ``add_step`` the LengthModel state the caller set
      (its parameters, and every prompt's history that changed since the last
      ``add_step``); ``schedule`` events also carry the decisions the policy returned,
-     ``cancel_step`` events the request ids it removed. Events go to a JSON-lines file
+     ``cancel_step`` events the request keys it removed. Events go to a JSON-lines file
      (appended; each recorder run starts with a ``start`` event) and/or stay in memory.
   2. ``replay(events, policy)`` makes the same calls on a fresh policy: Request
-     objects are rebuilt once per request_id and keep their identity across calls
+     objects are rebuilt once per request key and keep their identity across calls
      (policies hold them), WorkerState objects once per worker_id; the LengthModel is
      rebuilt from the recorded state. It returns the fresh policy's decisions, which
      a deterministic policy makes identically to the recorded ones.
@@ -39,11 +39,11 @@ from typing import Any, TextIO
 from services.scheduler.cost_model import CostModel
 from services.scheduler.length_model import LengthModel, _WeightedLengths
 from services.scheduler.policies import make_policy, policy_options
-from services.scheduler.policies.base import Assignment, Policy, Request, WorkerState
+from services.scheduler.policies.base import Assignment, Policy, Request, RequestKey, StepQuota, WorkerState
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
-REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(Request))
+FORMAT_VERSION = 2  # 2: requests are named by their (step, prompt, sample) key; schedule() quotas
+REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(Request) if f.init)
 CALLER_FIELDS = ("aborted",)  # Request fields the caller (not the policy) writes after add_step
 
 Event = dict[str, Any]
@@ -57,11 +57,11 @@ def request_fields(request: Request) -> dict[str, Any]:
 
 def worker_fields(worker: WorkerState) -> dict[str, Any]:
     return {"worker_id": worker.worker_id, "capacity": worker.capacity, "healthy": worker.healthy,
-            "running": list(worker.running)}
+            "running": [list(key) for key in worker.running]}
 
 
 def assignment_fields(assignment: Assignment) -> Decision:
-    return {"request_id": assignment.request.request_id, "worker_id": assignment.worker_id,
+    return {"request": list(assignment.request.key), "worker_id": assignment.worker_id,
             "max_new_tokens": assignment.max_new_tokens, "is_migration": assignment.is_migration}
 
 
@@ -161,9 +161,11 @@ class EventRecorder(Policy):
                     "lengths": self._lengths.snapshot(lengths)})
         self.policy.add_step(requests, lengths, now)
 
-    def schedule(self, workers: list[WorkerState], now: float) -> list[Assignment]:
-        event = {"op": "schedule", "now": now, "workers": [worker_fields(w) for w in workers]}
-        assignments = self.policy.schedule(workers, now)
+    def schedule(self, workers: list[WorkerState], now: float,
+                 quota: StepQuota | None = None) -> list[Assignment]:
+        event = {"op": "schedule", "now": now, "workers": [worker_fields(w) for w in workers],
+                 "quota": quota.as_dict() if quota is not None else None}
+        assignments = self.policy.schedule(workers, now, quota)
         event["decisions"] = [assignment_fields(a) for a in assignments]
         self._emit(event)
         return assignments
@@ -181,7 +183,7 @@ class EventRecorder(Policy):
 
     def cancel_step(self, step_id: str) -> list[Request]:
         removed = self.policy.cancel_step(step_id)
-        self._emit({"op": "cancel_step", "step_id": step_id, "removed": [r.request_id for r in removed]})
+        self._emit({"op": "cancel_step", "step_id": step_id, "removed": [list(r.key) for r in removed]})
         return removed
 
     def num_queued(self) -> int:
@@ -235,6 +237,10 @@ def policy_from_events(events: list[Event], name: str | None = None, **overrides
     return make_policy(name, **kwargs)
 
 
+def _key(fields: dict[str, Any]) -> RequestKey:
+    return RequestKey(fields["step_id"], fields["prompt_id"], fields["sample_index"])
+
+
 class ReplayError(RuntimeError):
     """The replayed policy failed on a recorded call (it was fed events that another
     policy's decisions produced, or the recording is incomplete)."""
@@ -243,21 +249,22 @@ class ReplayError(RuntimeError):
 class _Replayer:
     def __init__(self, policy: Policy, mismatches: list[str] | None) -> None:
         self.policy = policy
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[RequestKey, Request] = {}
         self.workers: dict[str, WorkerState] = {}
         self.models: list[LengthModel] = []
         self.mismatches = mismatches
 
     def request(self, fields: dict[str, Any], where: str) -> Request:
-        request = self.requests.get(fields["request_id"])
+        key = _key(fields)
+        request = self.requests.get(key)
         if request is None:
-            request = self.requests[fields["request_id"]] = Request(**fields)
+            request = self.requests[key] = Request(**fields)
             return request
         if self.mismatches is not None:
             diff = {k: (getattr(request, k), v) for k, v in fields.items()
                     if k not in CALLER_FIELDS and getattr(request, k) != v}
             if diff:
-                self.mismatches.append(f"{where}: {request.request_id} (replayed, recorded): {diff}")
+                self.mismatches.append(f"{where}: {request.key} (replayed, recorded): {diff}")
         for name in CALLER_FIELDS:
             setattr(request, name, fields[name])
         return request
@@ -293,7 +300,7 @@ class _Replayer:
                 worker = self.workers[snap["worker_id"]] = WorkerState(snap["worker_id"], snap["capacity"])
             worker.capacity, worker.healthy = snap["capacity"], snap["healthy"]
             try:
-                worker.running = {rid: self.requests[rid] for rid in snap["running"]}
+                worker.running = {key: self.requests[key] for key in map(RequestKey._make, snap["running"])}
             except KeyError as err:
                 raise ValueError(f"worker {worker.worker_id} runs {err} which no add_step introduced") from None
             out.append(worker)
@@ -314,16 +321,18 @@ class _Replayer:
             lengths = self.lengths(event["lengths"])
             requests = []
             for fields in event["requests"]:
-                request = self.requests.get(fields["request_id"])
+                request = self.requests.get(_key(fields))
                 if request is None:
-                    request = self.requests[fields["request_id"]] = Request(**fields)
+                    request = self.requests[_key(fields)] = Request(**fields)
                 else:  # re-added: the caller sets every field
                     for name, value in fields.items():
                         setattr(request, name, value)
                 requests.append(request)
             self.policy.add_step(requests, lengths, event["now"])
         elif op == "schedule":
-            assignments = self.policy.schedule(self.worker_states(event["workers"]), event["now"])
+            quota = event.get("quota")
+            assignments = self.policy.schedule(self.worker_states(event["workers"]), event["now"],
+                                               StepQuota(quota) if quota is not None else None)
             return {"event": i, "op": "schedule", "now": event["now"],
                     "assignments": [assignment_fields(a) for a in assignments]}
         elif op == "on_chunk_done":
@@ -334,7 +343,7 @@ class _Replayer:
                                        event["now"])
         elif op == "cancel_step":
             removed = self.policy.cancel_step(event["step_id"])
-            return {"event": i, "op": "cancel_step", "removed": [r.request_id for r in removed]}
+            return {"event": i, "op": "cancel_step", "removed": [list(r.key) for r in removed]}
         elif op != "start":
             raise ValueError(f"{where}: unknown event")
         return None

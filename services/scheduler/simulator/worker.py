@@ -6,7 +6,7 @@ a chunk ends when ``progress`` reaches its target. Between events the running se
 fixed, so time maps to progress linearly. Admissions stall the batch for their
 prefill (a migrated chunk re-prefills its prompt and generated tokens; a chunk that
 resumes where it ran hits its prefix cache). Attention time over the KV cache is not
-modelled (the DESIGN.md curves are weight matrices only).
+modelled (the docs/cost-model.md curves are weight matrices only).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import itertools
 from dataclasses import dataclass
 
 from services.scheduler.cost_model import CostModel
-from services.scheduler.policies.base import Request, WorkerState
+from services.scheduler.policies.base import Request, RequestKey, WorkerState
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class SimWorker:
         self.ref_s = 0.0  # time at which ``progress`` holds (later than now while stalled)
         self.version = 0  # bumps whenever the next-event time may change
         self.chunks: dict[str, Chunk] = {}
-        self._ends: list[tuple[float, int, str]] = []  # (end_progress, seq, request_id)
+        self._ends: list[tuple[float, int, RequestKey]] = []  # (end_progress, seq, request key)
         self._seq = itertools.count()
 
     @property
@@ -105,9 +105,9 @@ class SimWorker:
         if reprefill or request.num_chunks == 1:
             self.ref_s += self.speed.prefill_s(len(self.chunks), prefill_tokens)
         end = self.progress + num_tokens
-        self.chunks[request.request_id] = Chunk(request, budget, num_tokens, end, now)
-        self.state.running[request.request_id] = request
-        heapq.heappush(self._ends, (end, next(self._seq), request.request_id))
+        self.chunks[request.key] = Chunk(request, budget, num_tokens, end, now)
+        self.state.running[request.key] = request
+        heapq.heappush(self._ends, (end, next(self._seq), request.key))
         self.version += 1
 
     def next_event_s(self) -> float | None:
@@ -121,9 +121,9 @@ class SimWorker:
         self.advance(now)
         done = []
         while self._ends and self._ends[0][0] <= self.progress + 1e-6:
-            _, _, request_id = heapq.heappop(self._ends)
-            chunk = self.chunks.pop(request_id)
-            del self.state.running[request_id]
+            _, _, key = heapq.heappop(self._ends)
+            chunk = self.chunks.pop(key)
+            del self.state.running[key]
             done.append(chunk)
         if done:
             self.version += 1

@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 
 from services.scheduler.length_model import History
-from services.scheduler.policies.base import Request
+from services.scheduler.policies.base import Request, RequestKey
 
 
 @dataclass
 class SimStep:
     step_id: str
     requests: list[Request]
-    true_len: dict[str, int]  # request_id -> its response length
+    true_len: dict[RequestKey, int]  # request -> its response length
     history: History  # what the history service would return for these prompts
 
 
@@ -82,10 +82,10 @@ class Workload:
             if epoch >= len(epochs):
                 continue
             for i, length in enumerate(epochs[epoch]):
-                request = Request(f"{step_id}/{prompt_id}/{i}", step_id, prompt_id, i,
+                request = Request(step_id, prompt_id, i,
                                   self.prompt_lens[prompt_id], self.max_tokens)
                 requests.append(request)
-                true_len[request.request_id] = int(length)
+                true_len[request.key] = int(length)
         return SimStep(step_id, requests, true_len,
                        self.history_before(max(0, epoch - history_lag), history_depth))
 

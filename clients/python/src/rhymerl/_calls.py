@@ -12,13 +12,18 @@ from rhymerl.types import Prompt, SamplingParams
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 # Safe to retry: the step id makes a re-submitted step idempotent, and a weight
-# push of a version already serving with the same checksum is acknowledged.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+# push of a version already serving with the same checksum is acknowledged. Not
+# RESOURCE_EXHAUSTED: it means the request is over a limit (samples in flight, message
+# size), and re-sending the same request cannot fit it; it only adds load to a full service.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 WEIGHT_CHUNK_BYTES = 4 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    # A restarted scheduler is reconnected within seconds (gRPC's default backoff grows to
+    # 120 s, failing every retry fast until it expires).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 
 
@@ -44,10 +49,6 @@ def backoff_s(attempt: int, base_s: float = 0.2, cap_s: float = 5.0) -> float:
 
 
 def is_retryable(err: grpc.RpcError) -> bool:
-    """UNAVAILABLE, DEADLINE_EXCEEDED, and RESOURCE_EXHAUSTED when it means "busy" (a full
-    queue), not "this message is too large" (re-sending it cannot help)."""
-    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in (err.details() or ""):
-        return False
     return err.code() in RETRYABLE
 
 

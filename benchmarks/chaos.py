@@ -1,0 +1,200 @@
+"""Does the RL loop survive what a cluster does to it? A seeded fault campaign against the
+services as separate processes on loopback.
+
+    python -m benchmarks.chaos --seed 1 --faults 200 --steps 50    # the long one (make bench)
+    python -m benchmarks.chaos --seed 1 --faults 10 --steps 6 --no-fair-share --out DIR   # make test's
+
+1. Starts Redis (append-only file), history, the scheduler (rhymerl placement, chunks of
+   8 tokens, step log in Redis) and 2 CPU workers on a tiny random model; version v of
+   the weights is checkpoint v % 2 (two random weight sets).
+2. The fault-free reference: every pool prompt x sample x seed under both weight sets.
+3. The campaign: two trainers run steps (their own, colliding-id pairs, duplicates of
+   each other's) while the fault thread (``chaos_faults.py``) kills and restarts
+   processes, pushes weights and sends bad input. After every step: each (prompt,
+   sample) delivered once, tokens identical to the reference, no hang past the step's
+   deadline, and the services' memory sampled (bounded: ``--max-rss-mb``).
+4. Fair share (unless --no-fair-share): a 4 x 4-sample step alone, then beside a
+   16 x 4096 = 65,536-sample step; the scheduler's health latency meanwhile.
+Writes <out>/chaos.md and chaos.json (seed, faults by kind, steps, samples, lost,
+duplicated, hangs, identical_share, fair_share, reregister_s, command, commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from rhymerl.v1 import common_pb2
+
+from benchmarks.chaos_faults import Faults
+from benchmarks.chaos_trainer import MAX_N, SEEDS, StepOutcome, StepPlan, Trainer, prompt_pool, run_step
+from benchmarks.fair_share import measure_fair_share
+from benchmarks.provenance import cpu_name, git_commit
+from benchmarks.report import markdown_table
+from services.local import LocalCluster
+
+log = logging.getLogger("chaos")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class Ledger:
+    """What the trainers' steps delivered, checked against the reference as they end."""
+
+    def __init__(self, reference: dict):
+        self.reference, self.lock = reference, threading.Lock()
+        self.steps = self.samples = self.lost = self.duplicated = self.hangs = self.identical = 0
+        self.errors: list[str] = []
+        self.mismatches: list[str] = []  # the first samples that differ from the reference, and how
+        self.step_seconds: list[float] = []
+
+    def _differs(self, plan: StepPlan, s) -> str:
+        if s.finish_reason == common_pb2.FINISH_REASON_ABORT:
+            return f"aborted: {s.error}"
+        if s.token_policy_versions:
+            return f"versions {sorted(set(s.token_policy_versions))} in one sample"
+        want = self.reference.get((s.policy_version % 2, plan.seed, s.prompt_id, s.sample_index))
+        return "" if list(s.token_ids) == want else f"other tokens at version {s.policy_version}"
+
+    def on_step(self, out: StepOutcome) -> None:
+        plan = out.plan
+        expected = {(p, k) for p in plan.prompts for k in range(plan.n)}
+        differs = {key: self._differs(plan, s) for key, s in out.samples.items()}
+        identical = sum(not d for d in differs.values())
+        with self.lock:
+            self.mismatches += [f"{plan.step_id} {key}: {d}" for key, d in differs.items() if d][:20 - len(
+                self.mismatches)]
+            self.steps += out.complete
+            self.samples += len(out.samples)
+            self.lost += len(expected - set(out.samples))
+            self.duplicated += out.duplicated + len(set(out.samples) - expected)
+            self.hangs += not out.complete and not out.error
+            self.identical += identical
+            self.step_seconds.append(out.seconds)
+            if out.error:
+                self.errors.append(f"{plan.step_id}: {out.error}")
+        log.info("step %s: %d/%d samples, %d identical, %d attempts, %.1f s%s", plan.step_id, len(out.samples),
+                 len(expected), identical, out.attempts, out.seconds, f" ERROR {out.error}" if out.error else "")
+
+
+def reference_run(cluster: LocalCluster, checkpoints: list[Path]) -> dict:
+    """Tokens of every pool prompt x sample x seed under both weight sets, fault-free;
+    leaves the cluster on version 2 (checkpoint 0)."""
+    from rhymerl import RolloutClient
+
+    pool, reference = prompt_pool(), {}
+    with RolloutClient(cluster.scheduler_address, timeout_s=300) as client:
+        for version in (0, 1):
+            if version:
+                client.load_weights(version, str(checkpoints[1]))
+            for seed in SEEDS:
+                out = run_step(cluster.scheduler_address, StepPlan(f"reference/{version}/{seed}", pool, MAX_N, seed), 300)
+                assert out.complete and not out.error, out.error
+                for (pid, k), s in out.samples.items():
+                    reference[(version, seed, pid, k)] = list(s.token_ids)
+        client.load_weights(2, str(checkpoints[0]))
+    return reference
+
+
+def campaign(args, workdir: Path) -> dict:
+    from tests.e2e.cluster import save_tiny_model  # the tiny random model of the e2e tests
+
+    checkpoints = [save_tiny_model(workdir / f"weights{i}", seed=i) for i in (0, 1)]
+    bad_payload = _nan_payload(checkpoints[0])
+    cluster = LocalCluster(model_dir=str(checkpoints[0]), num_workers=2, policy="rhymerl", chunk_tokens=8,
+                           log_dir=workdir / "logs", separate_redis=True,
+                           extra_env={"RHYMERL_SCHEDULER_WORKER_TIMEOUT_S": "120"})
+    started = time.monotonic()
+    with cluster:
+        reference = reference_run(cluster, checkpoints)
+        ledger, stop = Ledger(reference), threading.Event()
+        faults = Faults(cluster, args.seed, args.faults, checkpoints, bad_payload)
+        trainers = [Trainer(i, args.seed, cluster.scheduler_address, stop, args.step_deadline_s, ledger.on_step)
+                    for i in range(2)]
+        rss = Counter()
+        for thread in (faults, *trainers):
+            thread.start()
+        while not (faults.done.is_set() and ledger.steps >= args.steps):
+            for name in ("scheduler", "history", "redis"):
+                rss[name] = max(rss[name], cluster.rss_bytes(name))
+            time.sleep(0.5)
+        stop.set()
+        for t in trainers:
+            t.join(args.step_deadline_s + 30)
+        if faults.error is not None:
+            raise faults.error
+        fair = measure_fair_share(cluster) if args.fair_share else None
+    faults_by_kind = {k: v for k, v in sorted(faults.counts.items()) if ":" not in k}
+    return {
+        "seed": args.seed, "faults": faults_by_kind, "num_faults": sum(faults_by_kind.values()),
+        "bad_inputs": {k.split(":", 1)[1]: v for k, v in sorted(faults.counts.items()) if ":" in k},
+        "bad_input_mismatch": faults.bad_input_mismatch, "steps": ledger.steps, "samples": ledger.samples,
+        "lost": ledger.lost, "duplicated": ledger.duplicated, "hangs": ledger.hangs,
+        "identical_share": ledger.identical / max(1, ledger.samples), "errors": ledger.errors,
+        "mismatches": ledger.mismatches,
+        "fair_share": fair, "reregister_s": max(faults.reregister_s, default=None),
+        "reregister_s_all": [round(s, 2) for s in faults.reregister_s],
+        "max_rss_mb": {k: round(v / 2**20) for k, v in rss.items()},
+        "memory_bounded": all(v <= args.max_rss_mb * 2**20 for v in rss.values()),
+        "median_step_s": statistics.median(ledger.step_seconds) if ledger.step_seconds else None,
+        "duration_s": round(time.monotonic() - started, 1),
+    }
+
+
+def _nan_payload(checkpoint: Path) -> bytes:
+    from safetensors.torch import save
+
+    from services.rollout.loader import read_safetensors
+
+    state = read_safetensors(str(next(checkpoint.glob("*.safetensors"))))
+    name = sorted(state)[0]
+    state[name] = state[name].clone()
+    state[name].view(-1)[0] = float("nan")
+    return save(state)
+
+
+def write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
+    rows = [{"what": k, "value": json.dumps(result[k])} for k in (
+        "seed", "num_faults", "steps", "samples", "lost", "duplicated", "hangs", "identical_share", "reregister_s",
+        "max_rss_mb", "memory_bounded", "fair_share", "bad_input_mismatch", "duration_s")]
+    text = markdown_table(rows, [("", "what", "{}"), ("", "value", "{}")])
+    faults = markdown_table([{"kind": k, "count": v} for k, v in result["faults"].items()],
+                            [("fault", "kind", "{}"), ("count", "count", "{}")])
+    (out / "chaos.md").write_text(
+        f"# Chaos campaign\n\n`{result['command']}` at {result['commit']} on {result['device']}\n\n{text}\n\n"
+        f"## Faults injected\n\n{faults}\n")
+    print(text)
+    print(faults)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--faults", type=int, default=200, help="faults to inject")
+    parser.add_argument("--steps", type=int, default=50, help="complete steps at least")
+    parser.add_argument("--step-deadline-s", type=float, default=300.0, help="a step past this hung")
+    parser.add_argument("--max-rss-mb", type=int, default=2048, help="the memory bound per service")
+    parser.add_argument("--fair-share", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    with tempfile.TemporaryDirectory(prefix="rhymerl-chaos-") as tmp:
+        result = campaign(args, Path(tmp))
+    result.update(command="python -m benchmarks.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
+                  commit=git_commit(), device=f"CPU: {cpu_name()}")
+    write(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    outcome = main()
+    sys.exit(0 if not (outcome["lost"] or outcome["duplicated"] or outcome["hangs"]) else 1)

@@ -1,0 +1,176 @@
+"""The chaos campaign's faults: what a cluster does to a running RL loop, drawn from a
+seeded schedule and applied to real processes (``LocalCluster``).
+
+Kinds: kill -9 or SIGTERM of a worker, the scheduler, history or Redis (each restarted
+after a moment, as Kubernetes would); a weight push in the middle of the trainers'
+steps; and bad input of every kind the contract names, sent while steps run (each must
+get its status code; ``bad_input_mismatch`` counts the ones that did not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from services.local import LocalCluster
+
+log = logging.getLogger("chaos")
+PROCESS_FAULTS = ["kill9_worker", "sigterm_worker", "kill9_scheduler", "sigterm_scheduler", "kill9_history",
+                  "sigterm_history", "kill9_redis", "sigterm_redis"]
+KINDS = PROCESS_FAULTS + ["weight_push", "bad_input"]
+WEIGHTS = {"weight_push": 3, "bad_input": 3, "kill9_worker": 3, "kill9_scheduler": 2}  # others: 1
+
+
+class Faults(threading.Thread):
+    """Injects ``num_faults`` faults, one every 0.5-2.5 s, then sets ``done``.
+
+    Args:
+        checkpoints: the two weight sets; version v loads ``checkpoints[v % 2]``.
+        bad_payload: safetensors bytes with a NaN in one tensor.
+    """
+
+    def __init__(self, cluster: LocalCluster, seed: int, num_faults: int, checkpoints: list[Path],
+                 bad_payload: bytes):
+        super().__init__(name="faults", daemon=True)
+        self.cluster, self.rng, self.num_faults = cluster, random.Random(seed), num_faults
+        self.checkpoints, self.bad_payload = checkpoints, bad_payload
+        self.counts: Counter = Counter()
+        self.bad_input_mismatch: list[str] = []
+        self.reregister_s: list[float] = []
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def schedule(self) -> list[str]:
+        """Every kind at least once (when there is room), then weighted draws; shuffled."""
+        kinds = KINDS[:self.num_faults] if self.num_faults < len(KINDS) else list(KINDS)
+        weights = [WEIGHTS.get(k, 1) for k in KINDS]
+        kinds += self.rng.choices(KINDS, weights, k=self.num_faults - len(kinds))
+        self.rng.shuffle(kinds)
+        return kinds
+
+    def run(self) -> None:
+        try:
+            for kind in self.schedule():
+                time.sleep(self.rng.uniform(0.5, 2.5))
+                log.info("fault: %s", kind)
+                getattr(self, kind.split("_", 1)[0] if kind.startswith(("kill9", "sigterm")) else kind)(kind)
+                self.counts[kind] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the campaign
+            self.error = exc
+        finally:
+            self.done.set()
+
+    # --- processes -----------------------------------------------------------------
+    def kill9(self, kind: str) -> None:
+        self._kill(kind, signal.SIGKILL)
+
+    def sigterm(self, kind: str) -> None:
+        self._kill(kind, signal.SIGTERM)
+
+    def _kill(self, kind: str, sig: int) -> None:
+        target = kind.split("_", 1)[1]
+        name = self.rng.choice(self.cluster.workers) if target == "worker" else target
+        serving = self._num_serving_workers() if name == "scheduler" else 0
+        self.cluster.kill(name, sig, timeout_s=90)
+        time.sleep(self.rng.uniform(0.0, 1.5))  # the pod is rescheduled after a moment
+        respawned = time.monotonic()
+        self.cluster.restart(name, wait=False)
+        if name == "scheduler":  # the fleet must register again by itself
+            self.cluster.wait_registered(120, expected=serving)
+            self.reregister_s.append(time.monotonic() - respawned)
+
+    def _num_serving_workers(self) -> int:
+        with grpc.insecure_channel(self.cluster.scheduler_address) as ch:
+            try:
+                stats = rollout_pb2_grpc.RolloutServiceStub(ch).GetStats(rollout_pb2.GetStatsRequest(), timeout=10)
+            except grpc.RpcError:
+                return 0
+        return sum(w.healthy for w in stats.workers)
+
+    # --- weights and bad input -----------------------------------------------------------
+    def weight_push(self, kind: str) -> None:
+        """The next version, from the checkpoint of its parity (retried like a trainer)."""
+        for _ in range(30):
+            try:
+                with grpc.insecure_channel(self.cluster.scheduler_address) as ch:
+                    stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+                    version = stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=10).policy_version + 1
+                    stub.LoadWeights(common_pb2.LoadWeightsRequest(
+                        version=version, path=str(self.checkpoints[version % 2])), timeout=120)
+                    return
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      grpc.StatusCode.FAILED_PRECONDITION):
+                    raise
+                time.sleep(1.0)
+
+    def bad_input(self, kind: str) -> None:
+        name, call, expected = self.rng.choice(self._bad_inputs())
+        for _ in range(30):
+            try:
+                with grpc.insecure_channel(self.cluster.scheduler_address) as ch:
+                    call(rollout_pb2_grpc.RolloutServiceStub(ch), ch)
+                got = grpc.StatusCode.OK
+            except grpc.RpcError as err:
+                got = err.code()
+            if got not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                break
+            time.sleep(1.0)
+        self.counts[f"bad_input:{name}"] += 1
+        if got != expected:
+            self.bad_input_mismatch.append(f"{name}: {got.name}, expected {expected.name}")
+
+    def _bad_inputs(self):
+        good = dict(n=1, sampling=common_pb2.SamplingParams(max_tokens=4),
+                    prompts=[common_pb2.Prompt(prompt_id="q", token_ids=[3, 4])])
+        data = self.bad_payload
+        nan_push = [common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+            version=10**9, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())),
+            common_pb2.WeightChunk(data=data)]
+        corrupt = [common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+            version=10**9, total_bytes=len(data), sha256=hashlib.sha256(b"other").hexdigest())),
+            common_pb2.WeightChunk(data=data)]
+
+        def submit(**change):
+            return lambda stub, ch: list(stub.SubmitStep(rollout_pb2.SubmitStepRequest(
+                **{"step_id": "bad", **good, **change}), timeout=30))
+
+        def rewards(step_id, index, reward):
+            return lambda stub, ch: stub.ReportRewards(rollout_pb2.ReportRewardsRequest(
+                step_id=step_id, rewards=[rollout_pb2.SampleReward(prompt_id="b", sample_index=index,
+                                                                   reward=reward)]), timeout=30)
+
+        def non_utf8(stub, ch):
+            call = ch.unary_stream("/rhymerl.v1.RolloutService/SubmitStep",
+                                   response_deserializer=rollout_pb2.StepEvent.FromString)
+            list(call(b"\x0a\x02\xff\xfe\x20\x01", timeout=30))
+
+        invalid, missing = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
+        return [
+            ("huge_step_id", submit(step_id="s" * 3_000_000), invalid),
+            ("n_zero", submit(n=0), invalid),
+            ("token_out_of_vocab", submit(prompts=[common_pb2.Prompt(prompt_id="q", token_ids=[5, 10**6])]),
+             invalid),
+            ("negative_policy_version", submit(policy_version=-1), invalid),
+            ("non_utf8_step_id", non_utf8, invalid),
+            ("reward_negative_index", rewards("t0/s0", -1, 1.0), invalid),
+            ("reward_nan", rewards("t0/s0", 0, math.nan), invalid),
+            ("reward_unknown_step", rewards("never-submitted", 0, 1.0), missing),
+            ("cancel_unknown_step", lambda stub, ch: stub.CancelStep(
+                rollout_pb2.CancelStepRequest(step_id="never-submitted"), timeout=30), missing),
+            ("push_corrupt", lambda stub, ch: stub.PushWeights(iter(corrupt), timeout=120),
+             grpc.StatusCode.DATA_LOSS),
+            ("push_nan_weights", lambda stub, ch: stub.PushWeights(iter(nan_push), timeout=120), invalid),
+            ("load_older_version", lambda stub, ch: stub.LoadWeights(common_pb2.LoadWeightsRequest(
+                version=0, path=str(self.checkpoints[0])), timeout=30), grpc.StatusCode.FAILED_PRECONDITION),
+        ]

@@ -1,0 +1,62 @@
+"""`rhymerl local-run` (what `make run` runs): the whole system on this machine, a short
+GRPO loop through the SDK, and a summary of what happened."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.scheduler.policies import POLICIES
+
+
+class LocalRunSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RHYMERL_LOCAL_", protected_namespaces=())
+
+    workers: int = Field(2, ge=1, description="CPU rollout workers, each its own process.")
+    steps: int = Field(6, ge=1, description="GRPO steps.")
+    prompts: int = Field(8, ge=1, description="Prompts per step (the same set every step: RL epochs).")
+    n: int = Field(4, ge=1, description="Samples per prompt (the GRPO group).")
+    max_tokens: int = Field(160, ge=1, description="Most tokens per sample.")
+    policy: Literal[tuple(POLICIES)] = Field("rhymerl", description="Placement policy of the scheduler.")
+    model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (~3 min).")
+    record: str = Field("", description="Write every rollout to this trace file (.npz); empty: not recorded.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
+    seed: int = Field(0, description="Picks the prompt set and the sampling seeds.")
+    partial_credit: float = Field(
+        0.5, ge=0, le=1, description="Reward share for reproducing the worked steps (0: binary reward; a tiny policy "
+                                     "rarely gets a whole answer right, so its groups would teach nothing).")
+    measure_cost: bool = Field(
+        False, description="Workers measure this machine's forward cost and draft only where it pays (on a CPU: "
+                           "rarely); off: they use the H100 table of docs/cost-model.md, the same on every machine.")
+
+
+def run_local(settings: LocalRunSettings) -> None:
+    from services.local import LocalCluster, ensure_model, load_example
+    from services.run_summary import summary
+
+    ensure_model(settings.model_dir)
+    print(f"starting history (with its redis-server), the scheduler and {settings.workers} CPU workers; "
+          "each loads the policy (logs in runs/local/)...", flush=True)
+    start = time.monotonic()
+    cluster = LocalCluster(model_dir=settings.model_dir, num_workers=settings.workers, policy=settings.policy,
+                           extra_env={"RHYMERL_WORKER_MEASURE_COST": str(settings.measure_cost).lower()})
+    with cluster:
+        print(f"rhymerl is up after {time.monotonic() - start:.0f} s: scheduler {cluster.scheduler_address}, "
+              f"metrics on ports {sorted(cluster.metrics_ports.values())}", flush=True)
+        from rhymerl import RolloutClient
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its "Loading weights" bar would land among the step lines
+        trainer = load_example("grpo_trainer")
+        print(f"loading the trainer's copy of the policy, then {settings.steps} GRPO steps of {settings.prompts} "
+              f"prompts x {settings.n} samples (each step: rollout, rewards, update, weight push)", flush=True)
+        with RolloutClient(cluster.scheduler_address) as client:
+            rows = trainer.run(client, settings.model_dir, steps=settings.steps, num_prompts=settings.prompts,
+                               n=settings.n, max_tokens=settings.max_tokens, record=settings.record or None,
+                               partial_credit=settings.partial_credit, temperature=settings.temperature,
+                               seed=settings.seed)
+        print("stopping the services (workers drain first)...", flush=True)
+    print(summary(rows, settings.measure_cost), flush=True)

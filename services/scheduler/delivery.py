@@ -1,0 +1,143 @@
+"""Delivery: how samples and steps end. A finished sample goes to the step log, then to
+the trainer's stream; the sample that completes the step closes it (history, summary).
+Also: samples restored from the step log after a restart, samples given up, steps
+cancelled, and the per-step timelines (busy workers, makespan, bubbles).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+from rhymerl.v1 import common_pb2, rollout_pb2
+
+from services.common import metrics
+from services.scheduler import summary
+from services.scheduler.step import SampleProgress, StepRun
+from services.scheduler.timeline import StepTimeline
+
+if TYPE_CHECKING:
+    from services.scheduler.core import SchedulerCore
+
+log = logging.getLogger(__name__)
+ABORT = common_pb2.FINISH_REASON_ABORT
+CANCEL_BATCH = 2048
+
+
+class Delivery:
+    def __init__(self, core: SchedulerCore):
+        self.core = core
+        self.timelines: dict[str, StepTimeline] = {}  # steps not closed yet
+        self.spec_totals = common_pb2.SpecCounters()  # all steps closed by this scheduler
+
+    def set_busy(self, worker_id: str, busy: bool, now: float) -> None:
+        for timeline in self.timelines.values():
+            timeline.on_worker_busy(worker_id, busy, now)
+
+    async def restore(self, run: StepRun, samples: list[SampleProgress],
+                      logged: dict[tuple[str, int], rollout_pb2.SampleResult],
+                      logged_summary: rollout_pb2.StepSummary | None) -> None:
+        """Publishes the samples a previous scheduler logged; they are not generated again."""
+        results = []
+        for s in samples:
+            result = logged.get((s.request.prompt_id, s.request.sample_index))
+            if result is not None:
+                s.done = True
+                run.num_done += 1
+                if result.finish_reason == ABORT:
+                    run.aborted.add((result.prompt_id, result.sample_index))
+                results.append(result)
+        if results:
+            await self._publish(run, results, logged_summary)
+
+    async def finish(self, run: StepRun, progs: list[SampleProgress]) -> None:
+        """Ends samples whose ``finish_reason`` is set: logged, then streamed."""
+        now, results = time.monotonic(), []
+        for prog in progs:
+            if prog.done:
+                continue
+            prog.done = True
+            self.core.unfinished.pop(prog.request.key, None)
+            run.num_done += 1
+            if run.step_id in self.timelines:
+                self.timelines[run.step_id].on_sample_done(now)
+            if prog.finish_reason == ABORT:
+                run.aborted.add((prog.request.prompt_id, prog.request.sample_index))
+            results.append(run.sample_result(prog, self.core.policy_version))
+        metrics.samples_in_flight.set(len(self.core.unfinished))
+        if results:  # shielded: a cancelled caller (a lost worker's Run call) must not lose them
+            await asyncio.shield(self._deliver(run, results))
+
+    async def _deliver(self, run: StepRun, results: list[rollout_pb2.SampleResult]) -> None:
+        await self.core.log.append(run.step_id, results)
+        await self._publish(run, results)
+
+    async def _publish(self, run: StepRun, results: list[rollout_pb2.SampleResult],
+                       logged_summary: rollout_pb2.StepSummary | None = None) -> None:
+        summary.count_samples(results)
+        await run.publish([rollout_pb2.StepEvent(sample=r) for r in results])
+        run.num_published += len(results)
+        if run.num_published == run.num_samples and not run.closing:
+            run.closing = True
+            await self._close(run, logged_summary)
+
+    async def _close(self, run: StepRun, logged_summary: rollout_pb2.StepSummary | None) -> None:
+        core = self.core
+        core.active.pop(run.step_id, None)
+        timeline = self.timelines.pop(run.step_id, None) or StepTimeline(run.step_id, [])
+        step_summary = logged_summary or summary.step_summary(run, timeline.finish(time.monotonic()),
+                                                              core.policy.name)
+        if logged_summary is None:
+            await summary.record_history(core.history, run)
+            await core.log.close(run.step_id, step_summary)
+        summary.export(step_summary, self.spec_totals)
+        await run.publish([rollout_pb2.StepEvent(summary=step_summary)], last=True)
+        core.steps.evict()
+
+    def abort_queued(self, run: StepRun, progs: list[SampleProgress]) -> None:
+        """Ends samples that run nowhere as ABORT (their step was cancelled)."""
+        for prog in progs:
+            prog.finish_reason, prog.error = ABORT, run.abort_error
+        self.core.spawn(self.finish(run, progs))
+
+    async def give_up(self, run: StepRun, prog: SampleProgress, worker_id: str, error: str) -> None:
+        """After ``max_attempts`` failures (or input a worker refuses): ABORT, with why."""
+        prog.finish_reason, prog.error = ABORT, error
+        log.error("giving up sample %s after %d failed attempts: %s", prog.request.key, prog.num_failures, error)
+        metrics.samples_failed_total.inc()
+        prog.request.aborted = True
+        self.core.policy.on_chunk_done(prog.request, worker_id, 0, True, time.monotonic())
+        await self.finish(run, [prog])
+
+    async def cancel(self, run: StepRun, error: str = "") -> int:
+        """Ends every unfinished sample of ``run`` as ABORT; returns how many. Queued ones
+        end at once; running ones when their worker reports the abort (or is lost)."""
+        core = self.core
+        if run.is_finished or run.closing or run.cancelled:
+            return 0
+        run.cancelled, run.abort_error = True, error
+        core.active.pop(run.step_id, None)
+        if run.in_policy:
+            queued = [core.unfinished[r.key][1] for r in core.policy.cancel_step(run.step_id)
+                      if r.key in core.unfinished]
+        else:  # held for a weight push, or not handed over yet: nothing runs
+            core.held = [r for r in core.held if r is not run]
+            queued = [s for s in run.samples.values() if not s.done]
+        running: dict[str, list[str]] = defaultdict(list)
+        for s in run.samples.values():
+            if not s.done and s.dispatch_id is not None:
+                running[s.request.last_worker].append(s.dispatch_id)
+        for prog in queued:
+            prog.finish_reason, prog.error = ABORT, error
+        for i in range(0, len(queued), CANCEL_BATCH):  # a huge step: let other work in between
+            await self.finish(run, queued[i:i + CANCEL_BATCH])
+            await asyncio.sleep(0)
+        for worker_id, dispatch_ids in running.items():
+            worker = core.workers.workers.get(worker_id)
+            if worker is not None:
+                await core.link.abort(worker, dispatch_ids)
+        metrics.steps_total.labels(status="cancelled").inc()
+        return len(queued) + sum(map(len, running.values()))

@@ -1,0 +1,50 @@
+"""Fair sharing of worker slots between the steps in flight (several trainers, or a
+trainer's overlapping steps).
+
+Max-min fairness: every step with work gets an equal share of the slots, a step that
+needs less than its share leaves the rest to the others, and a remainder goes to the
+older steps. A step never loses a chunk already running (chunks end within the chunk
+budget, and the next ones respect the share), so a huge step that took the whole fleet
+gives a newcomer its share within one chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from services.scheduler.policies.base import StepQuota
+
+
+def max_min_shares(num_slots: int, demands: Mapping[str, int]) -> dict[str, int]:
+    """Slots per step (``demands`` in step arrival order): equal rounds, no step above its
+    demand; slots fewer than the steps still wanting go to the older ones."""
+    shares = dict.fromkeys(demands, 0)
+    left, wanting = num_slots, [s for s in demands if demands[s] > 0]
+    while left > 0 and wanting:
+        equal = left // len(wanting)
+        if equal == 0:
+            for step_id in wanting[:left]:
+                shares[step_id] += 1
+            break
+        for step_id in wanting:
+            give = min(equal, demands[step_id] - shares[step_id])
+            shares[step_id] += give
+            left -= give
+        wanting = [s for s in wanting if shares[s] < demands[s]]
+    return shares
+
+
+def step_quotas(num_slots: int, running: Mapping[str, int], queued: Mapping[str, int]
+                ) -> list[tuple[str, StepQuota]] | None:
+    """Per step with queued work, the chunks it may start now, most starved step first
+    (running / share): the caller places them one step at a time, so a step whose
+    requests wait on particular workers (pinned policies) gets those workers' free slots
+    before a step above its share does. None when at most one step has queued work (it
+    may take every free slot: nothing to share)."""
+    waiting = [s for s in queued if queued[s] > 0]
+    if len(waiting) <= 1:
+        return None
+    demands = {s: running.get(s, 0) + queued.get(s, 0) for s in dict.fromkeys([*running, *queued])}
+    shares = max_min_shares(num_slots, demands)
+    order = sorted(waiting, key=lambda s: running.get(s, 0) / max(1, shares[s]))  # stable: older first
+    return [(s, StepQuota({s: shares[s] - running.get(s, 0)})) for s in order if shares[s] > running.get(s, 0)]

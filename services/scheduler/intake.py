@@ -1,0 +1,95 @@
+"""Step intake: a trainer's request checked once, and a step split into one request per
+(prompt, sample). Every error names its field; every size a client controls is bounded.
+Knows no gRPC and nothing of placement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from rhymerl.v1 import rollout_pb2
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.ids import prompt_id_from_tokens, sample_seed
+from services.common.validation import MAX_N, check_sampling, check_token_ids
+from services.scheduler.policies.base import Request
+from services.scheduler.step import SampleProgress
+
+# Step and prompt ids are copied into every sample, history key and step-log entry.
+MAX_ID_BYTES = 256
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What every registered worker can serve (0: unknown, not checked)."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+def check_id(value: str, field: str) -> None:
+    if not value:
+        raise InvalidArgument("must be non-empty", field)
+    size = len(value.encode())
+    if size > MAX_ID_BYTES:
+        raise InvalidArgument(f"must be at most {MAX_ID_BYTES} bytes, got {size}", field)
+
+
+def check_step(req: rollout_pb2.SubmitStepRequest, serving_version: int) -> None:
+    """The checks that need no worker (done before a re-submission is matched)."""
+    check_id(req.step_id, "step_id")
+    if not req.prompts:
+        raise InvalidArgument("must be non-empty", "prompts")
+    if not 1 <= req.n <= MAX_N:
+        raise InvalidArgument(f"must be in [1, {MAX_N}], got {req.n}", "n")
+    if req.policy_version < 0:
+        raise InvalidArgument(f"must be >= 0, got {req.policy_version}", "policy_version")
+    if req.policy_version > serving_version:
+        raise FailedPrecondition(
+            f"version {req.policy_version} is not serving yet (serving {serving_version}); push it first",
+            "policy_version")
+
+
+def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[SampleProgress]]:
+    """Per prompt, one SampleProgress per sample, each with its own seed (``sample_seed``:
+    from the step's seed, or without one its id, the prompt id and the sample index;
+    never from placement). A generator, so the caller can let other work in between the
+    prompts of a huge step."""
+    check_sampling(req.sampling, "sampling", fleet.vocab_size)
+    max_len, max_tokens = fleet.max_model_len, req.sampling.max_tokens
+    step_seed = req.sampling.seed if req.sampling.HasField("seed") else None
+    seen = set()
+    for i, prompt in enumerate(req.prompts):
+        field = f"prompts[{i}]"
+        check_token_ids(prompt.token_ids, f"{field}.token_ids", fleet.vocab_size)
+        if max_len and len(prompt.token_ids) >= max_len:
+            raise InvalidArgument(
+                f"prompt length {len(prompt.token_ids)} leaves no room to generate within the model's "
+                f"maximum length {max_len}", f"{field}.token_ids")
+        if max_len and len(prompt.token_ids) + max_tokens > max_len:
+            raise InvalidArgument(
+                f"prompt length {len(prompt.token_ids)} + max_tokens {max_tokens} exceeds the "
+                f"model's maximum length {max_len}", "sampling.max_tokens")
+        if prompt.prompt_id:
+            check_id(prompt.prompt_id, f"{field}.prompt_id")
+        pid = prompt.prompt_id or prompt_id_from_tokens(prompt.token_ids)
+        if pid in seen:
+            raise InvalidArgument(f"duplicate prompt_id {pid!r}", f"{field}.prompt_id")
+        seen.add(pid)
+        tokens = list(prompt.token_ids)
+        yield [SampleProgress(Request(req.step_id, pid, k, prompt_len=len(tokens), max_tokens=max_tokens), tokens,
+                              sample_seed(step_seed, req.step_id, pid, k)) for k in range(req.n)]
+
+
+def check_rewards(req: rollout_pb2.ReportRewardsRequest) -> None:
+    """Rewards must name a sample and be numbers: NaN is history's "no reward" marker."""
+    check_id(req.step_id, "step_id")
+    for i, reward in enumerate(req.rewards):
+        field = f"rewards[{i}]"
+        check_id(reward.prompt_id, f"{field}.prompt_id")
+        if reward.sample_index < 0:
+            raise InvalidArgument(f"must be >= 0, got {reward.sample_index}", f"{field}.sample_index")
+        if not math.isfinite(reward.reward):
+            raise InvalidArgument(f"must be a finite number, got {reward.reward}", f"{field}.reward")

@@ -1,0 +1,36 @@
+"""ReportRewards: each reward checked against the step and sample it names, then kept in
+history beside the sample (the drafter weighs earlier responses by them).
+
+An unknown step, or a sample the step does not have, is NOT_FOUND and nothing is
+written: history would otherwise keep a stray entry for it until its TTL.
+"""
+
+from __future__ import annotations
+
+from rhymerl.v1 import rollout_pb2
+
+from services.common.errors import NotFound
+from services.scheduler import intake
+from services.scheduler.core import SchedulerCore
+
+
+async def record_rewards(req: rollout_pb2.ReportRewardsRequest, core: SchedulerCore, history) -> int:
+    """Returns how many rewards history newly stored."""
+    intake.check_rewards(req)
+    run = core.steps.get(req.step_id)
+    if run is not None:
+        has_sample, aborted = run.has_sample, run.aborted
+    else:  # dropped from memory, or sampled before a scheduler restart
+        logged = await core.log.load(req.step_id, samples=False)
+        if logged is None:
+            raise NotFound(f"no step {req.step_id!r}", "step_id")
+        has_sample, aborted = (lambda p, k: 0 <= k < logged.n and p in logged.prompt_ids), set()
+    for i, r in enumerate(req.rewards):
+        if not has_sample(r.prompt_id, r.sample_index):
+            raise NotFound(f"no sample ({r.prompt_id!r}, {r.sample_index}) in step {req.step_id!r}", f"rewards[{i}]")
+    # An aborted sample is not in history: a reward for it would have nothing to sit beside.
+    rows = [(r.prompt_id, req.step_id, r.sample_index, r.reward) for r in req.rewards
+            if (r.prompt_id, r.sample_index) not in aborted]
+    if history is None or not rows:
+        return 0
+    return await history.put_rewards(rows)

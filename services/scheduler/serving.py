@@ -1,0 +1,50 @@
+"""Which policy version the fleet serves, as the scheduler knows it.
+
+A version made serving by a push is recorded (in the step log's Redis, with the path it
+was loaded from), so a restarted scheduler knows it at once: a worker registering on
+another version is stale (caught up when the path is known), never a reason to switch
+(switching mid-step would mix versions inside samples). Without a record (a fresh
+deployment, Redis down or not configured), the scheduler learns the version from its
+workers: the newest registered within ``SETTLE_S`` of the first (a worker restarted on
+its initial weights must not pull the fleet's version down). Whatever the record says,
+a version no registered worker serves gives way to a newer one that registers, and,
+``SETTLE_S`` after the first worker came, to the newest registered (a record of an
+earlier deployment).
+"""
+
+from __future__ import annotations
+
+SETTLE_S = 10.0
+
+
+class ServingVersion:
+    def __init__(self) -> None:
+        self.version = 0
+        self.recorded = False  # the version came from the record of a push
+        self.settled = False  # a push, or the settle window passed
+        self._first_worker_at: float | None = None
+
+    def restore(self, version: int) -> None:
+        self.version, self.recorded = version, True
+
+    def pushed(self, version: int) -> None:
+        self.version, self.recorded, self.settled = version, True, True
+
+    def on_register(self, version: int, nobody_serves: bool, now: float) -> bool:
+        """A worker on ``version`` registered; True when the serving version changed."""
+        self._first_worker_at = self._first_worker_at or now
+        learning = not self.recorded and not self.settled and now - self._first_worker_at <= SETTLE_S
+        if version > self.version and (nobody_serves or learning):
+            self.version = version
+            return True
+        return False
+
+    def settle(self, registered: list[int], nobody_serves: bool, now: float) -> bool:
+        """Called periodically; True when the serving version changed."""
+        if self.settled or self._first_worker_at is None or now - self._first_worker_at <= SETTLE_S:
+            return False
+        self.settled = True
+        if nobody_serves and registered and max(registered) != self.version:
+            self.version = max(registered)
+            return True
+        return False

@@ -1,0 +1,30 @@
+"""Requests that do not parse: the field whose bytes are not UTF-8 is named, at any depth."""
+
+from __future__ import annotations
+
+from rhymerl.v1 import rollout_pb2
+
+from services.common.malformed import bad_utf8_field
+
+BAD = b"\xc3\x28"  # not UTF-8
+
+
+def field_bytes(number: int, payload: bytes) -> bytes:
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+def test_names_a_top_level_string():
+    data = rollout_pb2.SubmitStepRequest(n=2).SerializeToString() + field_bytes(1, BAD)
+    assert bad_utf8_field(data, rollout_pb2.SubmitStepRequest.DESCRIPTOR) == "step_id"
+
+
+def test_names_a_string_inside_a_repeated_message_with_its_index():
+    good = rollout_pb2.SubmitStepRequest(step_id="s", prompts=[{"prompt_id": "a", "token_ids": [1]}])
+    data = good.SerializeToString() + field_bytes(3, field_bytes(1, BAD))  # prompts[1].prompt_id
+    assert bad_utf8_field(data, rollout_pb2.SubmitStepRequest.DESCRIPTOR) == "prompts[1].prompt_id"
+
+
+def test_valid_or_truncated_bytes_name_nothing():
+    good = rollout_pb2.SubmitStepRequest(step_id="é", prompts=[{"prompt_id": "a"}]).SerializeToString()
+    assert bad_utf8_field(good, rollout_pb2.SubmitStepRequest.DESCRIPTOR) is None
+    assert bad_utf8_field(b"\x0a\xff\xff", rollout_pb2.SubmitStepRequest.DESCRIPTOR) is None

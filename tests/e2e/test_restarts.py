@@ -1,0 +1,66 @@
+"""Restarts as a cluster does them: the scheduler crashes and comes back, readiness
+while nothing can serve. In-process services on real gRPC (the kill -9 of real
+processes is in test_local_processes.py and the chaos campaign)."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rhymerl import RolloutClient, SamplingParams
+
+from tests.e2e.cluster import Cluster, prompts
+
+pytestmark = pytest.mark.timeout(300)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, seed=1)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
+    """A hang guard, not a speed assertion."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def health(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=10).status
+
+
+def test_a_restarted_scheduler_gets_its_fleet_back(model_dir, redis_url):
+    """kill -9 of the scheduler: the workers notice and register with the new one, so
+    the trainer's next submission is served instead of UNAVAILABLE forever."""
+    c = Cluster(model_dir=model_dir, redis_url=redis_url).start()
+    try:
+        with RolloutClient(c.address, timeout_s=60, max_retries=0) as client:
+            before = client.rollout("before-crash", prompts(2), n=2, sampling=GREEDY)
+        c.crash_scheduler()
+        c.start_scheduler()
+        workers = c.scheduler.core.workers
+        wait_for(lambda: len(workers.usable()) == 2, "re-registration")
+        with RolloutClient(c.address, timeout_s=60, max_retries=0) as client:
+            after = client.rollout("after-crash", prompts(2), n=2, sampling=GREEDY)
+        assert {s.key: s.token_ids for s in after.samples} == {s.key: s.token_ids for s in before.samples}
+    finally:
+        c.stop()
+
+
+def test_scheduler_readiness_says_whether_a_worker_can_serve(model_dir, redis_url):
+    """RolloutService is NOT_SERVING while no worker is registered (a trainer's call could
+    only fail), SERVING once one is; the process itself stays live ("")."""
+    c = Cluster(model_dir=model_dir, redis_url=redis_url, num_workers=0).start()
+    try:
+        assert health(c.address, "rhymerl.v1.RolloutService") == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health(c.address, "") == health_pb2.HealthCheckResponse.SERVING
+        c.run(c.add_worker("w0"))
+        wait_for(lambda: health(c.address, "rhymerl.v1.RolloutService") == health_pb2.HealthCheckResponse.SERVING,
+                 "readiness after a worker registered")
+        c.kill_worker("w0")
+        wait_for(lambda: health(c.address, "rhymerl.v1.RolloutService")
+                 == health_pb2.HealthCheckResponse.NOT_SERVING, "unreadiness after the worker died")
+    finally:
+        c.stop()

@@ -1,0 +1,158 @@
+"""Weight pushes at every moment of a step, over real gRPC with chunked (divided) rollout:
+during a step, failing, cancelled, carrying NaN, repeated. Dispatch never stops for
+good, and a push that does not complete leaves the old version serving."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import grpc
+import pytest
+from rhymerl import RolloutClient, SamplingParams
+from rhymerl.v1 import common_pb2, rollout_pb2_grpc
+
+from tests.e2e.cluster import TINY, Cluster, prompts
+
+pytestmark = pytest.mark.timeout(300)
+LONG = SamplingParams(temperature=1.0, max_tokens=160, seed=9, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, seed=1)
+
+
+def weights(seed: int = 1, poison: float | None = None) -> bytes:
+    from safetensors.torch import save
+
+    from services.rollout.loader import init_random_model
+    from services.rollout.models.config import ModelConfig
+
+    state = {k: v.contiguous() for k, v in init_random_model(ModelConfig(**TINY), seed=seed).state_dict().items()}
+    if poison is not None:
+        name = sorted(state)[len(state) // 2]
+        state[name].view(-1)[3] = poison
+    return save(state)
+
+
+class Step(threading.Thread):
+    """Runs one step in the background and keeps what came back."""
+
+    def __init__(self, address: str, step_id: str, sampling: SamplingParams = LONG, k: int = 3, n: int = 4):
+        super().__init__(daemon=True)
+        self.address, self.step_id, self.sampling, self.k, self.n = address, step_id, sampling, k, n
+        self.samples, self.error = [], None
+
+    def run(self):
+        try:
+            with RolloutClient(self.address, timeout_s=200, max_retries=0) as c:
+                self.samples = c.rollout(self.step_id, prompts(self.k, offset=40), n=self.n,
+                                         sampling=self.sampling).samples
+        except Exception as exc:  # noqa: BLE001 - checked by the test
+            self.error = exc
+
+    def wait_running(self, cluster: Cluster) -> None:
+        cluster.wait_running(self.step_id)
+
+
+@pytest.fixture
+def cluster(model_dir, redis_url, request):
+    settings = getattr(request, "param", {})
+    c = Cluster(model_dir=model_dir, redis_url=redis_url, chunk_tokens=8, scheduler_settings=settings).start()
+    yield c
+    c.stop()
+
+
+def test_a_push_during_a_step_waits_for_it_while_dispatch_goes_on(cluster):
+    """Synchronous mode: the step that runs when the push arrives finishes on the old
+    version (chunked rollout keeps dispatching its chunks); the push then applies, and
+    the next step samples the new version."""
+    step = Step(cluster.address, "during-push")
+    step.start()
+    step.wait_running(cluster)
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.push_weights(1, weights()) == 1
+        step.join(200)
+        assert step.error is None and len(step.samples) == 12
+        assert all(s.policy_version == 0 and not s.token_policy_versions for s in step.samples)
+        assert all(len(s.token_ids) == 160 for s in step.samples)
+        after = client.rollout("after-push", prompts(2), n=2, sampling=GREEDY)
+        assert all(s.policy_version == 1 for s in after.samples)
+
+
+@pytest.mark.parametrize("cluster", [dict(weight_updates="between_chunks")], indirect=True)
+def test_bounded_staleness_applies_a_push_between_chunks(cluster):
+    """Bounded-staleness mode: the push waits only for the chunks in flight; samples
+    that span it say so token by token (old version first, then the new one)."""
+    step = Step(cluster.address, "stale", SamplingParams(**{**LONG.__dict__, "max_tokens": 400}), k=4)
+    step.start()
+    step.wait_running(cluster)
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.push_weights(1, weights()) == 1
+        assert step.is_alive(), "the push waited for the whole step"
+    step.join(250)
+    assert step.error is None and len(step.samples) == 16
+    spanning = [s for s in step.samples if s.token_policy_versions]
+    assert spanning, "no sample spans the push"
+    for s in spanning:
+        versions = s.token_policy_versions
+        assert len(versions) == len(s.token_ids) and versions == sorted(versions) and set(versions) == {0, 1}
+        assert s.policy_version == 0
+
+
+def test_failed_and_cancelled_pushes_leave_dispatch_running_and_the_old_version(cluster):
+    step = Step(cluster.address, "survives-pushes")
+    step.start()
+    step.wait_running(cluster)
+    data = weights()
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        header = common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+            version=1, total_bytes=len(data), sha256=hashlib.sha256(b"other").hexdigest()))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.PushWeights(iter([header, common_pb2.WeightChunk(data=data)]), timeout=120)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+
+        def trickle():  # a trainer that dies after the header
+            yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+                version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+            time.sleep(0.5)
+            yield common_pb2.WeightChunk(data=data[:100])
+            time.sleep(300)
+        call = stub.PushWeights.future(trickle(), timeout=120)
+        time.sleep(1.0)
+        call.cancel()
+        with pytest.raises(grpc.RpcError):  # a trainer whose deadline is shorter than the step
+            stub.PushWeights(iter([header]), timeout=0.5)
+    step.join(200)
+    assert step.error is None and len(step.samples) == 12
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.stats().policy_version == 0
+        after = client.rollout("after-failed-pushes", prompts(2), n=2, sampling=GREEDY)
+        assert all(s.policy_version == 0 for s in after.samples)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_and_the_old_version_serves(cluster, poison):
+    """NaN or Inf in any tensor would make every later sample token 0 with NaN logprobs."""
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        before = client.rollout("finite-before", prompts(2), n=2, sampling=GREEDY)
+        with pytest.raises(grpc.RpcError) as err:
+            client.push_weights(1, weights(poison=poison))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not finite" in err.value.details() and err.value.details().startswith("data:")
+        assert client.stats().policy_version == 0
+        again = client.rollout("finite-after", prompts(2), n=2, sampling=GREEDY)
+        assert {s.key: s.token_ids for s in again.samples} == {s.key: s.token_ids for s in before.samples}
+
+
+def test_re_pushing_the_serving_version_is_acknowledged(cluster):
+    """The SDK retries a push after UNAVAILABLE or a deadline: re-sending the version that
+    already serves, with the same bytes, must succeed; other bytes under that version
+    must not."""
+    data = weights()
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.push_weights(1, data) == 1
+        assert client.push_weights(1, data) == 1
+        with pytest.raises(grpc.RpcError) as err:
+            client.push_weights(1, weights(seed=2))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert all(w.policy_version == 1 for w in client.stats().workers)

@@ -1,0 +1,119 @@
+"""In-process fake workers for the scheduler core: no gRPC, no model.
+
+A sample's token at position i is a function of its seed and i, and it stops at a length
+fixed by its seed, so a re-run chunk (after a lost worker, on another worker) gives the
+same tokens, as a real seeded sampler does. Faults are switches on the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from rhymerl.v1 import common_pb2, rollout_pb2
+
+from services.scheduler.core import CoreLimits, SchedulerCore
+from services.scheduler.policies import make_policy
+from services.scheduler.step_log import StepLog
+from services.scheduler.step_table import StepTable
+from services.scheduler.worker_link import ChunkDone, ChunkFailed, RunEnded, RunOutcome
+from services.scheduler.workers import WorkerTable
+
+
+def token(seed: int, position: int) -> int:
+    return (seed * 31 + position * 7) % 89 + 2
+
+
+def true_length(seed: int, max_tokens: int) -> int:
+    return min(max_tokens, seed % 23 + 3)
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.generated = 0  # tokens produced, all workers
+        self.chunks_started: Counter = Counter()  # RequestKey -> chunks sent
+        self.poison: set[str] = set()  # prompt ids whose chunks fail the engine
+        self.die_after: dict[str, int] = {}  # worker_id -> results before its Run calls break
+        self.gate: asyncio.Event | None = None  # when set (not None), chunks wait for it
+        self.versions: dict[str, int] = {}  # worker_id -> the version it reports
+        self.aborted: list[str] = []
+        self.loads: list[tuple[str, int, str]] = []  # (worker_id, version, path) of LoadWeights calls
+
+    async def run(self, worker, policy_version, chunks):
+        for c in chunks:
+            self.chunks_started[c.key] += 1
+        for c in chunks:
+            await asyncio.sleep(0)
+            if self.gate is not None:
+                await self.gate.wait()
+            if worker.worker_id in self.die_after:
+                if self.die_after[worker.worker_id] <= 0:
+                    yield RunEnded(RunOutcome.LOST, "UNAVAILABLE: injected crash")
+                    return
+                self.die_after[worker.worker_id] -= 1
+            if c.key.prompt_id in self.poison:
+                yield ChunkFailed(c.dispatch_id, "RuntimeError: injected engine failure")
+                continue
+            start, seed = len(c.generated_token_ids), c.sampling.seed
+            end = min(true_length(seed, c.sampling.max_tokens), start + c.max_new_tokens)
+            tokens = [token(seed, i) for i in range(start, end)]
+            self.generated += len(tokens)
+            finish = common_pb2.FINISH_REASON_UNSPECIFIED
+            if end == true_length(seed, c.sampling.max_tokens):
+                finish = common_pb2.FINISH_REASON_STOP if end < c.sampling.max_tokens else \
+                    common_pb2.FINISH_REASON_LENGTH
+            yield ChunkDone(c.dispatch_id, tokens, [-0.5] * len(tokens), finish,
+                            self.versions.get(worker.worker_id, policy_version))
+        yield RunEnded(RunOutcome.DONE)
+
+    async def abort(self, worker, dispatch_ids):
+        self.aborted += dispatch_ids
+
+    def reset(self, worker_id):
+        pass
+
+    def stub(self, worker):
+        """WorkerService's weight calls: a load always succeeds (``loads`` records it)."""
+        link = self
+
+        class Stub:
+            async def LoadWeights(self, request, timeout=None):  # noqa: N802 - gRPC's name
+                link.loads.append((worker.worker_id, request.version, request.path))
+                return common_pb2.WeightUpdateResponse(version=request.version, num_workers_updated=1)
+        return Stub()
+
+    async def forget(self, worker_id):
+        pass
+
+
+def make_core(link: FakeLink, *, workers: int = 2, capacity: int = 4, policy: str = "rhymerl",
+              chunk_size: int = 4, redis_url: str = "", steps: StepTable | None = None, **limits) -> SchedulerCore:
+    kwargs = {"chunk_size": chunk_size} if policy in ("seer", "rhymerl") else {}
+    core = SchedulerCore(make_policy(policy, **kwargs), WorkerTable(), link, step_log=StepLog(redis_url),
+                         steps=steps, limits=CoreLimits(**limits))
+    for i in range(workers):
+        core.register(f"w{i}", f"fake:{i}", capacity, 0, 96, 512)
+    core.start()
+    return core
+
+
+def step(step_id: str, prompts: dict[str, list[int]], n: int, max_tokens: int = 20, seed: int = 1,
+         ) -> rollout_pb2.SubmitStepRequest:
+    return rollout_pb2.SubmitStepRequest(
+        step_id=step_id, n=n, sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed,
+                                                                  logprobs=True),
+        prompts=[common_pb2.Prompt(prompt_id=p, token_ids=t) for p, t in prompts.items()])
+
+
+async def collect(run) -> tuple[list[rollout_pb2.SampleResult], rollout_pb2.StepSummary]:
+    samples, summary = [], None
+    async for event in run.follow():
+        if event.HasField("summary"):
+            summary = event.summary
+        else:
+            samples.append(event.sample)
+    return samples, summary
+
+
+def expected_tokens(sample: rollout_pb2.SampleResult, max_tokens: int) -> list[int]:
+    return [token(sample.seed, i) for i in range(true_length(sample.seed, max_tokens))]

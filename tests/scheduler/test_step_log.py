@@ -1,0 +1,49 @@
+"""The step log against a real Redis: what a restarted scheduler reads back, and a dead
+Redis that costs the trainer nothing but the log."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import REGISTRY
+from rhymerl.v1 import rollout_pb2
+
+from services.common.redis_server import free_port
+from services.scheduler.step_log import StepLog, step_key
+from tests.aio import run_async
+
+
+def sample(prompt_id: str, k: int) -> rollout_pb2.SampleResult:
+    return rollout_pb2.SampleResult(step_id="s", prompt_id=prompt_id, sample_index=k, token_ids=[k, 5])
+
+
+def writes(result: str) -> float:
+    return REGISTRY.get_sample_value("rhymerl:step_log_writes_total", {"result": result}) or 0.0
+
+
+@run_async
+async def test_what_is_logged_is_read_back_and_ids_cannot_collide(clean_redis):
+    log = StepLog(clean_redis)
+    await log.open("X/a", "fp1", ["b"], 2)
+    await log.open("X", "fp2", ["a/b"], 2)
+    await asyncio.gather(log.append("X/a", [sample("b", 0)]), log.append("X/a", [sample("b", 1)]),
+                         log.append("X", [sample("a/b", 0)]))
+    first, second = await log.load("X/a"), await log.load("X")
+    assert (first.fingerprint, first.prompt_ids, first.n) == ("fp1", {"b"}, 2)
+    assert sorted((s.prompt_id, s.sample_index) for s in first.samples) == [("b", 0), ("b", 1)]
+    assert [(s.prompt_id, s.sample_index) for s in second.samples] == [("a/b", 0)]
+    assert first.summary is None and (await log.load("X", samples=False)).samples == []
+    assert await log.load("never") is None
+    assert len(step_key("s" * 256)) < 64  # keys stay small whatever the id
+    await log.shutdown()
+
+
+@run_async
+async def test_a_dead_redis_skips_the_log_instead_of_holding_samples():
+    log = StepLog(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5, retry_s=3600)
+    failed, skipped = writes("failed"), writes("skipped")
+    await log.append("s", [sample("p", 0)])  # one failed attempt...
+    await log.append("s", [sample("p", 1)])  # ...then Redis is not asked again for a while
+    assert writes("failed") == failed + 1 and writes("skipped") == skipped + 1
+    assert await log.load("s") is None
+    await log.shutdown()

@@ -1,0 +1,89 @@
+"""`rhymerl <sub-command> --help` lists every setting the service reads, and the options
+and environment variables set the same settings (the option wins)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, get_args, get_origin
+
+import pytest
+import typer
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from typer.testing import CliRunner
+
+from services.cli import app
+from services.common.settings_cli import env_var, settings_command
+from services.history.settings import HistorySettings
+from services.local_run import LocalRunSettings
+from services.rollout.settings import WorkerSettings
+from services.scheduler.settings import SchedulerSettings
+
+COMMANDS = {"history": HistorySettings, "scheduler": SchedulerSettings, "worker": WorkerSettings,
+            "local-run": LocalRunSettings}
+
+
+def help_text(command: str) -> str:
+    result = CliRunner().invoke(app, [command, "--help"], terminal_width=400, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    return re.sub(r"\s+", " ", result.output)  # help wraps long lines
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_lists_every_setting_with_env_var_default_and_choices(command):
+    cls, text = COMMANDS[command], help_text(command)
+    for name, field in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        assert f"[env: {env_var(cls, name)}]" in text, name
+        assert field.description, f"{cls.__name__}.{name} has no description"
+        assert field.description.split()[0] in text
+        if get_origin(field.annotation) is Literal:
+            assert "<" + "|".join(get_args(field.annotation)) + ">" in text, name
+    assert text.count("[default:") >= len(cls.model_fields)
+
+
+def test_scheduler_policy_lists_the_registered_policies():
+    from services.scheduler.policies import POLICIES
+
+    assert "--policy <" + "|".join(POLICIES) + ">" in help_text("scheduler")
+
+
+class Toy(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOY_")
+
+    port: int = Field(5, le=10, description="A port.")
+    mode: Literal["a", "b"] = Field("a", description="A mode.")
+    fast: bool = Field(False, description="A flag.")
+
+
+@pytest.fixture
+def toy():
+    got = []
+    toy_app = typer.Typer()
+    settings_command(toy_app, "run", Toy, "Toy.")(got.append)
+    settings_command(toy_app, "other", Toy, "Another.")(got.append)  # a group: sub-commands are by name
+    return toy_app, got
+
+
+def test_options_and_environment_set_the_settings_and_the_option_wins(toy):
+    toy_app, got = toy
+    runner = CliRunner()
+    assert runner.invoke(toy_app, ["run"], env={"TOY_PORT": "7", "TOY_FAST": "true"}).exit_code == 0
+    assert got[-1] == Toy(port=7, mode="a", fast=True)
+    assert runner.invoke(toy_app, ["run", "--port", "9", "--mode", "b", "--no-fast"],
+                         env={"TOY_PORT": "7", "TOY_FAST": "true"}).exit_code == 0
+    assert got[-1] == Toy(port=9, mode="b", fast=False)
+
+
+def test_bad_values_are_refused_naming_the_option_and_variable(toy):
+    toy_app, got = toy
+    runner = CliRunner()
+    bad_choice = runner.invoke(toy_app, ["run", "--mode", "c"])
+    assert bad_choice.exit_code == 2 and "'c' is not one of 'a', 'b'" in bad_choice.output
+    too_big = runner.invoke(toy_app, ["run", "--port", "11"])
+    assert too_big.exit_code == 2 and "--port (TOY_PORT)" in too_big.output and "less than or equal to 10" in \
+        too_big.output
+    bad_env = runner.invoke(toy_app, ["run"], env={"TOY_PORT": "many"})
+    assert bad_env.exit_code == 2 and "--port (TOY_PORT)" in bad_env.output
+    assert not got

@@ -118,7 +118,7 @@ def test_logprobs_vllm_cannot_return_are_refused_per_sample_naming_the_field(cli
     errors = [s.error for s in result.samples]
     assert len(errors) == 2 and all("logprobs_mode: raw logprobs with top_k" in e for e in errors), errors
     ok = client.rollout("processed-topk", prompts(1), n=2, sampling=dataclasses.replace(params, logprobs_mode="processed"))
-    assert all(not s.error and len(s.logprobs) == len(s.token_ids) == 8 for s in ok.samples)
+    assert all(not s.error and len(s.logprobs) == len(s.token_ids) == 8 for s in ok.samples), [(s.error, len(s.logprobs), len(s.token_ids), s.finish_reason) for s in ok.samples]
 
 
 def test_weight_push_and_load_swap_vllm_weights_with_the_version_reported(client, cluster, tmp_path):

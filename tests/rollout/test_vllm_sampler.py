@@ -40,6 +40,17 @@ def test_verification_divides_each_drafted_position_by_its_requests_temperature(
     assert torch.allclose(got, want)
 
 
+def test_a_step_without_drafts_under_top_k_is_verified_not_raised(engine):
+    # speculation on: a prefill step (no request has a draft) still goes through the
+    # rejection sampler; vLLM's CPU top-k raised on its empty rows (cpu_expand.py)
+    from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+    cu = torch.tensor([0, 0], dtype=torch.int32)
+    meta = types.SimpleNamespace(all_greedy=False, temperature=torch.tensor([1.0, 0.5]),
+                                 top_k=torch.tensor([5, 5], dtype=torch.int32), top_p=None)
+    assert apply_sampling_constraints(torch.empty(0, 96), cu, meta).shape == (0, 96)
+
+
 def test_expansion_keeps_dtype_and_replaces_greedy_temperature():
     cu = torch.tensor([1, 1, 4], dtype=torch.int32)  # the middle request has no draft
     top_k = _expand_batch_to_tokens(torch.tensor([5, 7, 9], dtype=torch.int32), cu, 4)

@@ -1,4 +1,4 @@
-"""A repair of vLLM's CPU speculative sampling at temperature > 0.
+"""Repairs of vLLM's CPU speculative sampling (vLLM 0.32), installed only where broken.
 
 vLLM's rejection sampler spreads each request's temperature, top-k and top-p over
 its draft positions with ``expand_batch_to_tokens``. On the CPU (vLLM 0.32) the
@@ -13,6 +13,12 @@ requests never reach that code, which is why greedy output stayed identical.
 `repair` checks vLLM's function on a float input and, only if it is wrong, swaps
 in the same expansion written with torch.repeat_interleave. It runs in the process
 holding vLLM's model runner (through collective_rpc), where the sampler lives.
+
+A second repair, same place: with speculation on, vLLM runs every step through the
+rejection sampler, also a step in which no request has a draft (a prompt's prefill).
+Its CPU top-k then takes ``k.max()`` of an empty tensor and raises, so every request
+with top_k failed in such a step. With no drafted position there is nothing to mask:
+the wrapper returns the (empty) logits as they are.
 """
 
 from __future__ import annotations
@@ -41,11 +47,31 @@ def expands_correctly(fn) -> bool:
     return torch.equal(got, torch.tensor([1.0, 1.0, 0.5, 0.5, 0.5, 1.0]))
 
 
-def repair(worker=None) -> bool:
-    """Installs the torch expansion if vLLM's is broken here; True if it did."""
+def masks_no_rows(fn) -> bool:
+    """Whether `fn` (vLLM's apply_top_k_top_p) takes a step with no drafted position."""
+    try:
+        fn(torch.empty(0, 8), torch.empty(0, dtype=torch.int32), None)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _skipping_empty(fn):
+    def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+        return logits if logits.shape[0] == 0 else fn(logits, k, p)
+
+    return apply_top_k_top_p
+
+
+def repair(worker=None) -> list[str]:
+    """Installs our versions of vLLM's functions that are broken here; the names repaired."""
     from vllm.v1.sample import rejection_sampler
 
-    if expands_correctly(rejection_sampler.expand_batch_to_tokens):
-        return False
-    rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
-    return True
+    repaired = []
+    if not expands_correctly(rejection_sampler.expand_batch_to_tokens):
+        rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+        repaired.append("expand_batch_to_tokens")
+    if not masks_no_rows(rejection_sampler.apply_top_k_top_p):
+        rejection_sampler.apply_top_k_top_p = _skipping_empty(rejection_sampler.apply_top_k_top_p)
+        repaired.append("apply_top_k_top_p")
+    return repaired

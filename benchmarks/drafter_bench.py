@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import drafter_replay as R
+from benchmarks.drafter_oracle import OracleDrafter
 from benchmarks.peers.suffix_decoding import (
     MAX_CACHED_REQUESTS,
     MAX_TREE_DEPTH,
@@ -44,6 +45,7 @@ from services.rollout.engine.cost_model import CostModel
 BATCH_SIZES = (1, 16, 64, 256)
 RHYMERL = "rhymerl"  # the product configuration, as a worker runs it
 PEER, PEER_PER_PROMPT = "vllm-suffix", "vllm-suffix/per-prompt"
+ORACLE, ORACLE_LONGEST = "oracle/any-context", "oracle/longest-context"
 COMMITTED = ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz"]
 
 
@@ -81,8 +83,13 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
         rows.append(R.replay(traces, make, stop, config))
         print(f"  {name} {config}: {rows[-1]['mean_accepted_drafts_per_step']:.3f} accepted / "
               f"{rows[-1]['draft_tokens_per_step']:.2f} drafted per verify", file=sys.stderr, flush=True)
+    truth = {f"{t.prompt_id}/{t.epoch}/{t.sample_index}": t.token_ids for t in traces}
+    for config, longest in ((ORACLE, False), (ORACLE_LONGEST, True)):  # the ceilings of our sources
+        rows.append(R.replay(traces, lambda longest=longest: OracleDrafter(truth, DrafterConfig(), 16, longest),
+                             stop, config))
     by_name = {r["config"]: r for r in rows}
     ours, theirs = by_name[RHYMERL], by_name.get(PEER)
+    ceiling, ceiling_longest = by_name[ORACLE], by_name[ORACLE_LONGEST]
     speedup = {}
     for batch in BATCH_SIZES:  # rhymerl drafts for this batch size; the peer does not adapt
         row = R.replay(traces, _ours(cost_model=CostModel(), cost_num_seqs=batch), stop, f"{RHYMERL}@{batch}")
@@ -108,6 +115,14 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
         "rhymerl_vs_peer_mean_accepted": (ours["mean_accepted_drafts_per_step"]
                                           / theirs["mean_accepted_drafts_per_step"]) if theirs else None,
         "modeled_speedup": speedup,
+        # Every drafted token accepted: the most a linear drafter reading our sources could
+        # accept per verify (any context >= min_match_len; only the longest continued one).
+        "oracle_mean_accepted": ceiling["mean_accepted_drafts_per_step"],
+        "oracle_longest_context_mean_accepted": ceiling_longest["mean_accepted_drafts_per_step"],
+        "oracle_vs_peer_mean_accepted": (ceiling["mean_accepted_drafts_per_step"]
+                                         / theirs["mean_accepted_drafts_per_step"]) if theirs else None,
+        "oracle_longest_context_vs_peer_mean_accepted": (ceiling_longest["mean_accepted_drafts_per_step"]
+                                                         / theirs["mean_accepted_drafts_per_step"]) if theirs else None,
         "drafting_us_p50": ours["propose_us_p50"],
         "drafting_us_p99": ours["propose_us_p99"],
         "memory_tokens_per_prompt_max": ours["memory_tokens_max"],
@@ -210,7 +225,9 @@ def _section(s: dict) -> str:
     ratio = s["rhymerl_vs_peer_mean_accepted"]
     return (f"### {s['name']}\n\n{s['num_prompts']} prompts x {s['num_epochs']} epochs, {s['num_traces']} "
             f"responses, mean {s['mean_response_tokens']:.0f} tokens. rhymerl vs vLLM suffix (global tree), "
-            f"accepted per verify: **{fmt(ratio)}x**.\n\n{markdown_table(s['rows'], COLUMNS)}\n\n"
+            f"accepted per verify: **{fmt(ratio)}x**; the oracle ceiling of our sources vs the peer: "
+            f"{fmt(s['oracle_vs_peer_mean_accepted'])}x (any context), "
+            f"{fmt(s['oracle_longest_context_vs_peer_mean_accepted'])}x (longest context only).\n\n{markdown_table(s['rows'], COLUMNS)}\n\n"
             f"Modeled rollout speedup at a steady batch (engine cost curve):\n\n{speed}")
 
 
@@ -230,7 +247,11 @@ worker; a draft token is accepted when it equals the trace's next token. `accept
 = accepted draft tokens per verify step (the bonus token excluded), `drafted/verify` =
 draft tokens per verify step, at most 16. `rhymerl` = history + siblings + prompt +
 global index, draft length from the engine's H100 cost curve at the replay's batch;
-`/16` rows draft whenever a continuation exists. `vllm-suffix` = vLLM's method="suffix"
+`/16` rows draft whenever a continuation exists. `oracle/*` rows know the trace: they
+draft the longest run of the true next tokens that a source saw after the request's
+context (any suffix >= min_match_len, or the longest continued one only), so every
+token is accepted: the ceiling of chain drafting from these sources
+(`benchmarks/drafter_oracle.py`). `vllm-suffix` = vLLM's method="suffix"
 defaults (max_tree_depth {MAX_TREE_DEPTH}, max_cached_requests {MAX_CACHED_REQUESTS}, max_spec_factor
 1.0, min_token_prob 0.1, num_speculative_tokens 16), one SuffixDecodingCache driven as
 vLLM's proposer does; `/per-prompt` = one cache per prompt. `propose`/`add` = host CPU

@@ -111,3 +111,36 @@ def test_main_writes_the_trace_sets_results(tmp_path, monkeypatch):
     assert set(entry["modeled_speedup"]) == {"1", "16", "64", "256"}
     assert all(v["rhymerl"] > 0 and v["peer"] is None for v in entry["modeled_speedup"].values())
     assert summary["rhymerl_mean_accepted"] == entry["rhymerl_mean_accepted"]  # the old keys stay
+
+
+def test_oracle_is_a_ceiling_every_token_accepted_and_at_least_ours():
+    """The oracle drafts only true next tokens that a source saw after the context (all
+    accepted), accepts at least what rhymerl's drafter does on the same replay, and the
+    longest-context oracle at most what the any-context one does. If this fails, the
+    ceiling reported in drafter.json is not one."""
+    from benchmarks.drafter_oracle import OracleDrafter
+
+    traces = R.synthetic_traces(num_prompts=2, num_epochs=3, num_samples=4, seed=5)
+    stop = R.stop_token(traces)
+    truth = {f"{t.prompt_id}/{t.epoch}/{t.sample_index}": t.token_ids for t in traces}
+    ours = R.replay(traces, lambda: HistoDrafter(DrafterConfig(min_gain=0.0)), stop, "ours")
+    ceiling = R.replay(traces, lambda: OracleDrafter(truth, DrafterConfig()), stop, "oracle")
+    longest = R.replay(traces, lambda: OracleDrafter(truth, DrafterConfig(), longest_only=True), stop, "longest")
+    for row in (ceiling, longest):
+        assert row["acceptance_rate"] == 1.0 and row["draft_tokens_per_step"] > 0
+    assert ceiling["mean_accepted_drafts_per_step"] >= longest["mean_accepted_drafts_per_step"]
+    assert ceiling["mean_accepted_drafts_per_step"] >= ours["mean_accepted_drafts_per_step"]
+
+
+def test_oracle_drafts_nothing_a_source_never_saw():
+    """With no history, no siblings and an empty global index, the truth is unknown to
+    every source: the oracle drafts nothing (it may not invent tokens)."""
+    from benchmarks.drafter_oracle import OracleDrafter
+
+    truth = {"r": [7, 8, 9, 10], "s": [7, 8, 9, 10]}
+    oracle = OracleDrafter(truth, DrafterConfig())
+    oracle.start_request("r", "p", [1, 2])
+    assert oracle.propose(["r"], [16]) == [[]]
+    oracle.add_global_responses([[7, 8, 9, 5]])  # another prompt's response, seen before "s" starts
+    oracle.start_request("s", "q", [3])
+    assert oracle.propose(["s"], [16]) == [[7, 8, 9]]  # anchored at the response's start, not past it

@@ -6,8 +6,10 @@ text) and the generations of the worker's global index. How a draft is made:
 1. Each source climbs from its match to the longest context that was continued
    (`prepare`); a source whose context is shorter than `min_match_len` (and not anchored
    at the start of the response) stays silent.
-2. Each step, every live source proposes its heaviest next token; each candidate is
-   scored by all sources together: p(t) = sum_s trust_s * p_s(t) / sum_s trust_s, with
+2. Each step, every live source proposes its heaviest next token, and the heaviest
+   next token of its next shorter context (a long context seen a few times can be
+   outvoted by the many occurrences of its suffix); each candidate is scored by all
+   sources together: p(t) = sum_s trust_s * p_s(t) / sum_s trust_s, with
    p_s(t) = weight(t) / (total weight after the context + smoothing), backed off to the
    next shorter context (`_blend`), and trust_s = L_s / (L_s + prior_s), so agreeing
    sources confirm a token, disagreeing ones dilute it, and a long match outweighs a
@@ -121,16 +123,22 @@ def draft(sources: list[Source], cap: int, stops: frozenset[int], smoothing: flo
         return tokens, gains
     gain = max(s[2] / (s[2] + s[3]) for s in sources)
     while len(tokens) < cap and sources:
-        if len(sources) == 1:  # one source: its own estimate
+        views = [_best(s[0], s[1]) for s in sources]  # (token, next, w, total) each
+        candidates = {v[0] for v in views}
+        for s in sources:  # what the next shorter context would say (step 2's back-off)
+            index, parent = s[0], s[0].link[s[1]]
+            if parent > 0 and index.length[parent] >= min_match_len and (
+                    index.one_next[parent] or index.trans[parent] is not None):
+                candidates.add(_best(index, parent)[0])
+        if len(candidates) == 1 and len(sources) == 1:  # one source, one opinion: its own estimate
             index, state = sources[0][0], sources[0][1]
-            token, nxt, w, total = _best(index, state)
+            token, nxt, w, total = views[0]
             p = _blend(index, state, token, w, total, smoothing, backoff)
             chosen_next = [nxt]
         else:
-            views = [_best(s[0], s[1]) for s in sources]  # (token, next, w, total) each
             trusts = [s[2] / (s[2] + s[3]) for s in sources]
             p, token = -1.0, 0
-            for cand in {v[0] for v in views}:
+            for cand in candidates:
                 score = 0.0
                 for s, (tok, _, w, total), trust in zip(sources, views, trusts):
                     score += trust * (_blend(s[0], s[1], tok, w, total, smoothing, backoff) if tok == cand

@@ -17,7 +17,8 @@ class DrafterConfig:
             epochs, the live siblings, the prompt). Without siblings a request's own
             tokens are not indexed either (tracked only).
         use_global: also draft from the worker's global index of recent responses to
-            all prompts (`add_global_responses`, and every response finished here).
+            all prompts (`add_global_responses`) and of the requests running here
+            (indexed token by token).
         max_tokens_per_prompt: memory bound of one prompt's index, in indexed tokens.
         history_fraction: the share of it history may take at load (room for siblings).
         global_max_tokens: memory bound of the global index (two generations of half).

@@ -11,20 +11,29 @@ the newest; when it holds half the bound, the older generation is dropped and a 
 one starts (O(1): no rebuild in the engine's loop). Drafts consult both, so between
 flips the index remembers at least the last half-bound of tokens and at most the bound.
 
-A running request follows its longest match in each generation with a `GlobalMatch`,
-advanced by the tokens it commits (O(1) amortised per token and generation).
+The requests running on this worker are indexed as they grow, token by token, as vLLM's
+suffix method does: the step's other prompts and samples, sampled by the very policy being
+drafted for, are the freshest evidence of how it phrases things now. A request's own text
+is then its longest match in the newest generation (its `GlobalMatch` keeps its last
+state there); in the older generation it follows its longest match. When its response
+finishes and the worker adds it as a whole (`add`), it is recognised and not indexed twice.
 This module knows nothing about prompts, requests or drafting policy.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from services.rollout.drafter.suffix_index import ROOT, SuffixIndex
 
-_REMATCH_TOKENS = 32  # a tracker entering a fresh generation re-reads this much of its text
+_REMATCH_TOKENS = 32  # a request entering a fresh generation re-reads (re-indexes) this much
+_MAX_FED = 4096  # responses indexed live, remembered so that `add` skips them once
 
 
 class GlobalMatch:
-    """A request's longest-match trackers, one per generation (newest first)."""
+    """A running request in the global index: the last state of its own text in the
+    newest generation (states[0], of length lens[0]), and its longest match in the older
+    one (states[1], lens[1])."""
 
     __slots__ = ("flips", "lens", "states")
 
@@ -48,51 +57,94 @@ class GlobalIndex:
         self.generations: list[SuffixIndex] = [SuffixIndex()]  # newest first
         self.flips = 0  # generations started so far (trackers compare against it)
         self.num_responses = 0
+        self._fed: OrderedDict[tuple[int, int], int] = OrderedDict()  # indexed live: (len, hash) -> count
 
     @property
     def num_tokens(self) -> int:
         return sum(g.num_tokens for g in self.generations)
 
     def add(self, tokens: list[int]) -> None:
-        """Indexes one whole response (without the start marker; it is added here)."""
+        """Indexes one whole response (without the start marker; it is added here),
+        unless it is one of this worker's that was indexed as it was generated."""
+        key = (len(tokens), hash(tuple(tokens)))
+        count = self._fed.get(key)
+        if count is not None:
+            if count > 1:
+                self._fed[key] = count - 1
+            else:
+                del self._fed[key]
+            return
         sequence = [self.start, *tokens][: self.max_tokens // 2]
-        newest = self.generations[0]
-        if newest.num_tokens + len(sequence) > self.max_tokens // 2:
-            newest = SuffixIndex()
-            self.generations = [newest, self.generations[0]]
-            self.flips += 1
+        newest = self._room(len(sequence))
         last = ROOT
         for i, token in enumerate(sequence):
             last = newest.extend(last, token, 1.0, True, sequence, i)
         self.num_responses += 1
 
-    def follow(self, match: GlobalMatch, text: list[int], new: int) -> None:
-        """Advances `match` over the last `new` tokens of `text` (a request's START +
-        response so far), first catching up with generations started since."""
-        if match.flips != self.flips:
-            behind = self.flips - match.flips
-            if behind == 1:  # its newest generation is now the older one
-                match.states[1], match.lens[1] = match.states[0], match.lens[0]
-            else:
-                match.states[1], match.lens[1] = self._rematch(self.generations[-1], text)
-            match.states[0], match.lens[0] = self._rematch(self.generations[0], text)
-            match.flips = self.flips
-            if len(self.generations) == 1:
-                match.states[1], match.lens[1] = ROOT, 0
-            return
-        for g, index in enumerate(self.generations):
-            state, length = match.states[g], match.lens[g]
-            for token in text[len(text) - new:]:
-                state, length = index.walk(state, length, token)
-            match.states[g], match.lens[g] = state, length
-
     def start_match(self, text: list[int]) -> GlobalMatch:
-        """A tracker for a request whose text (START + tokens) is `text`."""
+        """Starts indexing a running request whose text (START + tokens) is `text`; the
+        list is the request's own, which the caller extends before each `follow`."""
         match = GlobalMatch()
-        match.flips = self.flips
-        for g, index in enumerate(self.generations):
-            match.states[g], match.lens[g] = self._rematch(index, text)
+        self._enter(match, text, 0, carried=False)
         return match
+
+    def follow(self, match: GlobalMatch, text: list[int], new: int) -> None:
+        """Indexes the last `new` tokens of `text` after the request's earlier ones and
+        advances its match in the older generation (new=0: only catches up with flips)."""
+        newest = self.generations[0]
+        if match.flips != self.flips or newest.num_tokens + new > self.max_tokens // 2:
+            self._enter(match, text, new, carried=True)
+            return
+        begin = len(text) - new
+        if len(self.generations) > 1:
+            older, state, length = self.generations[1], match.states[1], match.lens[1]
+            for token in text[begin:]:
+                state, length = older.walk(state, length, token)
+            match.states[1], match.lens[1] = state, length
+        last = match.states[0]
+        for i in range(begin, len(text)):
+            last = newest.extend(last, text[i], 1.0, True, text, i)
+        match.states[0], match.lens[0] = last, newest.length[last]
+
+    def _enter(self, match: GlobalMatch, text: list[int], new: int, carried: bool) -> None:
+        """Indexes the tail of the request's text in the newest generation as a sequence
+        of its own (at its start, or after a flip: its context is then there), flipping
+        first if it does not fit. In the older generation its match is its own text there
+        when that is where it was indexed (`carried`), else found anew."""
+        was = match.flips
+        tail = min(len(text), _REMATCH_TOKENS + new, self.max_tokens // 2)
+        newest = self._room(tail)
+        if len(self.generations) == 1:
+            match.states[1], match.lens[1] = ROOT, 0
+        elif carried and self.flips - was == 1:
+            state, length = match.states[0], match.lens[0]  # its own text, before the new tokens
+            for token in text[len(text) - new:]:
+                state, length = self.generations[1].walk(state, length, token)
+            match.states[1], match.lens[1] = state, length
+        else:
+            match.states[1], match.lens[1] = self._rematch(self.generations[1], text)
+        last = ROOT
+        for i in range(len(text) - tail, len(text)):
+            last = newest.extend(last, text[i], 1.0, True, text, i)
+        match.states[0], match.lens[0], match.flips = last, newest.length[last], self.flips
+
+    def finish(self, text: list[int]) -> None:
+        """A running request stopped: its response (`text` without START) is indexed
+        already, so `add` will skip it once."""
+        key = (len(text) - 1, hash(tuple(text[1:])))
+        self._fed[key] = self._fed.get(key, 0) + 1
+        self._fed.move_to_end(key)
+        if len(self._fed) > _MAX_FED:
+            self._fed.popitem(last=False)
+
+    def _room(self, num_new: int) -> SuffixIndex:
+        """The newest generation, after a flip if it cannot take `num_new` more tokens."""
+        newest = self.generations[0]
+        if newest.num_tokens + num_new > self.max_tokens // 2 and newest.num_tokens:
+            newest = SuffixIndex()
+            self.generations = [newest, self.generations[0]]
+            self.flips += 1
+        return newest
 
     @staticmethod
     def _rematch(index: SuffixIndex, text: list[int]) -> tuple[int, int]:

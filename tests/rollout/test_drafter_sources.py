@@ -99,3 +99,70 @@ def test_global_eviction_keeps_the_newest():
     assert drafter.propose(["old"], [9]) == [[]]  # forgotten
     drafter.start_request("new", "q", [1], [300, 301])
     assert drafter.propose(["new"], [9]) == [[302, 303, 304]]
+
+
+def test_running_requests_of_other_prompts_draft_before_they_finish():
+    """Another prompt's request running on this worker is drafted from as soon as its
+    tokens are committed (the step's own phrasing), not only once it finishes."""
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.0, max_draft_len=3, use_history=False,
+                                         use_siblings=False, use_prompt=False))
+    drafter.start_request("other", "q", [1], [50, 51])
+    drafter.add_tokens("other", [52, 53, 54])
+    drafter.start_request("r", "p", [1], [51, 52])
+    assert drafter.propose(["r"], [100]) == [[53, 54]]
+
+
+def test_a_finished_response_indexed_as_it_ran_is_not_indexed_twice():
+    """The worker adds each finished sample to the global index; one that ran here was
+    indexed token by token already, so adding it changes nothing, while a response from
+    elsewhere (the history stream) is indexed."""
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.0, use_history=False, use_siblings=False, use_prompt=False))
+    drafter.start_request("a", "p", [1], [60, 61])
+    drafter.add_tokens("a", [62, 63])
+    drafter.stop_request("a")
+    before = drafter.global_tokens()
+    drafter.add_global_responses([[60, 61, 62, 63]])
+    assert drafter.global_tokens() == before
+    drafter.add_global_responses([[60, 61, 62, 63]])  # the same text again, from elsewhere
+    assert drafter.global_tokens() == before + 5
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 9), min_size=1, max_size=9)),
+                    min_size=1, max_size=80),
+       bound=st.integers(16, 120))
+def test_global_bound_holds_and_keeps_the_newest_with_running_requests(ops, bound):
+    """Running requests indexed token by token, finished ones and streamed responses:
+    the global index never passes its bound, and the text a request just committed is
+    still there (a fresh request continuing it is drafted its next token)."""
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.0, max_draft_len=1, global_max_tokens=bound,
+                                         use_history=False, use_siblings=False, use_prompt=False,
+                                         min_match_len=1))
+    running: set[str] = set()
+    for n, (op, toks) in enumerate(ops):
+        rid = f"r{op}"
+        if rid in running and n % 5 == 4:
+            drafter.stop_request(rid)
+            running.discard(rid)
+        elif rid in running:
+            drafter.add_tokens(rid, toks)
+        elif op == 3:
+            drafter.add_global_responses([toks])
+        else:
+            drafter.start_request(rid, f"p{op}", [1], toks)
+            running.add(rid)
+        assert drafter.global_tokens() <= bound
+    drafter.start_request("last", "z", [1], [100, 101, 102])
+    drafter.add_tokens("last", [103])
+    drafter.start_request("probe", "y", [1], [102])
+    assert drafter.propose(["probe"], [9]) == [[103]]
+    assert drafter.global_tokens() <= bound
+
+
+def test_a_shorter_context_seen_often_outvotes_a_rare_longer_one():
+    """After "... 30 31 32" the longest context was followed once by 40, while "31 32"
+    was followed by 41 ten times: the walk backs off and drafts 41."""
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.0, max_draft_len=1, use_global=False))
+    drafter.load_history("p", [[9, 30, 31, 32, 40]] + [[9, 33, 31, 32, 41]] * 10)
+    drafter.start_request("r", "p", [1], [30, 31, 32])
+    assert drafter.propose(["r"], [100]) == [[41]]

@@ -242,8 +242,9 @@ machine still inflates them). Peer: {summary['peer']['name']}, {summary['peer'][
 
 Replay (one function for every drafter, `benchmarks/drafter_replay.py`): every epoch in
 order, all samples of an epoch advance together one verify step at a time (siblings see
-only committed tokens), each finished response feeds rhymerl's global index as on a
-worker; a draft token is accepted when it equals the trace's next token. `accepted/verify`
+only committed tokens), every running request's committed tokens go into rhymerl's
+global index as they come (as the peer's global tree takes them) and each finished
+response is handed to it as on a worker (recognised, not indexed twice); a draft token is accepted when it equals the trace's next token. `accepted/verify`
 = accepted draft tokens per verify step (the bonus token excluded), `drafted/verify` =
 draft tokens per verify step, at most 16. `rhymerl` = history + siblings + prompt +
 global index, draft length from the engine's H100 cost curve at the replay's batch;

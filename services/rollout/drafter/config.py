@@ -60,7 +60,7 @@ class DrafterConfig:
     backoff_weight: float = 2.0
     match_len_prior: float = 1.0
     global_match_len_prior: float = 1.0
-    min_match_len: int = 2
+    min_match_len: int = 1
     min_gain: float = 0.1
     max_draft_len: int = 16
     cost_model: CostModel | None = None

@@ -127,6 +127,22 @@ def test_a_finished_response_indexed_as_it_ran_is_not_indexed_twice():
     assert drafter.global_tokens() == before + 5
 
 
+def test_a_finished_response_gets_only_the_tokens_the_engine_never_handed_over():
+    """The engine stops a request without handing the drafter its last step's tokens:
+    when the finished response is added, only that tail is indexed, after its text, so
+    the way it ended is draftable and nothing is indexed twice."""
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.0, max_draft_len=3, use_history=False,
+                                         use_siblings=False, use_prompt=False))
+    drafter.start_request("a", "p", [1], [70, 71])
+    drafter.add_tokens("a", [72, 73])
+    drafter.stop_request("a")  # its last step committed 74, 2 (EOS), never passed on
+    before = drafter.global_tokens()
+    drafter.add_global_responses([[70, 71, 72, 73, 74, 2]])
+    assert drafter.global_tokens() == before + 2
+    drafter.start_request("b", "q", [1], [72, 73])
+    assert drafter.propose(["b"], [100]) == [[74, 2]]
+
+
 @settings(max_examples=30, deadline=None)
 @given(ops=st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 9), min_size=1, max_size=9)),
                     min_size=1, max_size=80),

@@ -9,8 +9,7 @@ Lifecycle, as the worker and its engine drive it:
 1. `load_history(prompt_id, responses, ...)` when a step starts, once per prompt, with
    that prompt's responses from earlier epochs (the history service's bulk answer);
    `add_global_responses(responses)` with recent responses to any prompt (the history
-   service's stream at step start, and each sample that finishes on this worker: those
-   were indexed token by token as they ran, and are recognised and skipped).
+   service's stream at step start, and each sample finished here: indexed as it ran).
 2. `start_request(request_id, prompt_id, prompt)` when a sample is scheduled (or resumes
    on this worker after migration, with the tokens generated elsewhere).
 3. Every engine step: `propose(request_ids, max_lens, stop_token_ids, budget)` before
@@ -91,10 +90,9 @@ class HistoDrafter:
         entry.set_history(history, int(cfg.max_tokens_per_prompt * cfg.history_fraction))
 
     def add_global_responses(self, responses: Iterable[np.ndarray | Sequence[int]]) -> None:
-        """Adds whole responses (to any prompt) to the global index: the history
-        service's recent responses at step start, and each sample that finishes on this
-        worker (indexed already as it ran: skipped once). The oldest are forgotten past
-        `global_max_tokens`."""
+        """Adds whole responses (to any prompt) to the global index: the history stream's
+        at step start, and each sample finished here (indexed as it ran: skipped once).
+        The oldest are forgotten past `global_max_tokens`."""
         if self._global is None:
             return
         for tokens in responses:
@@ -173,7 +171,7 @@ class HistoDrafter:
         entry = self._prompts[request.prompt_id]
         entry.finish(request_id)
         if request.glob is not None:
-            self._global.finish(request.seq.tokens)
+            self._global.finish(request.glob, request.seq.tokens)
         if entry.released and not entry.live:
             del self._prompts[request.prompt_id]
 

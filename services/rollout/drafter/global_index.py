@@ -28,6 +28,7 @@ from services.rollout.drafter.suffix_index import ROOT, SuffixIndex
 
 _REMATCH_TOKENS = 32  # a request entering a fresh generation re-reads (re-indexes) this much
 _MAX_FED = 4096  # responses indexed live, remembered so that `add` skips them once
+_KEY_TOKENS = 16  # how many of their first tokens look them up
 
 
 class GlobalMatch:
@@ -57,7 +58,8 @@ class GlobalIndex:
         self.generations: list[SuffixIndex] = [SuffixIndex()]  # newest first
         self.flips = 0  # generations started so far (trackers compare against it)
         self.num_responses = 0
-        self._fed: OrderedDict[tuple[int, int], int] = OrderedDict()  # indexed live: (len, hash) -> count
+        # stopped requests indexed live, by their first tokens: (text, flips, its last state)
+        self._fed: OrderedDict[int, list[tuple[list[int], int, int]]] = OrderedDict()
 
     @property
     def num_tokens(self) -> int:
@@ -66,13 +68,7 @@ class GlobalIndex:
     def add(self, tokens: list[int]) -> None:
         """Indexes one whole response (without the start marker; it is added here),
         unless it is one of this worker's that was indexed as it was generated."""
-        key = (len(tokens), hash(tuple(tokens)))
-        count = self._fed.get(key)
-        if count is not None:
-            if count > 1:
-                self._fed[key] = count - 1
-            else:
-                del self._fed[key]
+        if self._indexed_live(tokens):
             return
         sequence = [self.start, *tokens][: self.max_tokens // 2]
         newest = self._room(len(sequence))
@@ -128,14 +124,40 @@ class GlobalIndex:
             last = newest.extend(last, text[i], 1.0, True, text, i)
         match.states[0], match.lens[0], match.flips = last, newest.length[last], self.flips
 
-    def finish(self, text: list[int]) -> None:
-        """A running request stopped: its response (`text` without START) is indexed
-        already, so `add` will skip it once."""
-        key = (len(text) - 1, hash(tuple(text[1:])))
-        self._fed[key] = self._fed.get(key, 0) + 1
+    def finish(self, match: GlobalMatch, text: list[int]) -> None:
+        """A running request stopped: its text (START + tokens) is indexed already, so
+        `add` will recognise its response once (and index only what it lacks)."""
+        key = hash(tuple(text[1:1 + _KEY_TOKENS]))
+        self._fed.setdefault(key, []).append((text, match.flips, match.states[0]))
         self._fed.move_to_end(key)
         if len(self._fed) > _MAX_FED:
             self._fed.popitem(last=False)
+
+    def _indexed_live(self, tokens: list[int]) -> bool:
+        """Whether `tokens` is a response that ran here; the engine stops a request before
+        handing the drafter its last tokens, so those are indexed after its text now."""
+        found = self._take_fed(tokens)
+        if found is None:
+            return False
+        text, flips, last = found
+        done, newest = len(text) - 1, self.generations[0]
+        if flips != self.flips or newest.num_tokens + len(tokens) - done > self.max_tokens // 2:
+            return done == len(tokens)  # its text moved on to an older generation: index it anew
+        for i in range(done, len(tokens)):
+            last = newest.extend(last, tokens[i], 1.0, True, tokens, i)
+        return True
+
+    def _take_fed(self, tokens: list[int]) -> tuple[list[int], int, int] | None:
+        """Removes and returns the stopped request whose response `tokens` begins with."""
+        for k in range(min(_KEY_TOKENS, len(tokens)), -1, -1):  # a text shorter than the key: its length
+            entries = self._fed.get(hash(tuple(tokens[:k])))
+            for n, (text, flips, last) in enumerate(entries or ()):
+                if len(text) - 1 <= len(tokens) and text[1:] == tokens[:len(text) - 1]:
+                    del entries[n]
+                    if not entries:
+                        del self._fed[hash(tuple(tokens[:k]))]
+                    return text, flips, last
+        return None
 
     def _room(self, num_new: int) -> SuffixIndex:
         """The newest generation, after a flip if it cannot take `num_new` more tokens."""

@@ -39,7 +39,7 @@ import torch
 from benchmarks.provenance import git_commit
 from services.rollout.drafter import HistoDrafter
 from services.rollout.engine import CostModel, EngineRequest, LLMEngine
-from services.rollout.engine.cost_model import H100_CURVES
+from services.common.cost_curve import H100_CURVES
 from services.rollout.loader import init_random_model, save_model
 from services.rollout.models.config import ModelConfig
 from services.rollout.models.transformer import CausalLM

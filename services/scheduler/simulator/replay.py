@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel, _WeightedLengths
 from services.scheduler.policies import make_policy, policy_options
 from services.scheduler.policies.base import Assignment, Policy, Request, RequestKey, StepQuota, WorkerState
@@ -70,7 +70,7 @@ def policy_config(policy: Policy) -> dict[str, Any]:
     config: dict[str, Any] = {}
     for name in inspect.signature(type(policy)).parameters:
         value = getattr(policy, name, None)
-        if isinstance(value, CostModel):
+        if isinstance(value, CostCurve):
             config[name] = {"num_tokens": list(value.num_tokens), "ms": list(value.ms)}
         elif isinstance(value, (bool, int, float, str)):
             config[name] = value
@@ -232,7 +232,7 @@ def policy_from_events(events: list[Event], name: str | None = None, **overrides
     accepted = policy_options(name)
     kwargs = {k: v for k, v in start["config"].items() if k in accepted}
     if isinstance(kwargs.get("cost"), dict):
-        kwargs["cost"] = CostModel(tuple(kwargs["cost"]["num_tokens"]), tuple(kwargs["cost"]["ms"]))
+        kwargs["cost"] = CostCurve(tuple(kwargs["cost"]["num_tokens"]), tuple(kwargs["cost"]["ms"]))
     kwargs.update(overrides)
     return make_policy(name, **kwargs)
 

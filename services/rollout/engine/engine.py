@@ -25,6 +25,7 @@ from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBat
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
 from services.rollout.engine.drafter import Drafter
+from services.common.validation import check_sampling_values
 from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
@@ -258,8 +259,7 @@ class LLMEngine:
             raise ValueError(f"max_new_tokens: {req.max_new_tokens} < 1")
         if not -2**63 <= req.seed < 2**63:
             raise ValueError(f"seed: {req.seed} does not fit in int64")
-        if req.temperature < 0 or not 0 <= req.top_p <= 1 or not 0 <= req.min_p <= 1 or req.min_tokens < 0:
-            raise ValueError("temperature/top_p/min_p/min_tokens: out of range")
+        check_sampling_values(req.temperature, req.top_p, req.top_k, req.min_p, req.max_tokens, req.min_tokens, "")
         if req.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: {req.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         bm = self.block_manager

@@ -36,7 +36,7 @@ from benchmarks.policy import load_example
 from benchmarks.policy.paired_client import PairedClient, TimedStep, identical_share
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
-from benchmarks.traces import read_traces
+from services.common.traces import read_traces
 from services.local import ROOT, LocalCluster, ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

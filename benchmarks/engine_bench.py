@@ -361,7 +361,7 @@ def grpo_part(model_dir: str, device: str, num_prompts: int, samples: int, max_t
     """One GRPO-sized step of the trained policy on the recorded prompts: HF generate vs our
     engine (greedy, outputs compared), and our engine without vs with history drafts
     (T=1, same seeds; the history is the recorded earlier epochs' responses)."""
-    from benchmarks.traces import read_traces
+    from services.common.traces import read_traces
 
     model = trained_policy(model_dir, device)
     eos = tuple(model.config.eos_token_ids)

@@ -118,7 +118,7 @@ def _policy(settings: SchedulerSettings):
         log.info("policy %r runs whole requests; chunk_tokens=%d is not used", settings.policy, settings.chunk_tokens)
     policy = make_policy(settings.policy, **kwargs)
     if settings.record_events:
-        from services.scheduler.simulator.replay import EventRecorder
+        from services.scheduler.event_log import EventRecorder
 
         policy = EventRecorder(policy, settings.record_events, keep=False)
         log.info("recording scheduling events to %s", settings.record_events)

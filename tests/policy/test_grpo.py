@@ -16,7 +16,7 @@ from rhymerl import SamplingParams
 
 from benchmarks.policy import load_example, train_sft
 from benchmarks.policy.local_client import LocalRolloutClient
-from benchmarks.traces import read_traces
+from services.common.traces import read_traces
 from services.rollout.loader import init_random_model
 
 grpo = load_example("grpo_trainer")

@@ -14,14 +14,8 @@ from services.scheduler.length_model import LengthModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import Request, WorkerState
 from services.scheduler.simulator import Simulator, synthetic_workload
-from services.scheduler.simulator.replay import (
-    EventRecorder,
-    decisions_of,
-    main,
-    policy_from_events,
-    read_events,
-    replay,
-)
+from services.scheduler.event_log import EventRecorder, decisions_of, read_events
+from services.scheduler.simulator.replay import main, policy_from_events, replay
 
 POLICY_CONFIGS = [
     ("static", {}),

@@ -117,7 +117,7 @@ def test_trace_workload_reads_lengths_by_prompt_and_epoch(tmp_path):
     """Recorded rollouts become per-epoch length lists; epoch e's history is epochs < e."""
     import numpy as np
 
-    from benchmarks.traces import TraceRecord, write_traces
+    from services.common.traces import TraceRecord, write_traces
     from services.scheduler.simulator import trace_workload
 
     records = [TraceRecord(f"q{p}", epoch, i, epoch, np.arange(3 + p, dtype=np.int32),

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.policy import load_example
+from services.local import load_example
 from benchmarks.provenance import git_commit
 from benchmarks.report import markdown_table
 from services.common.traces import TraceRecord, read_traces

@@ -16,10 +16,10 @@ from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
-from services.rollout import weights
+from services.rollout import weight_receiver
 from services.rollout.drafter_history import DrafterHistory
 from services.rollout.engine_choice import build_engine
-from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
+from services.rollout.engine_loop import AbortedChunk, EngineLoop, ItemFailed
 from services.rollout.global_feed import GlobalFeed
 from services.rollout.registration import deregister, keep_registered
 from services.rollout.settings import WorkerSettings
@@ -97,7 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 self.loop.abort(rid)
 
     def _chunk_result(self, out) -> worker_pb2.ChunkResult:
-        if isinstance(out, Aborted):
+        if isinstance(out, AbortedChunk):
             return worker_pb2.ChunkResult(request_id=out.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT,
                                           policy_version=self.version)
         spec = common_pb2.SpecCounters(num_verify_steps=out.num_verify_steps, num_draft_tokens=out.num_draft_tokens,
@@ -119,8 +119,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @grpc_errors
     async def PushWeights(self, request_iterator, context):
         async with self._weights_lock:
-            payload = await weights.receive(request_iterator, MAX_WEIGHT_BYTES)
-            if weights.check_version(payload.version, self.version, payload.sha256, self.sha256):
+            payload = await weight_receiver.receive(request_iterator, MAX_WEIGHT_BYTES)
+            if weight_receiver.check_version(payload.version, self.version, payload.sha256, self.sha256):
                 await self._apply(payload.version, lambda: self._read(payload.data))
                 self.sha256 = payload.sha256
             return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
@@ -128,8 +128,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @grpc_errors
     async def LoadWeights(self, request, context):
         async with self._weights_lock:
-            weights.check_version(request.version, self.version)
-            files = weights.safetensors_files(request.path)
+            weight_receiver.check_version(request.version, self.version)
+            files = weight_receiver.safetensors_files(request.path)
 
             def read_all():
                 state = {}
@@ -152,7 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _apply(self, version: int, read) -> None:
         started = time.monotonic()
-        state = await asyncio.to_thread(lambda: weights.check_finite(read()))
+        state = await asyncio.to_thread(lambda: weight_receiver.check_finite(read()))
 
         def load() -> None:
             try:

@@ -25,7 +25,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.scheduler.step_log import StepLog
 from services.scheduler.step_table import StepTable
 from services.scheduler.watchdog import Watchdog
-from services.scheduler.weights import WeightFanout
+from services.scheduler.weight_fanout import WeightFanout
 from services.scheduler.worker_link import GrpcWorkerLink
 from services.scheduler.workers import WorkerTable
 

@@ -24,7 +24,7 @@ import torch
 from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
-from services.rollout.engine.drafter import Drafter
+from services.rollout.engine.drafter_protocol import Drafter
 from services.common.validation import check_sampling_values
 from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics

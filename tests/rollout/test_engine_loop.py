@@ -10,7 +10,7 @@ import pytest
 
 from services.rollout.engine_loop import AbortedChunk, EngineLoop, ItemFailed
 from services.rollout.loader import init_random_model
-from tests.rollout.test_engine import CONFIG, make_request, new_engine, prompt_of
+from tests.rollout.engine.test_engine import CONFIG, make_request, new_engine, prompt_of
 
 
 @pytest.fixture(scope="module")

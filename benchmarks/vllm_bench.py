@@ -38,7 +38,7 @@ ROWS = [("vllm", "none"), ("vllm", "ngram"), ("vllm", "suffix"), ("vllm", "rhyme
 
 def workload(args, temperature: float):
     from benchmarks.engine_bench import TRACES, grpo_requests
-    from benchmarks.traces import read_traces
+    from services.common.traces import read_traces
     from services.rollout.loader import read_config
 
     records = read_traces(TRACES)

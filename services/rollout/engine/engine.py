@@ -273,6 +273,18 @@ class LLMEngine:
                              f"the cache has {bm.num_blocks}")
 
 
+def run_to_completion(engine, requests) -> dict[str, RequestOutput]:
+    """Adds ``requests`` and steps ``engine`` (ours or the vLLM one: the same four calls)
+    until nothing is left; the last output of each request by id."""
+    for r in requests:
+        engine.add_request(r)
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] = o
+    return out
+
+
 def _resolve_device(device, model) -> torch.device:
     """'auto': CUDA when there is one, else CPU."""
     if device in (None, "auto"):

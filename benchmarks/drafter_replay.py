@@ -33,7 +33,7 @@ COST = CostModel()  # the engine's H100 curve for the 0.5B model (services/rollo
 
 @dataclass
 class Trace:
-    """One sampled response (the fields of benchmarks.traces.TraceRecord we use)."""
+    """One sampled response (the fields of services.common.traces.TraceRecord we use)."""
 
     prompt_id: str
     epoch: int
@@ -110,7 +110,7 @@ def synthetic_traces(num_prompts: int = 8, num_epochs: int = 4, num_samples: int
 
 
 def load_traces(path: str) -> list[Trace]:
-    from benchmarks.traces import read_traces
+    from services.common.traces import read_traces
 
     return [Trace(r.prompt_id, int(r.epoch), int(r.sample_index),
                   np.asarray(r.prompt_token_ids).tolist(), np.asarray(r.token_ids).tolist(),

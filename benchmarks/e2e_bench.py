@@ -10,7 +10,7 @@ LocalCluster: history with its redis-server, the scheduler, W rollout workers):
 - rhymerl: `rhymerl` placement (divided rollout, length predictions from history),
   workers drafting from the history service (earlier epochs' responses to the prompt).
 The example GRPO trainer runs R epochs over the recorded prompt set (the reasoning task's
-prompts of benchmarks/data/tiny_grpo_service.npz) through benchmarks/policy/paired_client.py:
+prompts of benchmarks/data/tiny_grpo_service.npz) through benchmarks/tiny_llm/paired_client.py:
 every epoch goes to both systems with the same step id, prompts, sampling and seed; the
 trainer learns from the baseline's samples and pushes the weights to both, so both sample
 the same policy every epoch. Per epoch: the rollout call's wall time in each system and
@@ -32,11 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.policy import load_example
-from benchmarks.policy.paired_client import PairedClient, TimedStep, identical_share
+from services.local import load_example
+from benchmarks.tiny_llm.paired_client import PairedClient, TimedStep, identical_share
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
-from benchmarks.traces import read_traces
+from services.common.traces import read_traces
 from services.local import ROOT, LocalCluster, ensure_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

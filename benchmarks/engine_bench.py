@@ -39,7 +39,7 @@ import torch
 from benchmarks.provenance import git_commit
 from services.rollout.drafter import HistoDrafter
 from services.rollout.engine import CostModel, EngineRequest, LLMEngine
-from services.rollout.engine.cost_model import H100_CURVES
+from services.common.cost_curve import H100_CURVES
 from services.rollout.loader import init_random_model, save_model
 from services.rollout.models.config import ModelConfig
 from services.rollout.models.transformer import CausalLM
@@ -361,7 +361,7 @@ def grpo_part(model_dir: str, device: str, num_prompts: int, samples: int, max_t
     """One GRPO-sized step of the trained policy on the recorded prompts: HF generate vs our
     engine (greedy, outputs compared), and our engine without vs with history drafts
     (T=1, same seeds; the history is the recorded earlier epochs' responses)."""
-    from benchmarks.traces import read_traces
+    from services.common.traces import read_traces
 
     model = trained_policy(model_dir, device)
     eos = tuple(model.config.eos_token_ids)

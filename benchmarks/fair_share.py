@@ -4,7 +4,11 @@ figure; the services are the campaign's real processes.)
 A trainer's 4 prompts x 4 samples, timed alone, then while another trainer's
 16 x 4096 = 65,536-sample step holds the fleet; meanwhile a probe times the
 scheduler's health check. Medians of ``repeats`` runs, each under its own step id (a
-re-used id would replay instead of generate).
+re-used id would replay instead of generate). Beside each time, the workers' mean engine
+step time in the same window (their engine_step_seconds histograms): a small step's
+tokens are computed in the big step's batches, so its time grows at least by that
+step-time ratio whatever the scheduler does (on a CPU, where a step's cost grows with
+the batch; on a GPU decode steps cost about the same at batch 8 and 64).
 """
 
 from __future__ import annotations
@@ -28,6 +32,29 @@ def _prompts(k: int, offset: int):
     return [Prompt(f"f{offset + i}", [2 + (13 * (offset + i) + 7 * j) % 90 for j in range(6)]) for i in range(k)]
 
 
+def _engine_step_totals(cluster: LocalCluster) -> tuple[float, float]:
+    """(sum of seconds, count) of every worker's engine steps so far."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for name in cluster.workers:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports[name]}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "rhymerl:engine_step_seconds":
+                for sample in family.samples:
+                    total += sample.value if sample.name.endswith("_sum") else 0.0
+                    count += sample.value if sample.name.endswith("_count") else 0.0
+    return total, count
+
+
+def _mean_step_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    steps = after[1] - before[1]
+    return round(1000 * (after[0] - before[0]) / steps, 2) if steps else None
+
+
 def _time_small(client, tag: str, repeats: int) -> float:
     from rhymerl import SamplingParams
 
@@ -45,7 +72,9 @@ def measure_fair_share(cluster: LocalCluster, repeats: int = 3) -> dict:
 
     address = cluster.scheduler_address
     with RolloutClient(address, timeout_s=600, max_retries=3) as client:
+        mark = _engine_step_totals(cluster)
         alone = _time_small(client, "alone", repeats)
+        step_ms_alone = _mean_step_ms(mark, _engine_step_totals(cluster))
         got, stop, health_s = [], threading.Event(), []
 
         def big():
@@ -69,7 +98,9 @@ def measure_fair_share(cluster: LocalCluster, repeats: int = 3) -> dict:
             if time.monotonic() > deadline:
                 raise TimeoutError("the big step never started")
             time.sleep(0.2)
+        mark = _engine_step_totals(cluster)
         beside = _time_small(client, "beside", repeats)
+        step_ms_beside = _mean_step_ms(mark, _engine_step_totals(cluster))
         big_done_when_small_done = len(got)
         client.cancel_step("big")
         threads[0].join(600)
@@ -78,4 +109,6 @@ def measure_fair_share(cluster: LocalCluster, repeats: int = 3) -> dict:
     return {"small_alone_s": round(alone, 3), "small_beside_big_s": round(beside, 3),
             "ratio": round(beside / alone, 2), "big_samples": 16 * 4096,
             "big_samples_done_meanwhile": big_done_when_small_done,
+            "engine_step_ms_alone": step_ms_alone, "engine_step_ms_beside": step_ms_beside,
+            "engine_step_ratio": round(step_ms_beside / step_ms_alone, 2) if step_ms_alone and step_ms_beside else None,
             "health_check_max_s": round(max(health_s), 3) if health_s else None}

@@ -33,7 +33,7 @@ from pathlib import Path
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
 from benchmarks.scheduler_bench import EPOCH, heavy_tail, oracle_bound, seeds_for, simulate
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 
 COLUMNS = [("workload", "workload", "{}"), ("workers", "workers", "{}"), ("seed", "seed", "{}"), ("run", "history", "{}"),
            ("makespan s", "makespan_s", "{:.1f}"), ("vs oracle", "makespan_vs_oracle", "{:.3f}"),
@@ -92,7 +92,7 @@ def main() -> int:
             r = rows[-1]
             print(f"[{i + 1}/{len(runs)}] {r['workload']}, {r['workers']} workers, seed {r['seed']}, {r['history']}: "
                   f"bubble {r['bubble_ratio']:.3f}, makespan {r['makespan_s']:.1f} s", flush=True)
-    cost = CostModel.default(args.model)
+    cost = CostCurve.h100(args.model)
     oracle = {(name, w, s): oracle_bound(workload(args, name, w, s).step(EPOCH), cost, w, args.capacity)
               for name, w, s in dict.fromkeys(run[:3] for run in runs)}  # once per workload, not per run
     for r in rows:

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from benchmarks.provenance import cpu_name, git_commit
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel, accuracy
 from services.scheduler.policies import make_policy
 from services.scheduler.simulator import (
@@ -87,7 +87,7 @@ def simulate(args, workload: Workload, num_workers: int, policy: str, epochs: li
             step.history = workload.known_law_history(epoch, known_law, seed=args.seed)
     if oracle:
         policy_kw = {**policy_kw, **ORACLE}
-    sim = Simulator(make_policy(policy, **policy_kw), CostModel.default(args.model), num_workers,
+    sim = Simulator(make_policy(policy, **policy_kw), CostCurve.h100(args.model), num_workers,
                     args.capacity, spec=spec, quantum_s=args.quantum, overlap=overlap)
     lengths = OracleLengths({k: v for s in steps for k, v in s.true_len.items()}) if oracle else LengthModel()
     result = sim.run(steps, lengths)
@@ -149,7 +149,7 @@ MULTI_COLUMNS = [("policy", "policy", "s"), ("steps", "steps", "d"), ("total s",
                  ("mixed-version samples", "mixed_version_samples", ".0f"), ("seeds", "seeds", "d")]
 
 
-def oracle_bound(step, cost: CostModel, num_workers: int, capacity: int) -> dict:
+def oracle_bound(step, cost: CostCurve, num_workers: int, capacity: int) -> dict:
     """The oracle lower bound of one step: true lengths known, perfect packing.
 
     makespan >= max(longest single request, fleet work / workers), where a request alone
@@ -196,7 +196,7 @@ def trace_acceptance(path: str) -> tuple[SpecConfig, str]:
 
 
 def oracle_mean(args, make_workload, num_workers: int, epoch: int) -> dict:
-    rows = [oracle_bound(make_workload(seed).step(epoch), CostModel.default(args.model), num_workers,
+    rows = [oracle_bound(make_workload(seed).step(epoch), CostCurve.h100(args.model), num_workers,
                          args.capacity) for seed in seeds_for(args, num_workers)]
     mean = dict(rows[0])
     for key in ("makespan_s", "bubble_ratio", "tail_s", "idle_capacity", "longest_request_s", "work_bound_s"):

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.policy import load_example
+from services.local import load_example
 from benchmarks.provenance import git_commit
 from benchmarks.report import markdown_table
-from benchmarks.traces import TraceRecord, read_traces
+from services.common.traces import TraceRecord, read_traces
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -145,7 +145,7 @@ _COLUMNS = (
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", help="trace files (.npz, benchmarks/traces.py format)")
+    parser.add_argument("paths", nargs="+", help="trace files (.npz, services/common/traces.py format)")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where similarity.md/.json go")
     args = parser.parse_args(argv)
 

@@ -38,7 +38,7 @@ ROWS = [("vllm", "none"), ("vllm", "ngram"), ("vllm", "suffix"), ("vllm", "rhyme
 
 def workload(args, temperature: float):
     from benchmarks.engine_bench import TRACES, grpo_requests
-    from benchmarks.traces import read_traces
+    from services.common.traces import read_traces
     from services.rollout.loader import read_config
 
     records = read_traces(TRACES)
@@ -55,7 +55,7 @@ def run_row(engine_name: str, proposer: str, args) -> dict:
     """One row, in this process: greedy (for identical_greedy), then the timed T=1 run."""
     from services.rollout.engine_choice import build_engine
     from services.rollout.settings import WorkerSettings
-    from services.rollout.vllm_engine.smoke import run_all
+    from services.rollout.engine import run_to_completion
 
     settings = WorkerSettings(model_path=args.model_dir, engine=engine_name, device="cpu", dtype="float32",
                               max_num_seqs=256, speculative=proposer != "none", max_draft_len=args.draft_len,
@@ -76,12 +76,12 @@ def run_row(engine_name: str, proposer: str, args) -> dict:
     if getattr(engine, "drafter", None) is not None and proposer == "rhymerl":
         for prompt_id, responses in history.items():
             engine.drafter.load_history(prompt_id, responses)
-    run_all(engine, greedy[:2])  # warm-up
-    greedy_out = run_all(engine, greedy)
+    run_to_completion(engine, greedy[:2])  # warm-up
+    greedy_out = run_to_completion(engine, greedy)
     stats = getattr(engine, "stats", None)
     before = (stats.num_drafts, stats.num_accepted_tokens) if stats else (0, 0)
     start = time.perf_counter()
-    out = run_all(engine, sampled)
+    out = run_to_completion(engine, sampled)
     wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in out.values())
     # rhymerl's per-chunk counters: verify steps whose draft was not empty

@@ -7,7 +7,7 @@ process with its settings in the environment, exactly as in a deployment.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import signal
 import subprocess
@@ -228,24 +228,15 @@ def ensure_model(model_dir: str) -> None:
     if (Path(model_dir) / "config.json").exists():
         return
     print(f"training the tiny policy into {model_dir} (first run only)...", flush=True)
-    subprocess.run([sys.executable, "-m", "benchmarks.policy.train_sft", "--preset", "tiny", "--out", model_dir,
+    subprocess.run([sys.executable, "-m", "benchmarks.tiny_llm.train_sft", "--preset", "tiny", "--out", model_dir,
                     "--seed", "0"], cwd=ROOT, check=True)
 
 
 def load_example(name: str):
-    """Imports a module from clients/python/examples (they are scripts, not a package)."""
-    path = ROOT / "clients" / "python" / "examples" / f"{name}.py"
-    module_name = f"rhymerl_examples_{name}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))
-    sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
+    """Imports clients/python/examples/<name>.py under its plain name. The examples are
+    standalone scripts shipped with the SDK, not a package; the example trainer imports
+    its sibling ``reasoning_task`` by that name, so both share one module."""
+    path = str(ROOT / "clients" / "python" / "examples")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)

@@ -36,7 +36,7 @@ MODES = {
     "test": PY + ["-m", "pytest", "-q", "-ra", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
     "bench": PY + ["-m", "benchmarks.run_all", "--device", "cuda"],
     "e2e": PY + ["-m", "benchmarks.e2e_bench", "--device", "cuda"],
-    "train": PY + ["-m", "benchmarks.policy.train_sft", "--preset", "small", "--device", "cuda",
+    "train": PY + ["-m", "benchmarks.tiny_llm.train_sft", "--preset", "small", "--device", "cuda",
                    "--out", "models/small", "--seed", "0"],
 }
 

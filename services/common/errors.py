@@ -25,7 +25,9 @@ class RhymerlError(Exception):
         super().__init__(f"{field}: {message}" if field else message)
 
 
-class InvalidArgument(RhymerlError):
+class InvalidArgument(RhymerlError, ValueError):
+    """Also a ValueError: the engine, used as a library, raises it for bad requests."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 

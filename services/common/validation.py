@@ -1,4 +1,9 @@
-"""Checks of client input; each failure names the offending field."""
+"""Checks of client input; each failure names the offending field.
+
+Every rule lives here once: the scheduler's intake checks a step, the rollout worker a
+work item, the engine an EngineRequest, all with these functions. What only one engine
+refuses (vLLM's logprobs modes) stays with that engine.
+"""
 
 from __future__ import annotations
 
@@ -13,21 +18,42 @@ MAX_N = 4096
 
 def check_sampling(p: common_pb2.SamplingParams, field: str = "sampling", vocab_size: int = 0) -> None:
     """Raises InvalidArgument for out-of-range sampling parameters."""
-    if not math.isfinite(p.temperature) or p.temperature < 0:
-        raise InvalidArgument(f"must be a finite number >= 0, got {p.temperature}", f"{field}.temperature")
-    if not 0.0 <= p.top_p <= 1.0:
-        raise InvalidArgument(f"must be in [0, 1], got {p.top_p}", f"{field}.top_p")
-    if p.top_k < 0:
-        raise InvalidArgument(f"must be >= 0, got {p.top_k}", f"{field}.top_k")
-    if not 0.0 <= p.min_p <= 1.0:
-        raise InvalidArgument(f"must be in [0, 1], got {p.min_p}", f"{field}.min_p")
-    if p.max_tokens < 1:
-        raise InvalidArgument(f"must be >= 1, got {p.max_tokens}", f"{field}.max_tokens")
-    if p.min_tokens < 0 or p.min_tokens > p.max_tokens:
-        raise InvalidArgument(f"must be in [0, max_tokens], got {p.min_tokens}", f"{field}.min_tokens")
+    check_sampling_values(p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens, field)
     if p.logprobs_mode not in common_pb2.LogprobsMode.values():
         raise InvalidArgument(f"unknown LogprobsMode {p.logprobs_mode}", f"{field}.logprobs_mode")
     check_token_ids(p.stop_token_ids, f"{field}.stop_token_ids", vocab_size, allow_empty=True)
+
+
+def check_sampling_values(temperature: float, top_p: float, top_k: int, min_p: float, max_tokens: int,
+                          min_tokens: int, field: str = "sampling") -> None:
+    """The ranges of the sampling parameters, wherever they arrive from."""
+    prefix = f"{field}." if field else ""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidArgument(f"must be a finite number >= 0, got {temperature}", f"{prefix}temperature")
+    if not 0.0 <= top_p <= 1.0:
+        raise InvalidArgument(f"must be in [0, 1], got {top_p}", f"{prefix}top_p")
+    if top_k < 0:
+        raise InvalidArgument(f"must be >= 0, got {top_k}", f"{prefix}top_k")
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidArgument(f"must be in [0, 1], got {min_p}", f"{prefix}min_p")
+    if max_tokens < 1:
+        raise InvalidArgument(f"must be >= 1, got {max_tokens}", f"{prefix}max_tokens")
+    if min_tokens < 0 or min_tokens > max_tokens:
+        raise InvalidArgument(f"must be in [0, max_tokens], got {min_tokens}", f"{prefix}min_tokens")
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str,
+                 max_tokens_field: str) -> None:
+    """A prompt and its max_tokens must fit the model's maximum length (0: unknown, not checked)."""
+    if not max_model_len:
+        return
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidArgument(f"prompt length {num_prompt_tokens} leaves no room to generate within the model's "
+                              f"maximum length {max_model_len}", prompt_field)
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidArgument(f"prompt length {num_prompt_tokens} + max_tokens {max_tokens} exceeds the "
+                              f"model's maximum length {max_model_len}", max_tokens_field)
+
 
 
 def check_token_ids(ids, field: str, vocab_size: int = 0, allow_empty: bool = False) -> None:

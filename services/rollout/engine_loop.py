@@ -29,7 +29,7 @@ from services.common import metrics
 log = logging.getLogger(__name__)
 
 
-class Aborted:
+class AbortedChunk:
     """Delivered instead of an output when a request was aborted mid-chunk."""
 
     def __init__(self, request_id: str):
@@ -162,7 +162,7 @@ class EngineLoop:
             self._requests.pop(request_id, None)
             sink = self._sinks.pop(request_id)
         if sink is not None:
-            self._loop.call_soon_threadsafe(sink.put_nowait, Aborted(request_id))
+            self._loop.call_soon_threadsafe(sink.put_nowait, AbortedChunk(request_id))
 
     def _step(self) -> None:
         try:

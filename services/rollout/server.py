@@ -1,8 +1,8 @@
 """The rollout worker process: WorkerService over an engine running in its own thread.
 
-Thin transport: Run validates and unpacks work items, loads the prompts'
-history into the drafter, hands the items to the engine loop and streams each
-chunk's result back; weight updates are verified, then applied while idle.
+Thin transport: Run turns work items into checked engine requests (work_item.py), has
+the prompts' history loaded into the drafter (drafter_history.py), hands the items to
+the engine loop and streams each chunk's result back; weight updates are verified, then applied while idle.
 """
 
 from __future__ import annotations
@@ -10,25 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
-from services.common.validation import check_sampling, check_token_ids
-from services.rollout import weights
+from services.rollout import weight_receiver
+from services.rollout.drafter_history import DrafterHistory
 from services.rollout.engine_choice import build_engine
-from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
+from services.rollout.engine_loop import AbortedChunk, EngineLoop, ItemFailed
 from services.rollout.global_feed import GlobalFeed
 from services.rollout.registration import deregister, keep_registered
 from services.rollout.settings import WorkerSettings
+from services.rollout.work_item import to_engine_request
 
 log = logging.getLogger(__name__)
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, None: common_pb2.FINISH_REASON_UNSPECIFIED}
-MAX_PROMPTS_IN_DRAFTER = 10_000
 MAX_WEIGHT_BYTES = 1 << 40
 
 
@@ -42,15 +41,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.model_name = model_name
         self.version = version
         self.sha256 = ""
-        self.history = history
-        self.history_epochs = history_epochs
+        self.drafter_history = DrafterHistory(self.engine.drafter, history, loop.call, history_epochs) if (
+            history is not None and self.engine.drafter is not None) else None
         self.max_num_seqs = max_num_seqs
         self.feed = feed  # the drafter's global index: finished samples + the history stream
         self.accepting = True
         self.num_runs = 0
         self.num_generated_tokens = 0
         self.spec = common_pb2.SpecCounters()
-        self._loaded: OrderedDict[str, str] = OrderedDict()  # prompt_id -> step_id whose history is loaded
         self._weights_lock = asyncio.Lock()
         metrics.weight_version.labels(component=worker_id).set(version)
 
@@ -62,8 +60,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.policy_version and request.policy_version != self.version:
             raise FailedPrecondition(f"this worker serves version {self.version}, not {request.policy_version}",
                                      "policy_version")
-        engine_requests = [self._engine_request(item, f"items[{i}]") for i, item in enumerate(request.items)]
-        await self._load_histories(request.items)
+        engine_requests = [to_engine_request(item, f"items[{i}]", self.config.vocab_size,
+                                             self.config.max_position_embeddings)
+                           for i, item in enumerate(request.items)]
+        if self.drafter_history is not None:
+            await self.drafter_history.load(request.items)
         if self.feed is not None:
             await self.feed.step_started({it.step_id for it in request.items})
         by_id = {r.request_id: r for r in engine_requests}
@@ -95,35 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             for rid in pending:
                 self.loop.abort(rid)
 
-    def _engine_request(self, item: worker_pb2.WorkItem, field: str):
-        from services.rollout.engine import EngineRequest
-
-        if not item.request_id:
-            raise InvalidArgument("must be non-empty", f"{field}.request_id")
-        vocab = self.config.vocab_size
-        check_token_ids(item.prompt_token_ids, f"{field}.prompt_token_ids", vocab)
-        check_token_ids(item.generated_token_ids, f"{field}.generated_token_ids", vocab, allow_empty=True)
-        check_sampling(item.sampling, f"{field}.sampling", vocab)
-        remaining = item.sampling.max_tokens - len(item.generated_token_ids)
-        if not 1 <= item.max_new_tokens <= remaining:
-            raise InvalidArgument(f"must be in [1, {remaining}] (max_tokens minus generated tokens)",
-                                  f"{field}.max_new_tokens")
-        total = len(item.prompt_token_ids) + item.sampling.max_tokens
-        if total > self.config.max_position_embeddings:
-            raise InvalidArgument(f"prompt + max_tokens = {total} exceeds the model's maximum length "
-                                  f"{self.config.max_position_embeddings}", f"{field}.sampling.max_tokens")
-        p = item.sampling
-        return EngineRequest(
-            request_id=item.request_id, prompt_id=item.prompt_id, step_id=item.step_id,
-            sample_index=item.sample_index, prompt_token_ids=list(item.prompt_token_ids),
-            generated_token_ids=list(item.generated_token_ids), temperature=p.temperature,
-            top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p, seed=p.seed, max_tokens=p.max_tokens,
-            max_new_tokens=item.max_new_tokens, stop_token_ids=frozenset(p.stop_token_ids),
-            min_tokens=p.min_tokens, ignore_eos=p.ignore_eos, logprobs=p.logprobs,
-            logprobs_mode="processed" if p.logprobs_mode == common_pb2.LOGPROBS_MODE_PROCESSED else "raw")
-
     def _chunk_result(self, out) -> worker_pb2.ChunkResult:
-        if isinstance(out, Aborted):
+        if isinstance(out, AbortedChunk):
             return worker_pb2.ChunkResult(request_id=out.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT,
                                           policy_version=self.version)
         spec = common_pb2.SpecCounters(num_verify_steps=out.num_verify_steps, num_draft_tokens=out.num_draft_tokens,
@@ -135,39 +109,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             request_id=out.request_id, token_ids=out.token_ids, logprobs=out.logprobs,
             finish_reason=FINISH[out.finish_reason], policy_version=self.version, spec=spec, busy_s=out.busy_s)
 
-    async def _load_histories(self, items) -> None:
-        """Loads earlier epochs of prompts new to this step into the drafter (one round trip)."""
-        drafter = self.engine.drafter
-        if drafter is None or self.history is None:
-            return
-        wanted = {(it.prompt_id, it.step_id) for it in items if self._loaded.get(it.prompt_id) != it.step_id}
-        if not wanted:
-            return
-        prompt_ids = sorted({p for p, _ in wanted})
-        try:
-            found = await self.history.get_history(prompt_ids, max_epochs=self.history_epochs, include_tokens=True)
-        except Exception as exc:  # noqa: BLE001 - drafting from siblings still works
-            log.warning("history lookup failed: %s", exc)
-            return
-
-        def load() -> None:
-            for pid, step_id in wanted:
-                epochs = [e for e in found.get(pid, []) if e.step_id != step_id]
-                responses, ages, rewards = [], [], []
-                for age, e in enumerate(epochs):
-                    responses += e.responses
-                    ages += [age] * len(e.responses)
-                    rewards += list(e.rewards) if len(e.rewards) == len(e.responses) else [float("nan")] * len(
-                        e.responses)
-                drafter.load_history(pid, responses, epoch_ages=ages, rewards=rewards)
-                self._loaded[pid] = step_id
-                self._loaded.move_to_end(pid)
-            while len(self._loaded) > MAX_PROMPTS_IN_DRAFTER:
-                old, _ = self._loaded.popitem(last=False)
-                drafter.release_prompt(old)
-
-        await self.loop.call(load)
-
     # --- control -----------------------------------------------------------------
     @grpc_errors
     async def Abort(self, request, context):
@@ -178,8 +119,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @grpc_errors
     async def PushWeights(self, request_iterator, context):
         async with self._weights_lock:
-            payload = await weights.receive(request_iterator, MAX_WEIGHT_BYTES)
-            if weights.check_version(payload.version, self.version, payload.sha256, self.sha256):
+            payload = await weight_receiver.receive(request_iterator, MAX_WEIGHT_BYTES)
+            if weight_receiver.check_version(payload.version, self.version, payload.sha256, self.sha256):
                 await self._apply(payload.version, lambda: self._read(payload.data))
                 self.sha256 = payload.sha256
             return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
@@ -187,8 +128,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @grpc_errors
     async def LoadWeights(self, request, context):
         async with self._weights_lock:
-            weights.check_version(request.version, self.version)
-            files = weights.safetensors_files(request.path)
+            weight_receiver.check_version(request.version, self.version)
+            files = weight_receiver.safetensors_files(request.path)
 
             def read_all():
                 state = {}
@@ -211,7 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _apply(self, version: int, read) -> None:
         started = time.monotonic()
-        state = await asyncio.to_thread(lambda: weights.check_finite(read()))
+        state = await asyncio.to_thread(lambda: weight_receiver.check_finite(read()))
 
         def load() -> None:
             try:

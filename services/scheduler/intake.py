@@ -13,7 +13,7 @@ from rhymerl.v1 import rollout_pb2
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.ids import prompt_id_from_tokens, sample_seed
-from services.common.validation import MAX_N, check_sampling, check_token_ids
+from services.common.validation import MAX_N, check_length, check_sampling, check_token_ids
 from services.scheduler.policies.base import Request
 from services.scheduler.step import SampleProgress
 
@@ -64,14 +64,7 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[Sam
     for i, prompt in enumerate(req.prompts):
         field = f"prompts[{i}]"
         check_token_ids(prompt.token_ids, f"{field}.token_ids", fleet.vocab_size)
-        if max_len and len(prompt.token_ids) >= max_len:
-            raise InvalidArgument(
-                f"prompt length {len(prompt.token_ids)} leaves no room to generate within the model's "
-                f"maximum length {max_len}", f"{field}.token_ids")
-        if max_len and len(prompt.token_ids) + max_tokens > max_len:
-            raise InvalidArgument(
-                f"prompt length {len(prompt.token_ids)} + max_tokens {max_tokens} exceeds the "
-                f"model's maximum length {max_len}", "sampling.max_tokens")
+        check_length(len(prompt.token_ids), max_tokens, max_len, f"{field}.token_ids", "sampling.max_tokens")
         if prompt.prompt_id:
             check_id(prompt.prompt_id, f"{field}.prompt_id")
         pid = prompt.prompt_id or prompt_id_from_tokens(prompt.token_ids)

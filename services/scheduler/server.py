@@ -25,7 +25,7 @@ from services.scheduler.settings import SchedulerSettings
 from services.scheduler.step_log import StepLog
 from services.scheduler.step_table import StepTable
 from services.scheduler.watchdog import Watchdog
-from services.scheduler.weights import WeightFanout
+from services.scheduler.weight_fanout import WeightFanout
 from services.scheduler.worker_link import GrpcWorkerLink
 from services.scheduler.workers import WorkerTable
 
@@ -118,7 +118,7 @@ def _policy(settings: SchedulerSettings):
         log.info("policy %r runs whole requests; chunk_tokens=%d is not used", settings.policy, settings.chunk_tokens)
     policy = make_policy(settings.policy, **kwargs)
     if settings.record_events:
-        from services.scheduler.simulator.replay import EventRecorder
+        from services.scheduler.event_log import EventRecorder
 
         policy = EventRecorder(policy, settings.record_events, keep=False)
         log.info("recording scheduling events to %s", settings.record_events)

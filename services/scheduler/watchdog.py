@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from services.scheduler.core import SchedulerCore
-from services.scheduler.weights import WeightFanout
+from services.scheduler.weight_fanout import WeightFanout
 from services.scheduler.workers import WorkerHandle
 
 log = logging.getLogger(__name__)

@@ -46,8 +46,12 @@ def run_tier(tmp_path: Path, monkeypatch, body: str) -> dict:
     out = tmp_path / "out"
     out.mkdir()
     (out / "device.json").write_text(json.dumps({"device": "Test GPU"}))
+    # --rootdir: the test names in the report are relative to it; without it pytest takes
+    # the common ancestor of the tier and the working directory (the checkout), which
+    # depends on where the checkout lives
     monkeypatch.setitem(launch.MODES, "test", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                               "-o", "addopts=", str(tmp_path / "tier")])
+                                               "-o", "addopts=", "--rootdir", str(tmp_path / "tier"),
+                                               str(tmp_path / "tier")])
     launch.run("test", HostRuntime(), out, [])
     return json.loads((out / "gpu_tests.json").read_text())
 

@@ -1,6 +1,6 @@
 """Trainer-matched rollouts end to end, over real gRPC and Redis: two workers in
 batch-invariant mode, divided rollout (chunks of 8 tokens, each re-prefilled wherever it
-runs), speculation on (tests/rollout/test_reference_logprobs.py forces drafts).
+runs), speculation on (tests/rollout/engine/test_reference_logprobs.py forces drafts).
 
   - the trainer's reference (services/rollout/engine/logprobs.py, from the checkpoint on
     disk) recomputes every returned logprob bit for bit, raw and processed;

@@ -157,3 +157,16 @@ def test_a_worker_killed_mid_step_loses_no_sample(cluster, client):
         got.append(sample)
     assert sorted(s.key for s in got) == sorted(s.key for s in reference.samples)
     assert {s.key: s.token_ids for s in got} == {s.key: s.token_ids for s in reference.samples}
+
+
+def test_seeded_samples_repeat_across_reruns_after_the_kill(cluster, client):
+    """After the kill only worker-1 (no speculation) serves: a seeded step run twice under
+    two step ids gives the same tokens, every sample resumed twice (chunks of 8 tokens,
+    each a new vLLM request re-prefilled with the earlier chunks). With drafts, vLLM's
+    rejection sampler makes no such promise (docs/vllm.md)."""
+    assert not cluster.is_running("worker-0")
+    ps = prompts(2, offset=300)
+    first = client.rollout("seeded-1", ps, n=2, sampling=SAMPLED)
+    again = client.rollout("seeded-2", ps, n=2, sampling=SAMPLED)
+    assert {s.key: s.token_ids for s in again.samples} == {s.key: s.token_ids for s in first.samples}
+    assert all(len(s.token_ids) == SAMPLED.max_tokens for s in first.samples)

@@ -19,7 +19,7 @@ from services.rollout.engine import LLMEngine
 from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
 from services.rollout.loader import init_random_model, save_model
 from tests.gpu.agreement import assert_agree, outputs
-from tests.rollout.test_engine import CONFIG, OracleDrafter, make_request, prompt_of, reference_generate, run_to_end
+from tests.rollout.engine.test_engine import CONFIG, OracleDrafter, make_request, prompt_of, reference_generate, run_to_end
 
 pytestmark = pytest.mark.gpu
 

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from services.rollout.engine_loop import Aborted, EngineLoop, ItemFailed
+from services.rollout.engine_loop import AbortedChunk, EngineLoop, ItemFailed
 from services.rollout.loader import init_random_model
-from tests.rollout.test_engine import CONFIG, make_request, new_engine, prompt_of
+from tests.rollout.engine.test_engine import CONFIG, make_request, new_engine, prompt_of
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,6 @@ def test_an_abort_while_isolating_reaches_its_caller(model):
     good, bad = requests()
     engine = PoisonedEngine(new_engine(model), {"bad"})
     got = run_loop(engine, good + [bad], abort="r2")
-    assert isinstance(got["r2"], Aborted)
+    assert isinstance(got["r2"], AbortedChunk)
     assert isinstance(got["bad"], ItemFailed)
     assert all(hasattr(got[r.request_id], "token_ids") for r in good if r.request_id != "r2")

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import Request
 from services.scheduler.simulator import SimStep, Simulator
 
-FLAT_1MS = CostModel((1.0, 512.0), (1.0, 1.0))  # every forward takes 1 ms, whatever its size
+FLAT_1MS = CostCurve((1.0, 512.0), (1.0, 1.0))  # every forward takes 1 ms, whatever its size
 
 HISTORY_POLICIES = [
     ("histopipe", {}),

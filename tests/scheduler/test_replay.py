@@ -9,19 +9,13 @@ import json
 
 import pytest
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import Request, WorkerState
 from services.scheduler.simulator import Simulator, synthetic_workload
-from services.scheduler.simulator.replay import (
-    EventRecorder,
-    decisions_of,
-    main,
-    policy_from_events,
-    read_events,
-    replay,
-)
+from services.scheduler.event_log import EventRecorder, decisions_of, read_events
+from services.scheduler.simulator.replay import main, policy_from_events, replay
 
 POLICY_CONFIGS = [
     ("static", {}),
@@ -35,7 +29,7 @@ def record_simulation(name: str, kw: dict, path=None, overlap: bool = False) -> 
     workload = synthetic_workload(24, n=8, num_epochs=4, seed=3, runaway_prob=0.02, max_tokens=4096)
     steps = [workload.step(e, history_lag=int(overlap)) for e in (0, 2, 3)]  # no history, then history
     recorder = EventRecorder(make_policy(name, **kw), path)
-    result = Simulator(recorder, CostModel.default("7B"), 6, 4, overlap=overlap).run(steps, LengthModel())
+    result = Simulator(recorder, CostCurve.h100("7B"), 6, 4, overlap=overlap).run(steps, LengthModel())
     assert sum(s.num_samples for s in result.steps) == 3 * 24 * 8
     return recorder
 

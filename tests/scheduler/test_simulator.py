@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies import make_policy
 from services.scheduler.policies.base import Request
@@ -16,7 +16,7 @@ from services.scheduler.simulator import (
     synthetic_workload,
 )
 
-FLAT_1MS = CostModel((1.0, 512.0), (1.0, 1.0))  # every forward takes 1 ms, whatever its size
+FLAT_1MS = CostCurve((1.0, 512.0), (1.0, 1.0))  # every forward takes 1 ms, whatever its size
 
 
 def tiny_step(lengths: list[int], step_id: str = "s", prompt_len: int = 4, n: int | None = None) -> SimStep:
@@ -63,7 +63,7 @@ def run_mean(policy: str, workload_kw: dict, seeds=range(3), **policy_kw):
     makespans, bubbles = [], []
     for seed in seeds:
         workload = synthetic_workload(128, n=16, num_epochs=4, seed=seed, **workload_kw)
-        result = Simulator(make_policy(policy, **policy_kw), CostModel.default("7B"), 64, 8).run(
+        result = Simulator(make_policy(policy, **policy_kw), CostCurve.h100("7B"), 64, 8).run(
             [workload.step(3)], LengthModel())
         makespans.append(result.steps[0].makespan_s)
         bubbles.append(result.steps[0].bubble_ratio)
@@ -92,7 +92,7 @@ def test_cross_step_overlap_finishes_four_steps_sooner_and_tags_stale_samples():
     totals = {}
     for overlap in (False, True):
         steps = [workload.step(e, history_lag=int(overlap)) for e in (1, 2, 3, 4)]
-        sim = Simulator(make_policy("rhymerl", cross_step=overlap), CostModel.default("7B"), 16, 8,
+        sim = Simulator(make_policy("rhymerl", cross_step=overlap), CostCurve.h100("7B"), 16, 8,
                         overlap=overlap)
         result = sim.run(steps, LengthModel())
         assert [s.num_samples for s in result.steps] == [64 * 16] * 4
@@ -106,9 +106,9 @@ def test_speculation_speeds_up_decoding_and_alpha_round_trips():
     alpha = SpecConfig.alpha_from_mean_accepted(2.5, num_draft=4)
     assert sum(alpha ** i for i in range(5)) == pytest.approx(2.5)
     step = synthetic_workload(16, n=16, num_epochs=1, seed=0).step(0)
-    plain = Simulator(make_policy("static"), CostModel.default("7B"), 4, 8).run([step], LengthModel())
+    plain = Simulator(make_policy("static"), CostCurve.h100("7B"), 4, 8).run([step], LengthModel())
     step = synthetic_workload(16, n=16, num_epochs=1, seed=0).step(0)
-    spec = Simulator(make_policy("static"), CostModel.default("7B"), 4, 8, spec=SpecConfig(0.7)).run(
+    spec = Simulator(make_policy("static"), CostCurve.h100("7B"), 4, 8, spec=SpecConfig(0.7)).run(
         [step], LengthModel())
     assert spec.total_s < 0.6 * plain.total_s
 
@@ -117,7 +117,7 @@ def test_trace_workload_reads_lengths_by_prompt_and_epoch(tmp_path):
     """Recorded rollouts become per-epoch length lists; epoch e's history is epochs < e."""
     import numpy as np
 
-    from benchmarks.traces import TraceRecord, write_traces
+    from services.common.traces import TraceRecord, write_traces
     from services.scheduler.simulator import trace_workload
 
     records = [TraceRecord(f"q{p}", epoch, i, epoch, np.arange(3 + p, dtype=np.int32),

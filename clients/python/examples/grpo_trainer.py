@@ -17,7 +17,7 @@ longest-suffix match against the same prompt's previous-step responses predicts,
 service's draft acceptance numbers.
 
 --record PATH writes every rollout as a trace file (a compressed .npz; layout in
-`write_traces` below, the same as benchmarks/traces.py reads).
+`write_traces` below, the same as services/common/traces.py reads).
 """
 
 # No `from __future__ import annotations`: a launcher may load this file with
@@ -173,7 +173,7 @@ def suffix_match_share(history: dict[str, list[list[int]]], samples: list) -> fl
 
 
 def write_traces(path: str, rows: list[dict]) -> None:
-    """Writes rollouts in the trace format of benchmarks/traces.py: one compressed .npz,
+    """Writes rollouts in the trace format of services/common/traces.py: one compressed .npz,
     one entry per record for prompt_ids/epoch/sample_index/policy_version/reward, and the
     variable-length arrays concatenated, record i at [offsets[i]:offsets[i+1]]:
     prompt_tokens by prompt_offsets, token_ids and logprobs by token_offsets."""

@@ -6,7 +6,7 @@ answer is depends strongly on the problem (a two-digit GCD takes two lines, a Co
 trace from 27 takes 111), so response lengths are heavy-tailed, as in real reasoning RL.
 
 Text uses a small closed vocabulary (digits, a few operators and words, space, newline),
-so `benchmarks.policy.tokenizer` can tokenize it exactly. The last line of every worked
+so `benchmarks.tiny_llm.tokenizer` can tokenize it exactly. The last line of every worked
 answer is `answer <value>`; `reward` checks that value.
 
 Also here: `SuffixMatchPredictor`, the "how much of this response could the previous

@@ -2,8 +2,8 @@
 speculative verification, chunked execution. ``LLMEngine`` is the entry point."""
 
 from services.rollout.engine.cost_model import CostModel
-from services.rollout.engine.drafter import Drafter
-from services.rollout.engine.engine import LLMEngine
+from services.rollout.engine.drafter_protocol import Drafter
+from services.rollout.engine.engine import LLMEngine, run_to_completion
 from services.rollout.engine.request import EngineRequest, RequestOutput
 
-__all__ = ["CostModel", "Drafter", "EngineRequest", "LLMEngine", "RequestOutput"]
+__all__ = ["CostModel", "Drafter", "EngineRequest", "LLMEngine", "RequestOutput", "run_to_completion"]

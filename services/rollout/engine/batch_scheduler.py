@@ -41,6 +41,14 @@ class ScheduledBatch:
     def decode_seqs(self) -> list[Sequence]:
         return self.seqs[:self.num_decodes]
 
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that sample this step: decodes and prefills whose last chunk runs
+        (read before ``postprocess``, which advances the other prefill chunks)."""
+        return [s for s in self.seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens]
+
+    def num_prompt_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:])
+
 
 class BatchScheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -120,6 +128,16 @@ class BatchScheduler:
         self.waiting.extendleft(reversed(skipped))
         batch.num_tokens = self.max_num_batched_tokens - budget
         return batch
+
+    def postprocess(self, batch: ScheduledBatch, elapsed_s: float) -> None:
+        """After the forward: every sequence in it is charged the step's time, and a
+        prefill chunk that did not reach the end has its KV computed (its full blocks
+        become shareable); sampling sequences are advanced by the engine's commit."""
+        for seq in batch.seqs:
+            seq.busy_s += elapsed_s
+            if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                seq.num_computed_tokens += seq.num_scheduled_tokens
+                self.block_manager.commit(seq)
 
     def budget_left(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens

@@ -1,7 +1,7 @@
 """Forward cost as a function of tokens per forward, and the draft budget it implies.
 
 A decode forward is bound by reading the weights, so up to a few hundred tokens per
-forward cost about the same as one (docs/cost-model.md, H100 table below). The draft budget of a
+forward cost about the same as one (the H100 table in services/common/cost_curve.py). The draft budget of a
 step is the number of extra tokens that keep the forward within ``tolerance`` of a
 one-token forward: long drafts when few sequences decode, none when the batch alone
 fills the flat part of the curve. Optionally the curve is re-measured on the fly from
@@ -13,23 +13,17 @@ This module knows nothing about sequences or drafters.
 
 from __future__ import annotations
 
-import bisect
 import math
 
-# One H100, bf16, CUDA graphs, weight matrices only: (tokens per forward, ms).
-H100_CURVES: dict[str, tuple[tuple[int, float], ...]] = {
-    "0.5B": ((1, 0.66), (32, 0.70), (128, 0.82), (256, 0.93), (512, 1.12)),
-    "1.5B": ((1, 1.44), (32, 1.49), (128, 1.59), (256, 1.95), (512, 2.94)),
-    "7B": ((1, 5.13), (32, 5.20), (128, 5.59), (256, 6.62), (512, 11.9)),
-}
-_CURVE_PARAMS = {"0.5B": 0.5e9, "1.5B": 1.5e9, "7B": 7e9}
+from services.common.cost_curve import H100_CURVES, CostCurve
+
 _MEASURE_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 class CostModel:
     def __init__(self, points=H100_CURVES["0.5B"], tolerance: float = 0.25, measure: bool = False,
                  min_samples: int = 5, ema: float = 0.1):
-        self.points = tuple(sorted(points))
+        self.prior = CostCurve.from_points(points)
         self.tolerance = tolerance
         self.measure = measure
         self.min_samples = min_samples
@@ -39,20 +33,16 @@ class CostModel:
     @classmethod
     def for_num_params(cls, num_params: int, **kw) -> "CostModel":
         """The H100 curve (docs/cost-model.md) of the nearest model size."""
-        name = min(_CURVE_PARAMS, key=lambda k: abs(_CURVE_PARAMS[k] - num_params) / _CURVE_PARAMS[k])
-        return cls(H100_CURVES[name], **kw)
+        prior = CostCurve.h100_nearest(num_params)
+        return cls(zip(prior.num_tokens, prior.ms), **kw)
 
-    def curve(self) -> tuple[tuple[int, float], ...]:
-        measured = tuple((b, ms) for b, (ms, n) in sorted(self._measured.items()) if n >= self.min_samples)
-        return measured if self.measure and len(measured) >= 2 else self.points
+    def curve(self) -> CostCurve:
+        """The measured curve once two buckets have enough samples, else the H100 prior."""
+        measured = [(b, ms) for b, (ms, n) in sorted(self._measured.items()) if n >= self.min_samples]
+        return CostCurve.from_points(measured) if self.measure and len(measured) >= 2 else self.prior
 
     def step_ms(self, num_tokens: int) -> float:
-        """Piecewise-linear interpolation, extrapolated from the last segment."""
-        pts = self.curve()
-        xs = [x for x, _ in pts]
-        i = min(max(bisect.bisect_left(xs, num_tokens), 1), len(pts) - 1)
-        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-        return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-6)
+        return self.curve().forward_ms(num_tokens)
 
     def flat_tokens(self) -> int:
         """The most tokens per forward costing at most (1 + tolerance) x a one-token forward."""

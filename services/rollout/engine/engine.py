@@ -24,7 +24,8 @@ import torch
 from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
-from services.rollout.engine.drafter import Drafter
+from services.rollout.engine.drafter_protocol import Drafter, NullDrafter
+from services.common.validation import check_sampling_values
 from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
@@ -47,9 +48,10 @@ class LLMEngine:
         self.model = model.to(self.device).eval()
         cfg = model.config
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.max_draft_len = max_draft_len
-        self.speculative = speculative
-        self._drafter = drafter
+        drafting = speculative and drafter is not None
+        self.max_draft_len = max_draft_len if drafting else 0
+        self.speculative = drafting
+        self._drafter: Drafter = drafter if drafting else NullDrafter()
         # Requests the drafter failed on: they decode without drafts (still lossless).
         # A drafter bug costs speed, never a sample.
         self._undrafted: set[str] = set()
@@ -65,7 +67,7 @@ class LLMEngine:
         self.scheduler = BatchScheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.device, num_kv_blocks=num_kv_blocks, block_size=block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-                                  max_draft_len=max_draft_len, use_cuda_graphs=use_cuda_graphs,
+                                  max_draft_len=self.max_draft_len, use_cuda_graphs=use_cuda_graphs,
                                   batch_invariant=batch_invariant)
         self.batch_invariant = batch_invariant
         self.metrics = EngineMetrics(worker_id)
@@ -81,16 +83,16 @@ class LLMEngine:
 
     @property
     def drafter(self) -> Drafter | None:
-        return self._drafter
+        """The drafter, None when drafting is off (the server loads history into it)."""
+        return self._drafter if self.speculative else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineRequest) -> None:
         """Queue one sample's chunk. Raises ValueError naming the offending field."""
         self._validate(req)
         seq = Sequence(req, self.model.config.eos_token_ids, self.max_model_len)
-        if self._drafter is not None and self.speculative:
-            self._drafter_call(self._drafter.start_request, req.request_id, req.prompt_id,
-                               req.prompt_token_ids, req.generated_token_ids)
+        self._drafter_call(self._drafter.start_request, req.request_id, req.prompt_id,
+                           req.prompt_token_ids, req.generated_token_ids)
         self.seqs[req.request_id] = seq
         self.scheduler.add(seq)
 
@@ -139,36 +141,37 @@ class LLMEngine:
             return outputs
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
-        sampling = [s for s in batch.seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens]
+        sampling = batch.sampling_seqs()
         verdicts = verify(logits, sampling)                                    # 4. verify
-        elapsed = time.perf_counter() - start
-        num_prompt_tokens = sum(s.num_scheduled_tokens for s in batch.seqs[batch.num_decodes:])
+        self.scheduler.postprocess(batch, time.perf_counter() - start)
         num_draft_tokens = sum(len(s.draft_token_ids) for s in sampling)
-        for seq in batch.seqs:
-            seq.busy_s += elapsed
-            if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
-                seq.num_computed_tokens += seq.num_scheduled_tokens              # a prefill chunk
-                self.block_manager.commit(seq)
-        num_generated = 0
+        num_prompt_tokens, num_generated = batch.num_prompt_tokens(), 0
         for seq, verdict in zip(sampling, verdicts):
-            emitted = self._commit(seq, verdict)                               # 5. commit
-            num_generated += emitted
+            num_generated += self._commit(seq, verdict)                        # 5. commit
             if seq.chunk_done:
-                outputs.append(seq.to_output(seq.finish_reason))               # 6. finish
-                self._remove(seq)
+                outputs.append(self._finish(seq))                              # 6. finish
+        self._record_step(batch, start, num_prompt_tokens, num_draft_tokens, num_generated)
+        return outputs
+
+    def _finish(self, seq: Sequence) -> RequestOutput:
+        output = seq.to_output(seq.finish_reason)
+        self._remove(seq)
+        return output
+
+    def _record_step(self, batch: ScheduledBatch, start: float, num_prompt_tokens: int, num_draft_tokens: int,
+                     num_generated: int) -> None:
         kind = "prefill" if num_prompt_tokens else ("verify" if num_draft_tokens else "decode")
         step_s = time.perf_counter() - start
         self.cost_model.observe(batch.num_tokens + num_draft_tokens, step_s * 1e3)
         self.metrics.counters.num_preemptions += batch.num_preempted
         self.metrics.on_step(kind, step_s, num_prompt_tokens, num_generated, self.num_running(),
                              self.num_waiting(), self.kv_cache_usage())
-        return outputs
 
     # ------------------------------------------------------------------ step parts
     def _propose_drafts(self, batch: ScheduledBatch) -> None:
         """Give each decoding sequence a draft within the cost model's budget and free KV."""
         decodes = [s for s in batch.decode_seqs if s.request_id not in self._undrafted]
-        if not (self.speculative and self._drafter is not None and decodes and self.max_draft_len > 0):
+        if not decodes or self.max_draft_len == 0:
             return
         budget = min(self.cost_model.draft_budget(batch.num_tokens), self.scheduler.budget_left(batch))
         max_lens = [max(0, min(self.max_draft_len, s.max_new_tokens_left() - 1)) for s in decodes]
@@ -197,7 +200,7 @@ class LLMEngine:
         """Append the verdict's tokens up to the first that ends the chunk; returns how many."""
         seq.record_verify(verdict.num_draft, verdict.num_accepted)
         self.metrics.on_verify(verdict.num_draft, verdict.num_accepted)
-        if self._drafter is not None and verdict.num_draft:
+        if verdict.num_draft:
             self._drafter_call(self._drafter.record_acceptance, seq.request_id, verdict.num_draft,
                                verdict.num_accepted)
         # KV is now valid for the fed tokens and the accepted drafts
@@ -212,15 +215,13 @@ class LLMEngine:
         if not seq.chunk_done:
             self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
             self.block_manager.commit(seq)
-            if self._drafter is not None and self.speculative:
-                self._drafter_call(self._drafter.add_tokens, seq.request_id, emitted)
+            self._drafter_call(self._drafter.add_tokens, seq.request_id, emitted)
         return len(emitted)
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         del self.seqs[seq.request_id]
-        if self._drafter is not None and self.speculative:
-            self._drafter_call(self._drafter.stop_request, seq.request_id)
+        self._drafter_call(self._drafter.stop_request, seq.request_id)
         self._undrafted.discard(seq.request_id)
 
     def _drafter_call(self, method, request_id: str, *args) -> None:
@@ -258,8 +259,7 @@ class LLMEngine:
             raise ValueError(f"max_new_tokens: {req.max_new_tokens} < 1")
         if not -2**63 <= req.seed < 2**63:
             raise ValueError(f"seed: {req.seed} does not fit in int64")
-        if req.temperature < 0 or not 0 <= req.top_p <= 1 or not 0 <= req.min_p <= 1 or req.min_tokens < 0:
-            raise ValueError("temperature/top_p/min_p/min_tokens: out of range")
+        check_sampling_values(req.temperature, req.top_p, req.top_k, req.min_p, req.max_tokens, req.min_tokens, "")
         if req.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: {req.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         bm = self.block_manager
@@ -271,6 +271,18 @@ class LLMEngine:
         if bm.num_blocks_for(chunk_tokens) > bm.num_blocks:
             raise ValueError(f"max_new_tokens: the chunk needs up to {bm.num_blocks_for(chunk_tokens)} KV blocks, "
                              f"the cache has {bm.num_blocks}")
+
+
+def run_to_completion(engine, requests) -> dict[str, RequestOutput]:
+    """Adds ``requests`` and steps ``engine`` (ours or the vLLM one: the same four calls)
+    until nothing is left; the last output of each request by id."""
+    for r in requests:
+        engine.add_request(r)
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] = o
+    return out
 
 
 def _resolve_device(device, model) -> torch.device:

@@ -67,7 +67,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape in the checkpoint vLLM started from: what a weight push must match."""
     from safetensors import safe_open
 
-    from services.rollout.weights import safetensors_files
+    from services.rollout.weight_receiver import safetensors_files
 
     shapes = {}
     for f in safetensors_files(model_path):

@@ -34,21 +34,12 @@ def request(rid: str, prompt: list[int], seed: int, max_new: int = 16, generated
                          min_tokens=0, ignore_eos=True, logprobs=True)
 
 
-def run_all(engine, requests) -> dict:
-    for r in requests:
-        engine.add_request(r)
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            done[out.request_id] = out
-    return done
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--proposer", default="rhymerl", choices=["rhymerl", "ngram", "none"])
     args = parser.parse_args()
     from services.rollout.settings import WorkerSettings
+    from services.rollout.engine import run_to_completion
     from services.rollout.vllm_engine.builder import build_vllm_engine
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,13 +50,15 @@ def main() -> None:
         engine = build_vllm_engine(settings, None if args.proposer == "none" else args.proposer)
         print(f"engine up in {time.monotonic() - started:.1f}s")
         prompt = [5, 6, 7, 8, 9, 10]
-        whole = run_all(engine, [request(f"s{i}", prompt, seed=i, max_new=32) for i in range(4)])
-        first = run_all(engine, [request("c0", prompt, seed=0, max_new=16)])["c0"]
-        rest = run_all(engine, [request("c1", prompt, seed=0, max_new=16, generated=first.token_ids)])["c1"]
+        whole = run_to_completion(engine, [request(f"s{i}", prompt, seed=i, max_new=32) for i in range(4)])
+        first = run_to_completion(engine, [request("c0", prompt, seed=0, max_new=16)])["c0"]
+        resume = [request("c1", prompt, seed=0, max_new=16, generated=first.token_ids)]
+        rest = run_to_completion(engine, resume)["c1"]
         for rid, out in sorted(whole.items()):
             print(rid, out.finish_reason, out.token_ids[:12], f"logprob[0]={out.logprobs[0]:.3f}",
                   f"drafts={out.num_draft_tokens} accepted={out.num_accepted_tokens}")
-        again = run_all(engine, [request("c1b", prompt, seed=0, max_new=16, generated=first.token_ids)])["c1b"]
+        again = run_to_completion(engine, [request("c1b", prompt, seed=0, max_new=16,
+                                                   generated=first.token_ids)])["c1b"]
         print("vLLM's scheduler stats:", engine.stats)
         print("first chunk == first 16 of the whole sample:", first.token_ids == whole["s0"].token_ids[:16])
         print("resumed chunk identical on rerun:", rest.token_ids == again.token_ids)

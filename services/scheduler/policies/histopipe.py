@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies.base import Assignment, Policy, Request, RequestKey, StepQuota, WorkerState
 from services.scheduler.policies.queue import StepQueues
@@ -25,8 +25,8 @@ from services.scheduler.policies.steps import StepBook
 class HistoPipePolicy(Policy):
     name = "histopipe"
 
-    def __init__(self, cost: CostModel | None = None, model_shape: str = "7B") -> None:
-        self.cost = cost or CostModel.default(model_shape)
+    def __init__(self, cost: CostCurve | None = None, model_shape: str = "7B") -> None:
+        self.cost = cost or CostCurve.h100(model_shape)
         self._unplaced: list[Request] = []
         self._queues: dict[str, StepQueues] = {}  # worker_id -> key (-predicted_len, arrival)
         self._home: dict[RequestKey, str] = {}  # request -> worker whose queue holds it

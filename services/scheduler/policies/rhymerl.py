@@ -32,7 +32,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies.base import Assignment, Request, StepQuota, WorkerState
 from services.scheduler.policies.placement import LeastLoaded
@@ -45,7 +45,7 @@ class RhymeRLPolicy(SeerPolicy):
 
     def __init__(self, chunk_size: int = 1024, cross_step: bool = False, runaway_guard: float = 1.0,
                  long_share: float = 0.5, runaway_share: float = 0.125,
-                 wait_for_home: bool = True, cost: CostModel | None = None, model_shape: str = "7B",
+                 wait_for_home: bool = True, cost: CostCurve | None = None, model_shape: str = "7B",
                  share_order: str = "las") -> None:
         if share_order not in ("las", "spt"):
             raise ValueError(f"share_order must be 'las' or 'spt', got {share_order!r}")
@@ -56,7 +56,7 @@ class RhymeRLPolicy(SeerPolicy):
         self.runaway_share = runaway_share
         self.wait_for_home = wait_for_home
         self.share_order = share_order
-        self.cost = cost or CostModel.default(model_shape)
+        self.cost = cost or CostCurve.h100(model_shape)
         self._sharing: dict[str, bool] = {}  # live step -> whether it runs in sharing mode
         self._step_seq: dict[str, int] = {}  # live step -> arrival order of steps
         self._num_steps = 0

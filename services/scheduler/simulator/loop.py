@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies.base import Policy, WorkerState
 from services.scheduler.simulator.worker import Chunk, SimWorker, SpecConfig, SpeedCurve
@@ -60,7 +60,7 @@ class Simulator:
         overlap: release the next step into the previous step's tail (cross-step mode).
     """
 
-    def __init__(self, policy: Policy, cost: CostModel, num_workers: int, capacity: int,
+    def __init__(self, policy: Policy, cost: CostCurve, num_workers: int, capacity: int,
                  spec: SpecConfig | None = None, quantum_s: float = 0.1, overlap: bool = False) -> None:
         self.policy, self.quantum_s, self.overlap = policy, quantum_s, overlap
         speed = SpeedCurve(cost, spec)

@@ -15,7 +15,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 from services.scheduler.policies.base import Request, RequestKey, WorkerState
 
 
@@ -47,7 +47,7 @@ class SpecConfig:
 class SpeedCurve:
     """Tokens per second of each running sequence, by batch size (cached)."""
 
-    def __init__(self, cost: CostModel, spec: SpecConfig | None = None) -> None:
+    def __init__(self, cost: CostCurve, spec: SpecConfig | None = None) -> None:
         self.cost, self.spec = cost, spec
         self._rate: dict[int, float] = {}
 

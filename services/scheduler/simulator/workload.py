@@ -2,7 +2,7 @@
 
 Two sources: a synthetic generator (heavy-tailed per-prompt length distributions whose
 scale drifts slowly across epochs, with rare jumps, as RhymeRL observes), and recorded
-traces (``benchmarks/data/*.npz`` through ``benchmarks.traces.read_traces``).
+traces (``benchmarks/data/*.npz`` through ``services.common.traces.read_traces``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common.traces import read_traces
 from services.scheduler.length_model import History
 from services.scheduler.policies.base import Request, RequestKey
 
@@ -140,9 +141,7 @@ def synthetic_workload(num_prompts: int, n: int = 16, num_epochs: int = 4, max_t
 
 
 def trace_workload(paths: Iterable[str | Path], max_tokens: int | None = None) -> Workload:
-    """Lengths from recorded rollouts (``benchmarks.traces.read_traces``), by prompt and epoch."""
-    from benchmarks.traces import read_traces  # benchmarks are optional at run time
-
+    """Lengths from recorded rollouts (``services.common.traces.read_traces``), by prompt and epoch."""
     by_prompt: dict[str, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     prompt_lens: dict[str, int] = {}
     names = []

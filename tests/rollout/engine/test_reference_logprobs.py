@@ -15,7 +15,7 @@ import pytest
 import torch
 from rhymerl import SamplingParams
 
-from services.rollout.engine import CostModel, EngineRequest, LLMEngine
+from services.rollout.engine import CostModel, EngineRequest, LLMEngine, run_to_completion
 from services.rollout.engine.logprobs import reference_logprobs
 from services.rollout.loader import init_random_model, save_model
 from services.rollout.models.config import ModelConfig
@@ -89,13 +89,7 @@ def rollout(model, reqs, drafter=None, device="cpu", **kw) -> dict:
     engine = LLMEngine(model, device=device, num_kv_blocks=256, block_size=8, max_num_seqs=64,
                        max_num_batched_tokens=96, batch_invariant=True, drafter=drafter,
                        speculative=drafter is not None, cost_model=CostModel(((1, 1.0), (512, 1.0))), **kw)
-    for r in reqs:
-        engine.add_request(r)
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] = o
-    return out
+    return run_to_completion(engine, reqs)
 
 
 @pytest.mark.parametrize("mode", SAMPLINGS)

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from services.rollout.engine import EngineRequest, LLMEngine
+from services.rollout.engine import EngineRequest, LLMEngine, run_to_completion
 from services.rollout.loader import init_random_model
 from services.rollout.models.base import DenseCausalAttention
 from services.rollout.models.config import ModelConfig
@@ -51,13 +51,7 @@ def request(i: int, seed: int, max_tokens: int = 1, prompt=PROMPT, **kw) -> Engi
 def generate(model, reqs, **engine_kw) -> dict:
     engine = LLMEngine(model, device="cpu", num_kv_blocks=512, block_size=8, max_num_seqs=256,
                        max_num_batched_tokens=512, speculative=False, **engine_kw)
-    for r in reqs:
-        engine.add_request(r)
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id] = o
-    return out
+    return run_to_completion(engine, reqs)
 
 
 @torch.inference_mode()

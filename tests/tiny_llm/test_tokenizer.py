@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.policy import load_example
-from benchmarks.policy.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, save_tokenizer
+from services.local import load_example
+from benchmarks.tiny_llm.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, save_tokenizer
 
 task = load_example("reasoning_task")
 

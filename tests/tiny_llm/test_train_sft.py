@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from benchmarks.policy import load_example, train_sft
-from benchmarks.policy.tokenizer import BOS_ID, EOS_ID
+from benchmarks.tiny_llm import train_sft
+from services.local import load_example
+from benchmarks.tiny_llm.tokenizer import BOS_ID, EOS_ID
 from services.rollout.loader import init_random_model, load_model
 from services.rollout.models.base import DenseCausalAttention, packed_positions
 

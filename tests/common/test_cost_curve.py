@@ -2,32 +2,32 @@
 
 import pytest
 
-from services.scheduler.cost_model import CostModel
+from services.common.cost_curve import CostCurve
 
 
 def test_default_curve_reproduces_the_design_table_and_interpolates_linearly():
-    cost = CostModel.default("7B")
+    cost = CostCurve.h100("7B")
     assert cost.forward_ms(1) == 5.13 and cost.forward_ms(512) == 11.9
     assert cost.forward_ms(384) == pytest.approx((6.62 + 11.9) / 2)
     assert cost.forward_ms(0) == 0.0
 
 
 def test_beyond_the_last_point_the_last_slope_continues():
-    cost = CostModel.default("0.5B")
+    cost = CostCurve.h100("0.5B")
     slope = (1.12 - 0.93) / 256
     assert cost.forward_ms(1024) == pytest.approx(1.12 + slope * 512)
 
 
 def test_from_measurements_takes_medians_and_forces_a_monotone_curve():
-    cost = CostModel.from_measurements([(1, 1.0), (1, 1.2), (1, 5.0), (64, 1.1), (128, 1.05), (256, 2.0)])
+    cost = CostCurve.from_measurements([(1, 1.0), (1, 1.2), (1, 5.0), (64, 1.1), (128, 1.05), (256, 2.0)])
     assert cost.num_tokens == (1, 64, 128, 256)
     assert cost.ms == (1.2, 1.2, 1.2, 2.0)  # noise at 64/128 would make bigger forwards cheaper
 
 
 def test_bad_curves_are_rejected():
     with pytest.raises(ValueError):
-        CostModel.default("70B")
+        CostCurve.h100("70B")
     with pytest.raises(ValueError):
-        CostModel.from_measurements([(8, 1.0)])
+        CostCurve.from_measurements([(8, 1.0)])
     with pytest.raises(ValueError):
-        CostModel((1.0, 1.0), (1.0, 2.0))
+        CostCurve((1.0, 1.0), (1.0, 2.0))

@@ -1,7 +1,7 @@
 """Supervised warm-up of the measured policy: a small decoder trained from scratch on
 worked answers of the reasoning task, saved as a Hugging Face checkpoint.
 
-    python -m benchmarks.policy.train_sft --preset tiny --out models/tiny --seed 0
+    python -m benchmarks.tiny_llm.train_sft --preset tiny --out models/tiny --seed 0
 
 Writes into --out: config.json + model.safetensors (rhymerl's loader and HF transformers
 both load it), the tokenizer files, and train_log.json (loss curve, timing, greedy
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.policy import load_example
-from benchmarks.policy.tokenizer import (
+from services.local import load_example
+from benchmarks.tiny_llm.tokenizer import (
     BOS_ID,
     EOS_ID,
     PAD_ID,

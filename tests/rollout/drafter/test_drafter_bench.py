@@ -12,7 +12,7 @@ import pytest
 from benchmarks import drafter_bench
 from benchmarks import drafter_replay as R
 from benchmarks.peers.suffix_decoding import MAX_TREE_DEPTH, PeerSuffixDrafter, PeerUnavailable, load_peer
-from benchmarks.traces import TraceRecord, write_traces
+from services.common.traces import TraceRecord, write_traces
 from services.rollout.drafter import DrafterConfig, HistoDrafter
 
 

@@ -14,9 +14,10 @@ import pytest
 import torch
 from rhymerl import SamplingParams
 
-from benchmarks.policy import load_example, train_sft
-from benchmarks.policy.local_client import LocalRolloutClient
-from benchmarks.traces import read_traces
+from benchmarks.tiny_llm import train_sft
+from services.local import load_example
+from benchmarks.tiny_llm.local_client import LocalRolloutClient
+from services.common.traces import read_traces
 from services.rollout.loader import init_random_model
 
 grpo = load_example("grpo_trainer")

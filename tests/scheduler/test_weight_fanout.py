@@ -6,7 +6,7 @@ import pytest
 from rhymerl.v1 import common_pb2
 
 from services.common.errors import FailedPrecondition
-from services.scheduler.weights import WeightFanout
+from services.scheduler.weight_fanout import WeightFanout
 from tests.aio import run_async
 from tests.scheduler.fake_workers import FakeLink, make_core
 

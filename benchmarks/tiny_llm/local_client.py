@@ -4,7 +4,7 @@ It has the client's rollout / report_rewards / push_weights surface and returns 
 SDK's own result types, so the example GRPO trainer runs unchanged without any service:
 its tests check the RL math against it, and it records small CPU traces.
 
-    python -m benchmarks.policy.local_client --model-dir models/tiny --steps 4 \\
+    python -m benchmarks.tiny_llm.local_client --model-dir models/tiny --steps 4 \\
         --record benchmarks/data/tiny_grpo.npz
 
 Sampling is plain HF `generate` (temperature, top-p, top-k, min-p; seeded), no
@@ -21,7 +21,7 @@ import safetensors.torch
 import torch
 from rhymerl import Prompt, Sample, SamplingParams, StepResult, StepSummary
 
-from benchmarks.policy import load_example
+from services.local import load_example
 
 
 def step_seed(step_id: str, sampling: SamplingParams) -> int:

@@ -1,9 +1,13 @@
-"""Time of one forward pass as a function of the tokens it carries.
+"""Time of one forward pass as a function of the tokens it carries: the H100 table of
+docs/cost-model.md and the one curve class every service prices forwards with.
 
-Piecewise-linear through measured points; beyond the last point it keeps the last
-segment's slope (compute-bound: time grows linearly with tokens). The default curves
-are the H100 bf16 measurements of docs/cost-model.md (weight matrices only: attention over the
-KV cache is not in them). Knows nothing about requests or workers.
+Piecewise-linear through measured points; below the first point it keeps the first
+point's time (a decode forward is bound by reading the weights), beyond the last it keeps
+the last segment's slope (compute-bound: time grows linearly with tokens). The table is
+weight matrices only: attention over the KV cache is not in it. The rollout engine sizes
+draft budgets on it (services/rollout/engine/cost_model.py); the scheduler's simulator
+and placement policies time simulated workers with it. Knows nothing about requests,
+drafts or workers.
 """
 
 from __future__ import annotations
@@ -16,18 +20,20 @@ from dataclasses import dataclass
 import numpy as np
 
 # tokens per forward -> ms, one H100, bf16, CUDA graphs (docs/cost-model.md)
-DEFAULT_CURVES: dict[str, tuple[tuple[int, float], ...]] = {
+H100_CURVES: dict[str, tuple[tuple[int, float], ...]] = {
     "0.5B": ((1, 0.66), (32, 0.70), (128, 0.82), (256, 0.93), (512, 1.12)),
     "1.5B": ((1, 1.44), (32, 1.49), (128, 1.59), (256, 1.95), (512, 2.94)),
     "7B": ((1, 5.13), (32, 5.20), (128, 5.59), (256, 6.62), (512, 11.9)),
 }
+# the time to read the weights once at full HBM bandwidth (docs/cost-model.md)
 HBM_FLOOR_MS = {"0.5B": 0.34, "1.5B": 1.06, "7B": 4.84}
+_SHAPE_PARAMS = {"0.5B": 0.5e9, "1.5B": 1.5e9, "7B": 7e9}
 
 
 @dataclass(frozen=True)
-class CostModel:
+class CostCurve:
     num_tokens: tuple[float, ...]  # increasing
-    ms: tuple[float, ...]  # forward time at each point, non-decreasing
+    ms: tuple[float, ...]  # forward time at each point
 
     def __post_init__(self) -> None:
         if len(self.num_tokens) < 2 or len(self.num_tokens) != len(self.ms):
@@ -36,16 +42,26 @@ class CostModel:
             raise ValueError(f"token counts must increase: {self.num_tokens}")
 
     @classmethod
-    def default(cls, shape: str = "7B") -> CostModel:
-        """The H100 curve (docs/cost-model.md) of a model shape: "0.5B", "1.5B" or "7B"."""
-        try:
-            points = DEFAULT_CURVES[shape]
-        except KeyError:
-            raise ValueError(f"unknown model shape {shape!r}; known: {sorted(DEFAULT_CURVES)}") from None
-        return cls(tuple(float(m) for m, _ in points), tuple(ms for _, ms in points))
+    def from_points(cls, points: Iterable[tuple[float, float]]) -> CostCurve:
+        """A curve through (tokens per forward, ms) points, in any order."""
+        pts = sorted(points)
+        return cls(tuple(float(m) for m, _ in pts), tuple(float(ms) for _, ms in pts))
 
     @classmethod
-    def from_measurements(cls, samples: Iterable[tuple[int, float]]) -> CostModel:
+    def h100(cls, shape: str = "7B") -> CostCurve:
+        """The H100 curve (docs/cost-model.md) of a model shape: "0.5B", "1.5B" or "7B"."""
+        try:
+            return cls.from_points(H100_CURVES[shape])
+        except KeyError:
+            raise ValueError(f"unknown model shape {shape!r}; known: {sorted(H100_CURVES)}") from None
+
+    @classmethod
+    def h100_nearest(cls, num_params: int) -> CostCurve:
+        """The H100 curve of the model shape nearest ``num_params`` (relative distance)."""
+        return cls.h100(min(_SHAPE_PARAMS, key=lambda k: abs(_SHAPE_PARAMS[k] - num_params) / _SHAPE_PARAMS[k]))
+
+    @classmethod
+    def from_measurements(cls, samples: Iterable[tuple[int, float]]) -> CostCurve:
         """Fit a curve to (tokens per forward, ms) samples: the median per token count,
         made non-decreasing (a bigger forward is never cheaper; noise otherwise bends
         the curve the wrong way)."""
@@ -65,11 +81,11 @@ class CostModel:
         if num_tokens <= 0:
             return 0.0
         xs, ys = self.num_tokens, self.ms
-        i = min(max(bisect.bisect_right(xs, num_tokens), 1), len(xs) - 1)  # segment [i-1, i]
         if num_tokens < xs[0]:
             return ys[0]
+        i = min(max(bisect.bisect_right(xs, num_tokens), 1), len(xs) - 1)  # segment [i-1, i]
         slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + slope * (num_tokens - xs[i - 1])
+        return max(ys[i - 1] + slope * (num_tokens - xs[i - 1]), 1e-6)
 
     def forward_s(self, num_tokens: float) -> float:
         return self.forward_ms(num_tokens) / 1000.0

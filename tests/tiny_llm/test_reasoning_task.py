@@ -9,8 +9,8 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.policy import load_example
-from benchmarks.policy.tokenizer import build_tokenizer
+from services.local import load_example
+from benchmarks.tiny_llm.tokenizer import build_tokenizer
 
 task = load_example("reasoning_task")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from rhymerl import Prompt, Sample, SamplingParams, StepResult
 
-from benchmarks.policy.paired_client import PairedClient, identical_share
+from benchmarks.tiny_llm.paired_client import PairedClient, identical_share
 
 
 def sample(prompt_id: str, index: int, tokens: list[int]) -> Sample:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks import trace_similarity
-from benchmarks.traces import TraceRecord, read_traces, write_traces
+from services.common.traces import TraceRecord, read_traces, write_traces
 
 
 def _record(prompt_id, epoch, index, tokens, reward=0.0, version=None):

@@ -1,4 +1,5 @@
-"""What the engine needs from a drafter (services/rollout/drafter.HistoDrafter fits it).
+"""What the engine needs from a drafter (services/rollout/drafter.HistoDrafter fits it),
+and the NullDrafter it uses when drafting is off.
 
 The engine calls, from its one thread:
   start_request   when a request is added (its prompt and any tokens of earlier chunks);
@@ -28,3 +29,23 @@ class Drafter(Protocol):
     def record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
 
     def stop_request(self, request_id: str) -> None: ...
+
+
+class NullDrafter:
+    """Drafting off: the engine runs the same calls, and every one does nothing (the
+    engine then keeps its draft length at 0, so propose is never asked)."""
+
+    def start_request(self, request_id, prompt_id, prompt_token_ids, generated_token_ids=()) -> None:
+        pass
+
+    def add_tokens(self, request_id, token_ids) -> None:
+        pass
+
+    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None) -> list[list[int]]:
+        return [[] for _ in request_ids]
+
+    def record_acceptance(self, request_id, num_draft, num_accepted) -> None:
+        pass
+
+    def stop_request(self, request_id) -> None:
+        pass

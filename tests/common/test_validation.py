@@ -1,0 +1,31 @@
+"""The request checks every boundary shares (services/common/validation.py)."""
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.validation import check_length, check_sampling_values
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(temperature=float("nan")), "sampling.temperature"),
+    (dict(temperature=-0.1), "sampling.temperature"),
+    (dict(top_p=1.5), "sampling.top_p"),
+    (dict(top_k=-1), "sampling.top_k"),
+    (dict(min_p=-0.1), "sampling.min_p"),
+    (dict(max_tokens=0), "sampling.max_tokens"),
+    (dict(min_tokens=9), "sampling.min_tokens"),
+])
+def test_each_out_of_range_value_names_its_field(kw, field):
+    args = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=8, min_tokens=0) | kw
+    with pytest.raises(InvalidArgument, match=f"^{field}: ") as err:
+        check_sampling_values(**args)
+    assert err.value.field == field and isinstance(err.value, ValueError)
+
+
+def test_length_names_the_prompt_when_it_leaves_no_room_else_max_tokens():
+    check_length(10, 6, 16, "p", "m")
+    check_length(10, 6, 0, "p", "m")  # unknown maximum: not checked
+    with pytest.raises(InvalidArgument, match="^p: "):
+        check_length(16, 1, 16, "p", "m")
+    with pytest.raises(InvalidArgument, match="^m: "):
+        check_length(10, 7, 16, "p", "m")

@@ -1,0 +1,75 @@
+"""The drafter's history policy: which epochs it loads, NaN rewards for unscored epochs,
+and the bound on prompts it keeps (services/rollout/drafter_history.py)."""
+
+import asyncio
+import math
+from types import SimpleNamespace
+
+from services.rollout.drafter_history import DrafterHistory
+
+
+class _Drafter:
+    def __init__(self):
+        self.loaded, self.released = {}, []
+
+    def load_history(self, prompt_id, responses, epoch_ages, rewards):
+        self.loaded[prompt_id] = (responses, epoch_ages, rewards)
+
+    def release_prompt(self, prompt_id):
+        self.released.append(prompt_id)
+
+
+class _History:
+    def __init__(self, epochs):
+        self.epochs, self.calls = epochs, []
+
+    async def get_history(self, prompt_ids, max_epochs, include_tokens):
+        self.calls.append((tuple(prompt_ids), max_epochs))
+        return {p: self.epochs.get(p, []) for p in prompt_ids}
+
+
+async def _call(fn):
+    return fn()
+
+
+def _epoch(step_id, responses, rewards):
+    return SimpleNamespace(step_id=step_id, responses=responses, rewards=rewards)
+
+
+def _item(prompt_id, step_id):
+    return SimpleNamespace(prompt_id=prompt_id, step_id=step_id)
+
+
+def test_loads_earlier_epochs_newest_first_with_nan_for_unscored_and_skips_the_step_itself():
+    """Breaks if the step's own epoch is loaded as history, ages are wrong, or an epoch
+    whose rewards are missing gets made-up rewards instead of NaN."""
+    history = _History({"p": [_epoch("s3", [[9]], [1.0]), _epoch("s2", [[1], [2]], [0.5, 0.0]),
+                              _epoch("s1", [[3], [4]], [])]})
+    drafter = _Drafter()
+    loader = DrafterHistory(drafter, history, _call, max_epochs=4)
+    asyncio.run(loader.load([_item("p", "s3")]))
+    responses, ages, rewards = drafter.loaded["p"]
+    assert responses == [[1], [2], [3], [4]] and ages == [0, 0, 1, 1]
+    assert rewards[:2] == [0.5, 0.0] and all(math.isnan(r) for r in rewards[2:])
+    assert history.calls == [(("p",), 4)]
+    asyncio.run(loader.load([_item("p", "s3")]))  # already loaded for this step: no round trip
+    assert len(history.calls) == 1
+
+
+def test_keeps_only_the_most_recently_used_prompts():
+    """Breaks if the drafter's memory grows without bound over many prompts."""
+    drafter = _Drafter()
+    loader = DrafterHistory(drafter, _History({}), _call, max_prompts=2)
+    for prompt_id in ("a", "b", "a", "c"):
+        asyncio.run(loader.load([_item(prompt_id, f"s-{prompt_id}-{len(drafter.loaded)}")]))
+    assert drafter.released == ["b"]
+
+
+def test_a_failed_lookup_loads_nothing():
+    class _Down:
+        async def get_history(self, *a, **k):
+            raise ConnectionError("history down")
+
+    drafter = _Drafter()
+    asyncio.run(DrafterHistory(drafter, _Down(), _call).load([_item("p", "s")]))
+    assert drafter.loaded == {}

@@ -123,15 +123,18 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-
 def trace_acceptance(path: str) -> tuple[SpecConfig, str]:
     """The simulated workers' draft acceptance: what our drafter achieved replaying the
     RL-loop traces (``benchmarks.drafter_bench``: mean accepted draft tokens per verify
-    at its best fixed draft length), as a per-token acceptance rate."""
+    at its best fixed draft length), as a per-token acceptance rate.
+
+    The fixed lengths, not the product's adaptive row: the simulator chooses each batch's
+    draft length itself (``SpecConfig``), so it needs the acceptance per drafted token,
+    which an adaptive run's shortened drafts would understate."""
     measured = json.loads(Path(path).read_text())
-    config = measured["rhymerl_best_config"]  # e.g. "all/16": sources / draft tokens
-    num_draft = int(config.rsplit("/", 1)[1])
-    mean_accepted = measured["rhymerl_mean_accepted"]
+    fixed = measured["rhymerl_mean_accepted_fixed"]  # draft tokens -> mean accepted drafts per verify
+    length, mean_accepted = max(fixed.items(), key=lambda item: item[1])
+    num_draft = int(length)
     alpha = SpecConfig.alpha_from_mean_accepted(1.0 + mean_accepted, num_draft)
     return SpecConfig(alpha=alpha, max_draft=num_draft), (
         f"acceptance from the traces ({mean_accepted:.2f} draft tokens accepted per verify at {num_draft} "

@@ -37,7 +37,7 @@ ROWS = [("vllm", "none"), ("vllm", "ngram"), ("vllm", "suffix"), ("vllm", "rhyme
 
 
 def workload(args, temperature: float):
-    from benchmarks.engine_bench import TRACES, grpo_requests
+    from benchmarks.engine_grpo import TRACES, grpo_requests
     from services.common.traces import read_traces
     from services.rollout.loader import read_config
 

@@ -20,7 +20,7 @@ TRACES = Path(__file__).resolve().parent / "data" / "tiny_grpo_cpu.npz"
 
 def trained_policy(model_dir: str, device: str) -> CausalLM:
     """The RL-loop issue's tiny SFT policy (trained on first use, ~3 min on 2 cores, as `make run` does)."""
-    from services.local import ensure_model
+    from benchmarks.tiny_llm.checkpoint import ensure_model
     from services.rollout.loader import load_model
 
     ensure_model(model_dir)

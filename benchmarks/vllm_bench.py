@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.row:
         Path(args.row_json).write_text(json.dumps(run_row(*args.row.split(":"), args)))
         return {}
-    from services.local import ensure_model
+    from benchmarks.tiny_llm.checkpoint import ensure_model
 
     ensure_model(args.model_dir)
     command = "python -m benchmarks.vllm_bench " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -57,7 +57,7 @@ proto:
 	$(PYTHON) -c "import runpy; runpy.run_path('clients/python/setup.py', run_name='proto')['generate']()"
 
 run: install
-	$(PYTHON) -m services.cli local-run
+	$(PYTHON) -m devtools.local_run
 
 test: install install-vllm
 	$(PYTHON) -m pytest -q -ra

@@ -147,7 +147,7 @@ def measure(device: str, repeats: int) -> list[dict]:
 
 def invariance_check(device: str) -> list[dict]:
     """engine_bench's probe check, in both modes, on this benchmark's model."""
-    from benchmarks.engine_bench import batch_invariance
+    from benchmarks.batch_invariance import batch_invariance
 
     model = init_random_model(config(device), seed=0).to(device)
     return [dict(mode="batch-invariant", **batch_invariance(model, f"{device} model", batch_invariant=True)),

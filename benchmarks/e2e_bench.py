@@ -32,12 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.local import load_example
-from benchmarks.tiny_llm.paired_client import PairedClient, TimedStep, identical_share
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
+from benchmarks.tiny_llm.checkpoint import ensure_model
+from benchmarks.tiny_llm.examples import load_example
+from benchmarks.tiny_llm.paired_client import PairedClient, TimedStep, identical_share
 from services.common.traces import read_traces
-from services.local import ROOT, LocalCluster, ensure_model
+from services.local import ROOT, LocalCluster
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RECORDED = Path(__file__).resolve().parent / "data" / "tiny_grpo_service.npz"

@@ -13,7 +13,7 @@ the simulator with the same policy objects:
   of a group's samples will be long or will loop to ``max_tokens`` (no scheduler without
   foresight can), so the gap to the oracle left in this row is what that randomness
   costs;
-- ``oracle``: true lengths known, perfect packing (``scheduler_bench.oracle_bound``);
+- ``oracle``: true lengths known, perfect packing (``scheduler_oracle.oracle_bound``);
 - ``static``: the baseline the tail target is measured against.
 
     python -m benchmarks.prediction_limit [--workers 64,512,4096] [--seeds 3] [--jobs 2]
@@ -32,7 +32,8 @@ from pathlib import Path
 
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
-from benchmarks.scheduler_bench import EPOCH, heavy_tail, oracle_bound, seeds_for, simulate
+from benchmarks.scheduler_bench import EPOCH, heavy_tail, seeds_for, simulate
+from benchmarks.scheduler_oracle import oracle_bound
 from services.common.cost_curve import CostCurve
 
 COLUMNS = [("workload", "workload", "{}"), ("workers", "workers", "{}"), ("seed", "seed", "{}"), ("run", "history", "{}"),

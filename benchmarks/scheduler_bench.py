@@ -33,6 +33,15 @@ import time
 from pathlib import Path
 
 from benchmarks.provenance import cpu_name, git_commit
+from benchmarks.scheduler_live import live_rows
+from benchmarks.scheduler_oracle import ORACLE, OracleLengths, oracle_bound
+from benchmarks.scheduler_report import (
+    MAIN_COLUMNS,
+    MULTI_COLUMNS,
+    render_markdown,
+    table,
+    targets,
+)
 from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel, accuracy
 from services.scheduler.policies import make_policy
@@ -47,20 +56,6 @@ from services.scheduler.simulator import (
 POLICIES = ["static", "seer", "histopipe", "rhymerl"]
 ROW_WORKLOADS = ("heavy_tail", "traces")  # the workloads of the issue's "rows"
 EPOCH = 3  # the simulated step; epochs 0..2 are its history
-
-
-class OracleLengths(LengthModel):
-    """Knows every sample's true length: the reference no real predictor can beat."""
-
-    def __init__(self, true_len: dict[str, int]) -> None:
-        super().__init__()
-        self.true_len = true_len
-
-    def predict(self, request, use_history: bool = True) -> float:
-        return float(self.true_len[request.key])
-
-
-ORACLE = {"runaway_guard": float("inf")}  # rhymerl, longest true length first
 
 
 def heavy_tail(args, num_workers: int, seed: int, runaway: float = 0.0, epochs: int = EPOCH + 1) -> Workload:
@@ -128,67 +123,18 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    head = "| " + " | ".join(title for title, _, _ in columns) + " |"
-    rule = "|" + "|".join("---" for _ in columns) + "|"
-    body = ["| " + " | ".join("-" if row.get(key) is None else format(row[key], fmt)
-                              for _, key, fmt in columns) + " |" for row in rows]
-    return "\n".join([head, rule, *body])
-
-
-MAIN_COLUMNS = [("workers", "workers", "d"), ("policy", "policy", "s"), ("samples", "samples", "d"),
-                ("seeds", "seeds", "d"),
-                ("makespan s", "makespan_s", ".1f"), ("vs static", "makespan_s_vs_static", ".3f"),
-                ("bubble", "bubble_ratio", ".3f"), ("vs static", "bubble_ratio_vs_static", ".3f"),
-                ("tail s", "tail_s", ".1f"), ("vs static", "tail_s_vs_static", ".3f"),
-                ("vs oracle", "makespan_vs_oracle", ".3f"), ("migrations", "migrations", ".0f"), ("re-prefill tok", "reprefill_tokens", ".0f"),
-                ("sim wall s", "sim_wall_s", ".1f")]
-MULTI_COLUMNS = [("policy", "policy", "s"), ("steps", "steps", "d"), ("total s", "makespan_s", ".1f"),
-                 ("vs static", "makespan_s_vs_static", ".3f"), ("fleet bubble", "bubble_ratio", ".3f"),
-                 ("migrations", "migrations", ".0f"), ("stale-start samples", "stale_start_samples", ".0f"),
-                 ("mixed-version samples", "mixed_version_samples", ".0f"), ("seeds", "seeds", "d")]
-
-
-def oracle_bound(step, cost: CostCurve, num_workers: int, capacity: int) -> dict:
-    """The oracle lower bound of one step: true lengths known, perfect packing.
-
-    makespan >= max(longest single request, fleet work / workers), where a request alone
-    on a worker takes prefill(prompt) + length x forward(1 token) (a sequence is
-    sequential: no schedule can split it), and the fleet work is every request at the
-    cheapest per-token cost the curve allows: decode tokens in a full batch of
-    ``capacity`` sequences, forward(capacity) / capacity each, and prompt tokens at the
-    curve's smallest slope (a prefill riding in a decode forward adds at least that per
-    token). The bubble bound (same
-    definition as the policies': idle worker-seconds / worker-seconds) is what is left
-    idle if every request ran alone on a worker for its whole length (the most busy
-    worker-time a set of requests can produce): max(0, 1 - sum(alone) / (workers x
-    makespan)); perfect packing can end every request at the makespan, so the tail bound
-    is 0. ``idle_capacity`` is the share of the fleet's full-batch decode capacity that
-    the bound leaves unused: what one unsplittable long request costs, whatever the policy.
-    """
-    per_token_full = cost.forward_s(capacity) / capacity
-    xs, ys = cost.num_tokens, cost.ms
-    min_slope_s = min((y1 - y0) / (x1 - x0) for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:])) / 1000.0
-    alone, work = [], 0.0
-    for request in step.requests:
-        length = step.true_len[request.key]
-        alone.append(cost.forward_s(request.prompt_len) + length * cost.forward_s(1))
-        work += request.prompt_len * min_slope_s + length * per_token_full
-    makespan = max(max(alone), work / num_workers)
-    return {"policy": "oracle", "workers": num_workers, "samples": len(step.requests), "steps": 1,
-            "makespan_s": makespan, "bubble_ratio": max(0.0, 1.0 - sum(alone) / (num_workers * makespan)),
-            "tail_s": 0.0, "idle_capacity": max(0.0, 1.0 - work / (num_workers * makespan)),
-            "longest_request_s": max(alone), "work_bound_s": work / num_workers}
-
-
 def trace_acceptance(path: str) -> tuple[SpecConfig, str]:
     """The simulated workers' draft acceptance: what our drafter achieved replaying the
     RL-loop traces (``benchmarks.drafter_bench``: mean accepted draft tokens per verify
-    at its best fixed draft length), as a per-token acceptance rate."""
+    at its best fixed draft length), as a per-token acceptance rate.
+
+    The fixed lengths, not the product's adaptive row: the simulator chooses each batch's
+    draft length itself (``SpecConfig``), so it needs the acceptance per drafted token,
+    which an adaptive run's shortened drafts would understate."""
     measured = json.loads(Path(path).read_text())
-    config = measured["rhymerl_best_config"]  # e.g. "all/16": sources / draft tokens
-    num_draft = int(config.rsplit("/", 1)[1])
-    mean_accepted = measured["rhymerl_mean_accepted"]
+    fixed = measured["rhymerl_mean_accepted_fixed"]  # draft tokens -> mean accepted drafts per verify
+    length, mean_accepted = max(fixed.items(), key=lambda item: item[1])
+    num_draft = int(length)
     alpha = SpecConfig.alpha_from_mean_accepted(1.0 + mean_accepted, num_draft)
     return SpecConfig(alpha=alpha, max_draft=num_draft), (
         f"acceptance from the traces ({mean_accepted:.2f} draft tokens accepted per verify at {num_draft} "
@@ -211,53 +157,6 @@ def length_stats(workload: Workload, epoch: int) -> dict:
     return {"median_len": median, "max_len": lengths[-1], "max_over_median": lengths[-1] / max(1, median),
             "share_ge_20x_median": sum(x >= 20 * median for x in lengths) / len(lengths)}
 
-
-def live_rows(args) -> list[dict]:
-    """Each policy on the in-process cluster (tests/e2e/cluster.py): ``--live-workers`` CPU
-    workers with the tiny random model, a real redis-server, loopback gRPC. Per policy a
-    fresh cluster runs two steps of the same prompts with different seeds; the first
-    fills the history service, the second (epoch 1, history available) is reported from
-    its StepSummary (the scheduler's own StepTimeline)."""
-    import os
-    import tempfile
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from rhymerl import Prompt, RolloutClient, SamplingParams
-
-    from services.common.redis_server import EmbeddedRedis
-    from tests.e2e.cluster import Cluster, save_tiny_model
-
-    prompts = [Prompt(f"p{i}", [2 + (7 * i + 3 * j) % 90 for j in range(6)]) for i in range(args.live_prompts)]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="sched-live-") as tmp, EmbeddedRedis() as redis:
-        model_dir = save_tiny_model(Path(tmp) / "tiny")
-        for policy in POLICIES:
-            cluster = Cluster(model_dir=model_dir, redis_url=redis.url, num_workers=args.live_workers,
-                              policy=policy, chunk_tokens=args.live_chunk, speculative=False,
-                              device=args.live_device).start()
-            try:
-                with RolloutClient(cluster.address, timeout_s=600) as client:
-                    for epoch in range(2):
-                        sampling = SamplingParams(temperature=1.0, max_tokens=args.live_max_tokens, seed=1 + epoch)
-                        started = time.perf_counter()
-                        result = client.rollout(f"{policy}-e{epoch}", prompts, n=args.n_live, sampling=sampling)
-                        wall = time.perf_counter() - started
-            finally:
-                cluster.stop()
-            s = result.summary
-            lengths = sorted(len(x.token_ids) for x in result.samples)
-            median = lengths[len(lengths) // 2]
-            heavy = lengths[-1] >= 20 * median
-            rows.append({"policy": policy, "workers": args.live_workers,
-                         "workload": "heavy_tail" if heavy else "tiny_model", "mode": "live",
-                         "makespan_s": s.makespan_s, "bubble_ratio": s.bubble_ratio, "tail_s": s.tail_time_s,
-                         "samples": len(result.samples), "migrations": s.num_migrations, "wall_s": wall,
-                         "median_len": median, "max_len": lengths[-1],
-                         "generated_tokens": s.num_generated_tokens, "seeds": 1})
-            print(f"live {policy}: makespan {s.makespan_s:.2f} s, bubble {s.bubble_ratio:.3f}, "
-                  f"tail {s.tail_time_s:.2f} s, {len(result.samples)} samples (median {median}, max "
-                  f"{lengths[-1]} tokens)", flush=True)
-    return rows
 
 
 def main() -> int:
@@ -347,7 +246,7 @@ def main() -> int:
             simulate_mean(args, multi, mid, "rhymerl", [2, 3, 4, 5], overlap=True, cross_step=True)]])
     if args.live:
         print(f"\n## Live: {args.live_workers} {args.live_device} workers, tiny random model", flush=True)
-        rows += live_rows(args)
+        rows += live_rows(args, POLICIES)
     acc_rows = [{"workload": r["workload"], "workers": r["workers"], "samples": r["samples"],
                  "spearman": r["spearman"], "mae_tokens": r["mae_tokens"], "mre": r["mre"]}
                 for r in rows if r["policy"] == "rhymerl" and r["mode"] == "sim"]
@@ -378,148 +277,6 @@ def main() -> int:
     print(f"\nwrote {out}.md and {out}.json in {total:.0f} s")
     return 0
 
-
-def targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets per (workload, fleet >= 64) where static has >= 40% bubble."""
-    out = []
-    for r in rows:
-        if r["policy"] != "rhymerl" or r["mode"] != "sim" or r["workers"] < 64:
-            continue
-        same = {x["policy"]: x for x in rows if x["mode"] == "sim" and x["workload"] == r["workload"]
-                and x["workers"] == r["workers"]}
-        static, oracle = same["static"], same["oracle"]
-        out.append({"workload": r["workload"], "workers": r["workers"],
-                    "static_bubble": static["bubble_ratio"], "qualifies": static["bubble_ratio"] >= 0.4,
-                    "bubble": r["bubble_ratio"], "bubble_met": r["bubble_ratio"] <= 0.05,
-                    "makespan_vs_oracle": r["makespan_s"] / oracle["makespan_s"],
-                    "makespan_met": r["makespan_s"] <= 1.15 * oracle["makespan_s"],
-                    "tail_reduction": 1.0 - r["tail_s"] / static["tail_s"],
-                    "tail_met": r["tail_s"] <= 0.25 * static["tail_s"]})
-    return out
-
-
-def render_markdown(summary: dict, acc_table: str) -> str:
-    c = summary["config"]
-    parts = [
-        "# Scheduler: placement policies in the fleet simulator (and live)\n",
-        (f"Command: `{summary['command']}` (OMP_NUM_THREADS=1), commit {summary['commit']}, "
-         f"{summary['wall_s']:.0f} s wall. Device: {summary['device']}.\n"),
-        (f"Simulated batch: {c['samples_per_worker']} samples per worker in groups of n={c['n']}, capacity "
-         f"{c['capacity']} sequences per worker, {c['model']} H100 cost curve (weights only: attention time "
-         f"not modelled), event quantum {c['quantum']} s; {c['seeds']} seeds averaged up to {c['seeds_up_to']} workers, one "
-         "above.\n"),
-        "Workloads:\n",
-        *[f"- `{name}`: {d['source']}, epoch {d['epoch']} (earlier epochs are history); median "
-          f"{d['median_len']} tokens, longest {d['max_len']} ({d['max_over_median']:.1f}x the median), "
-          f"{d['share_ge_20x_median']:.2%} of samples >= 20x the median."
-          for name, d in summary["workloads"].items()],
-        "",
-    ]
-    for name in summary["workloads"]:
-        rows = [r for r in summary["rows"] + summary["sections"].get(name, [])
-                if r["workload"] == name and r["mode"] == "sim"]
-        parts.append(f"## {name} (sim)\n\n{table(rows, MAIN_COLUMNS)}\n")
-    live = [r for r in summary["rows"] if r["mode"] == "live"]
-    if live:
-        parts.append("## Live (real CPU workers, tiny random model)\n\n" + table(live, LIVE_COLUMNS) + "\n")
-    if summary["targets"]:
-        parts.append("## Targets (rhymerl, simulated, 64+ workers)\n\n" + table(summary["targets"], TARGET_COLUMNS)
-                     + "\n\n" + target_verdict(summary["targets"]) + "\n")
-    titles = summary["section_titles"]
-    for name, rows in summary["sections"].items():
-        if name in summary["workloads"]:
-            continue  # drawn with the workloads above
-        columns = MULTI_COLUMNS if name == "cross_step" else MAIN_COLUMNS
-        parts.append(f"## {titles.get(name, name)}\n\n{table(rows, columns)}\n")
-    parts.append(f"## Length model accuracy (rhymerl's predictions at step start)\n\n{acc_table}\n")
-    parts.append(NOTES)
-    return "\n".join(parts)
-
-
-def target_verdict(rows: list[dict]) -> str:
-    """The issue's targets, stated from the measured rows (nothing hand-written)."""
-    lines = []
-    for workload in sorted({r["workload"] for r in rows}):
-        mine = [r for r in rows if r["workload"] == workload]
-        qualifying = [r for r in mine if r["qualifies"]]
-        fleets = ", ".join(str(r["workers"]) for r in qualifying) or "none"
-        lines.append(f"- `{workload}`: static has >= 40% bubble at {fleets} workers.")
-        for key, what in (("bubble_met", "bubble <= 5%"), ("makespan_met", "makespan <= 1.15x oracle"),
-                          ("tail_met", "tail >= 75% below static")):
-            met = [r for r in mine if r[key]]
-            lines.append(f"  - {what}: met at {len(met)} of {len(mine)} fleet sizes "
-                         f"({', '.join(str(r['workers']) for r in met) or 'none'}).")
-    return "\n".join(lines)
-
-
-LIVE_COLUMNS = [("workers", "workers", "d"), ("policy", "policy", "s"), ("workload", "workload", "s"),
-                ("samples", "samples", "d"), ("median tok", "median_len", "d"), ("max tok", "max_len", "d"),
-                ("makespan s", "makespan_s", ".2f"), ("bubble", "bubble_ratio", ".3f"), ("tail s", "tail_s", ".2f"),
-                ("migrations", "migrations", "d")]
-TARGET_COLUMNS = [("workload", "workload", "s"), ("workers", "workers", "d"),
-                  ("static bubble", "static_bubble", ".3f"), ("bubble", "bubble", ".3f"),
-                  ("<= 0.05", "bubble_met", ""), ("makespan / oracle", "makespan_vs_oracle", ".3f"),
-                  ("<= 1.15", "makespan_met", ""), ("tail cut vs static", "tail_reduction", ".1%"),
-                  (">= 75%", "tail_met", "")]
-
-NOTES = """## How the oracle is computed
-
-The `oracle` rows are a lower bound, not a schedule (true lengths known, perfect packing):
-
-- makespan >= max(longest single request, fleet work / workers). A request alone on a worker
-  takes prefill(prompt) + length x forward(1 token): a sequence is sequential, no schedule
-  splits it. Fleet work counts every decode token at the cheapest per-token cost of the curve
-  (a full batch of `capacity` sequences) and every prompt token at the curve's smallest slope.
-- bubble >= max(0, 1 - sum(each request alone) / (workers x makespan)): the most busy
-  worker-time the requests can produce is each running alone; it is 0 here.
-- tail >= 0: perfect packing can end every request at the makespan.
-
-## What each workload shows
-
-- `heavy_tail`: a sample's length is mostly its prompt's (RhymeRL: few prompts change length
-  rank between epochs), and 3% of prompts jump each epoch. At 256 samples per worker and 8
-  running at once, the fleet's work, not one sample, sets the floor, so a bubble near 0 is
-  possible. rhymerl sends each group's first sample ahead (a scout): a prompt whose length
-  changed shows it within a chunk, and its siblings are pulled forward before they can start
-  late. At 4,096 workers a step holds 1M samples and its makespan is set by one or two samples
-  4-5 sigma above their own group's median that started in the step's last fifth;
-  `python -m benchmarks.prediction_limit` (results/prediction_limit.md) runs the same policy
-  with each prompt's true length law as its history, to separate what better prediction
-  could win from what no scheduler without foresight can; results/prediction_limit_4096.md
-  has three seeds at 4,096 workers, where the rows above run one.
-- `heavy_tail_runaways`: the same plus 1% of samples that loop to max_tokens at random. A
-  runaway looks like its siblings until it outgrows its prompt's history, so a policy without
-  foresight finds the last runaways only when most of the step's work is done, and each still
-  needs about 84 s after that. The oracle knows them from the start; no history does. rhymerl
-  runs every exposed runaway first (its prediction jumps to max_tokens), which keeps the
-  bubble low, but its makespan stays near "the step without runaways + one runaway".
-- `traces`: the recorded RL-loop traces, tiled; short responses (median under 100 tokens), so
-  prefills and the event quantum are a visible share of the step.
-- The earlier shape, `--samples-per-worker 32`, puts one 16K-token sample at 3.6x a worker's
-  full-batch share of the work: that sample is the floor, and most of the fleet idles under
-  any schedule that does not hold work back just to look busy.
-- `static` pins each prompt's group to one worker, as veRL's even split of a batch does.
-
-## How to read these numbers
-
-- Simulated, not measured on GPUs: worker speed is the forward-time curve of docs/cost-model.md
-  (weight matrices only). A migration is charged a re-prefill of prompt + generated tokens
-  on the destination; resuming on the same worker is free (prefix cache).
-- The bubble counts a worker as busy while it runs at least one sequence (the issue's
-  definition). On this cost curve a sequence decodes almost as fast alone as in a batch of
-  8, so a worker running one sequence is "busy" while most of its batch is empty.
-- Live rows: real workers (tiny random model, CPU) through the real scheduler; their
-  lengths come from the random model and are not heavy-tailed unless the table says so.
-  They show the whole path working and the scheduler's own metrics, not placement
-  quality: the in-process workers are threads of one Python process, and with a tiny
-  model an engine step is mostly Python, so the workers barely run in parallel. A policy
-  that leaves workers idle puts more sequences in each step of the busy ones, takes
-  fewer steps in all and finishes sooner (histopipe, bubble 0.3, at about half the others'
-  makespan with 4 workers; with `--live-workers 2` all four policies land within 15%).
-  Placement quality is what the simulated rows measure. The live GPU run in
-  `make bench-gpu` uses the same in-process cluster, so it shares this caveat in part
-  (the kernels run in parallel; the Python between them does not).
-"""
 
 
 if __name__ == "__main__":

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from services.local import load_example
 from benchmarks.provenance import git_commit
 from benchmarks.report import markdown_table
+from benchmarks.tiny_llm.examples import load_example
 from services.common.traces import TraceRecord, read_traces
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

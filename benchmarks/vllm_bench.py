@@ -37,7 +37,7 @@ ROWS = [("vllm", "none"), ("vllm", "ngram"), ("vllm", "suffix"), ("vllm", "rhyme
 
 
 def workload(args, temperature: float):
-    from benchmarks.engine_bench import TRACES, grpo_requests
+    from benchmarks.engine_grpo import TRACES, grpo_requests
     from services.common.traces import read_traces
     from services.rollout.loader import read_config
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.row:
         Path(args.row_json).write_text(json.dumps(run_row(*args.row.split(":"), args)))
         return {}
-    from services.local import ensure_model
+    from benchmarks.tiny_llm.checkpoint import ensure_model
 
     ensure_model(args.model_dir)
     command = "python -m benchmarks.vllm_bench " + " ".join(argv if argv is not None else sys.argv[1:])

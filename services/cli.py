@@ -1,4 +1,4 @@
-"""The `rhymerl` command: one sub-command per process, plus `local-run`.
+"""The `rhymerl` command: one sub-command per process (`make run`'s driver is devtools/local_run.py).
 
 Each sub-command's options are its settings class (services/common/settings_cli.py):
 `rhymerl worker --help` lists every setting with its environment variable and default.
@@ -13,7 +13,6 @@ import typer
 
 from services.common.settings_cli import settings_command
 from services.history.settings import HistorySettings
-from services.local_run import LocalRunSettings
 from services.rollout.settings import WorkerSettings
 from services.scheduler.settings import SchedulerSettings
 
@@ -43,15 +42,6 @@ def worker(settings: WorkerSettings) -> None:
     from services.rollout.server import serve
 
     asyncio.run(serve(settings))
-
-
-@settings_command(app, "local-run", LocalRunSettings,
-                  "Start Redis, history, scheduler and CPU workers, then run a short GRPO loop and summarise it.",
-                  log_level="warning")
-def local_run(settings: LocalRunSettings) -> None:
-    from services.local_run import run_local
-
-    run_local(settings)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ process with its settings in the environment, exactly as in a deployment.
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import subprocess
@@ -221,22 +220,3 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def ensure_model(model_dir: str) -> None:
-    """Trains the tiny policy (deterministic, ~3 minutes on 2 cores) if it is not there yet."""
-    if (Path(model_dir) / "config.json").exists():
-        return
-    print(f"training the tiny policy into {model_dir} (first run only)...", flush=True)
-    subprocess.run([sys.executable, "-m", "benchmarks.tiny_llm.train_sft", "--preset", "tiny", "--out", model_dir,
-                    "--seed", "0"], cwd=ROOT, check=True)
-
-
-def load_example(name: str):
-    """Imports clients/python/examples/<name>.py under its plain name. The examples are
-    standalone scripts shipped with the SDK, not a package; the example trainer imports
-    its sibling ``reasoning_task`` by that name, so both share one module."""
-    path = str(ROOT / "clients" / "python" / "examples")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    return importlib.import_module(name)

@@ -1,5 +1,6 @@
-"""`rhymerl <sub-command> --help` lists every setting the service reads, and the options
-and environment variables set the same settings (the option wins)."""
+"""`rhymerl <sub-command> --help` (and `python -m devtools.local_run --help`) lists every
+setting the process reads, and the options and environment variables set the same
+settings (the option wins)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,22 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from typer.testing import CliRunner
 
+from devtools import local_run
 from services.cli import app
 from services.common.settings_cli import env_var, settings_command
 from services.history.settings import HistorySettings
-from services.local_run import LocalRunSettings
 from services.rollout.settings import WorkerSettings
 from services.scheduler.settings import SchedulerSettings
 
 COMMANDS = {"history": HistorySettings, "scheduler": SchedulerSettings, "worker": WorkerSettings,
-            "local-run": LocalRunSettings}
+            "local-run": local_run.LocalRunSettings}
 
 
 def help_text(command: str) -> str:
-    result = CliRunner().invoke(app, [command, "--help"], terminal_width=400, env={"COLUMNS": "400"})
+    """`make run`'s driver is an app of its own (devtools), the services' commands are `rhymerl`'s."""
+    argv = ["--help"] if command == "local-run" else [command, "--help"]
+    result = CliRunner().invoke(local_run.app if command == "local-run" else app, argv, terminal_width=400,
+                                env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
     return re.sub(r"\s+", " ", result.output)  # help wraps long lines
 

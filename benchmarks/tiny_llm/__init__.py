@@ -6,6 +6,7 @@ a small Llama/Qwen-style model trained here from scratch on the synthetic reason
 - local_client.py: an in-process stand-in for the rhymerl SDK client (samples with the HF
   model directly), for testing the example GRPO trainer and recording CPU traces.
 
-The examples are loaded with services.local.load_example.
+- examples.py: loads the SDK's example scripts (the task, the GRPO trainer) by name.
+- checkpoint.py: the trained checkpoint (models/tiny), trained on first use.
 """
 

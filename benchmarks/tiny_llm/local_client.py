@@ -21,7 +21,7 @@ import safetensors.torch
 import torch
 from rhymerl import Prompt, Sample, SamplingParams, StepResult, StepSummary
 
-from services.local import load_example
+from benchmarks.tiny_llm.examples import load_example
 
 
 def step_seed(step_id: str, sampling: SamplingParams) -> int:

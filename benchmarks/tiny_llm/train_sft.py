@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from services.local import load_example
+from benchmarks.tiny_llm.examples import load_example
 from benchmarks.tiny_llm.tokenizer import (
     BOS_ID,
     EOS_ID,

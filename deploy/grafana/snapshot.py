@@ -399,7 +399,9 @@ def prometheus_fetch(prom) -> Fetch:
 def real_run(args) -> list[str]:
     from rhymerl import RolloutClient
 
-    from services.local import LocalCluster, ensure_model, load_example
+    from benchmarks.tiny_llm.checkpoint import ensure_model
+    from benchmarks.tiny_llm.examples import load_example
+    from services.local import LocalCluster
     from tests.deploy.prometheus_server import BINARY, PrometheusServer
 
     if not BINARY.exists():

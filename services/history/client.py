@@ -15,7 +15,7 @@ from rhymerl.v1 import history_pb2, history_pb2_grpc
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig
 from services.history.recent import RecentResponse
-from services.history.store import Epoch
+from services.history.records import Epoch
 
 __all__ = ["Epoch", "HistoryClient", "RecentResponse"]
 

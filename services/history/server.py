@@ -21,8 +21,9 @@ from services.common.errors import grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.redis_server import EmbeddedRedis
 from services.history.recent import RecentResponses, pack
+from services.history.records import Epoch, Reward, Rollout
 from services.history.settings import HistorySettings
-from services.history.store import Epoch, HistoryStore, Reward, Rollout
+from services.history.store import HistoryStore
 
 log = logging.getLogger(__name__)
 

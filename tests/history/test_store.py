@@ -18,7 +18,8 @@ from redis.asyncio.connection import Connection
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.history.keys import HistoryKeys
-from services.history.store import HistoryStore, Reward, Rollout
+from services.history.records import Reward, Rollout
+from services.history.store import HistoryStore
 
 TTL = 3600
 

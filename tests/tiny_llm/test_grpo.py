@@ -15,7 +15,7 @@ import torch
 from rhymerl import SamplingParams
 
 from benchmarks.tiny_llm import train_sft
-from services.local import load_example
+from benchmarks.tiny_llm.examples import load_example
 from benchmarks.tiny_llm.local_client import LocalRolloutClient
 from services.common.traces import read_traces
 from services.rollout.loader import init_random_model

@@ -9,7 +9,7 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.local import load_example
+from benchmarks.tiny_llm.examples import load_example
 from benchmarks.tiny_llm.tokenizer import build_tokenizer
 
 task = load_example("reasoning_task")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.local import load_example
+from benchmarks.tiny_llm.examples import load_example
 from benchmarks.tiny_llm.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, build_tokenizer, save_tokenizer
 
 task = load_example("reasoning_task")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.tiny_llm import train_sft
-from services.local import load_example
+from benchmarks.tiny_llm.examples import load_example
 from benchmarks.tiny_llm.tokenizer import BOS_ID, EOS_ID
 from services.rollout.loader import init_random_model, load_model
 from services.rollout.models.base import DenseCausalAttention, packed_positions

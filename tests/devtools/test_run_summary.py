@@ -1,6 +1,6 @@
 """`make run`'s summary: one row per step and a total, computed from the step stats."""
 
-from services.run_summary import summary, table
+from devtools.run_summary import summary, table
 
 
 def row(step, generated, accepted, verifies, hits):

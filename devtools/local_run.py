@@ -1,14 +1,19 @@
-"""`rhymerl local-run` (what `make run` runs): the whole system on this machine, a short
-GRPO loop through the SDK, and a summary of what happened."""
+"""What `make run` runs: the whole system on this machine, a short GRPO loop through the
+SDK's example trainer, and a summary of what happened.
+
+    python -m devtools.local_run [--steps 6] [--workers 2] ...   # --help lists every option
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Literal
 
+import typer
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.common.settings_cli import settings_command
 from services.scheduler.policies import POLICIES
 
 
@@ -34,8 +39,10 @@ class LocalRunSettings(BaseSettings):
 
 
 def run_local(settings: LocalRunSettings) -> None:
-    from services.local import LocalCluster, ensure_model, load_example
-    from services.run_summary import summary
+    from benchmarks.tiny_llm.checkpoint import ensure_model
+    from benchmarks.tiny_llm.examples import load_example
+    from devtools.run_summary import summary
+    from services.local import LocalCluster
 
     ensure_model(settings.model_dir)
     print(f"starting history (with its redis-server), the scheduler and {settings.workers} CPU workers; "
@@ -60,3 +67,12 @@ def run_local(settings: LocalRunSettings) -> None:
                                seed=settings.seed)
         print("stopping the services (workers drain first)...", flush=True)
     print(summary(rows, settings.measure_cost), flush=True)
+
+
+app = typer.Typer(add_completion=False, rich_markup_mode=None)
+settings_command(app, "local-run", LocalRunSettings,
+                 "Start Redis, history, scheduler and CPU workers, then run a short GRPO loop and summarise it.",
+                 log_level="warning")(run_local)
+
+if __name__ == "__main__":
+    app()

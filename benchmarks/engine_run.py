@@ -1,0 +1,39 @@
+"""What every part of engine_bench shares: a request, a run of the engine to completion,
+and the result row of a run (tokens, seconds, forward steps, drafts and accepted tokens)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from services.rollout.engine import EngineRequest, LLMEngine
+
+
+def request(i: int, prompt: list[int], seed: int, temperature: float, max_tokens: int) -> EngineRequest:
+    return EngineRequest(
+        request_id=f"r{i}", prompt_id=f"p{i // 4}", step_id="bench", sample_index=i % 4, prompt_token_ids=prompt,
+        generated_token_ids=[], temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, seed=seed,
+        max_tokens=max_tokens, max_new_tokens=max_tokens, stop_token_ids=frozenset(), min_tokens=0,
+        ignore_eos=True, logprobs=True)
+
+
+def run_engine(engine: LLMEngine, reqs: list[EngineRequest]) -> tuple[dict, float]:
+    for r in reqs:
+        engine.add_request(r)
+    outputs, start = {}, time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return outputs, time.perf_counter() - start
+
+
+def result_row(system: str, sampling: str, engine: LLMEngine, outputs: dict, seconds: float, part: str = "cpu",
+         setting: str = "") -> dict:
+    c = engine.metrics.counters
+    tokens = sum(len(o.token_ids) for o in outputs.values())
+    return dict(part=part, system=system, sampling=sampling, setting=setting, tokens=tokens, seconds=seconds,
+                steps=c.num_steps, draft_tokens=c.num_draft_tokens, accepted_tokens=c.num_accepted_tokens,
+                mean_accepted_per_verify=(c.num_accepted_tokens / c.num_drafts) if c.num_drafts else 0.0)

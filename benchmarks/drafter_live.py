@@ -27,7 +27,9 @@ from pathlib import Path
 from benchmarks import drafter_replay as R
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
-from services.local import LocalCluster, ensure_model, load_example
+from benchmarks.tiny_llm.checkpoint import ensure_model
+from benchmarks.tiny_llm.examples import load_example
+from services.local import LocalCluster
 from services.rollout.drafter import DrafterConfig, HistoDrafter
 from services.rollout.engine.cost_model import CostModel
 

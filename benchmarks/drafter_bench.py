@@ -92,7 +92,7 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
     ceiling, ceiling_longest = by_name[ORACLE], by_name[ORACLE_LONGEST]
     speedup = {}
     for batch in BATCH_SIZES:  # rhymerl drafts for this batch size; the peer does not adapt
-        row = R.replay(traces, _ours(cost_model=CostModel(), cost_num_seqs=batch), stop, f"{RHYMERL}@{batch}")
+        row = R.replay(traces, _ours(cost_model=CostModel()), stop, f"{RHYMERL}@{batch}", num_seqs=batch)
         speedup[str(batch)] = {
             "rhymerl": R.modeled_speedup(batch, row["draft_tokens_per_step"], row["mean_accepted_drafts_per_step"]),
             "peer": R.modeled_speedup(batch, theirs["draft_tokens_per_step"],

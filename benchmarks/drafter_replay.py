@@ -164,14 +164,17 @@ def modeled_speedup(batch_size: int, draft_per_verify: float, accepted_per_verif
     return plain / spec
 
 
-def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | None, name: str = "") -> dict:
+def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | None, name: str = "",
+           num_seqs: int | None = None) -> dict:
     """Replays every epoch in order through a fresh drafter from `make_drafter` and
-    returns the row of measurements (`name` labels it)."""
+    returns the row of measurements (`name` labels it). With `num_seqs`, rhymerl's drafter
+    prices its drafts as if every step's forward held that many sequences."""
     by_epoch: dict[int, list[Trace]] = defaultdict(list)
     for t in traces:
         by_epoch[t.epoch].append(t)
     history: dict[str, list[tuple[int, list[int], float]]] = defaultdict(list)
     drafter = make_drafter()
+    at_batch = {"num_seqs": num_seqs} if num_seqs else {}
     load_history = getattr(drafter, "load_history", None)
     # As the worker does: each response that finishes feeds the drafter's global index.
     add_global = getattr(drafter, "add_global_responses", None)
@@ -205,7 +208,7 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
         while active:
             max_lens = [MAX_TOKENS - pos[r] - 1 for r in active]
             start = time.thread_time_ns()
-            drafts = drafter.propose(active, max_lens, [stops] * len(active))
+            drafts = drafter.propose(active, max_lens, [stops] * len(active), **at_batch)
             elapsed = time.thread_time_ns() - start
             propose_ns.append(elapsed / len(active))
             num_draft_tokens = sum(map(len, drafts))

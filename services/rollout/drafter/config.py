@@ -39,8 +39,6 @@ class DrafterConfig:
         max_draft_len: the longest draft for one request.
         cost_model: the engine's cost curve; with it a draft token is kept only if its
             gain pays for one more token in the forward at the step's batch size.
-        cost_num_seqs: evaluate that cost at this many sequences instead of the batch
-            the engine passes (offline modelling at a fixed batch size).
     """
 
     use_history: bool = True
@@ -64,7 +62,6 @@ class DrafterConfig:
     min_gain: float = 0.1
     max_draft_len: int = 16
     cost_model: CostModel | None = None
-    cost_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_prompt < 16 or self.global_max_tokens < 16:
@@ -73,5 +70,3 @@ class DrafterConfig:
             raise ValueError("max_draft_len must be >= 0 and min_match_len >= 1")
         if not 0.0 < self.history_fraction <= 1.0:
             raise ValueError("history_fraction must be in (0, 1]")
-        if self.cost_num_seqs is not None and self.cost_num_seqs < 1:
-            raise ValueError("cost_num_seqs must be >= 1")

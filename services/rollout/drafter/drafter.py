@@ -190,7 +190,7 @@ class HistoDrafter:
 
     def propose(self, request_ids: Sequence[str], max_lens: Sequence[int],
                 stop_token_ids: Sequence[frozenset[int]] | None = None,
-                budget: int | None = None) -> list[list[int]]:
+                budget: int | None = None, num_seqs: int | None = None) -> list[list[int]]:
         """Called by the engine before each verify step for the requests it may draft for.
 
         Args:
@@ -199,6 +199,8 @@ class HistoDrafter:
             stop_token_ids: per request, tokens that end it; a draft may end with one
                 but never goes past it.
             budget: the most draft tokens over the whole batch (None: no limit).
+            num_seqs: sequences in the step's forward, the batch size a draft token is
+                priced at (None: these requests; a model of another batch passes its own).
 
         Returns:
             One linear draft (possibly empty) per request.
@@ -212,9 +214,8 @@ class HistoDrafter:
             stop_token_ids = [_NO_STOPS] * len(request_ids)
         min_gain = cfg.min_gain
         if cfg.cost_model is not None:
-            num_seqs = cfg.cost_num_seqs or len(request_ids)
-            min_gain = max(min_gain, gain_threshold(cfg.cost_model, num_seqs, self._draft_per_seq,
-                                                    self._gain_per_seq))
+            min_gain = max(min_gain, gain_threshold(cfg.cost_model, num_seqs or len(request_ids),
+                                                    self._draft_per_seq, self._gain_per_seq))
         drafts, all_gains = [], []
         for request_id, max_len, stops in zip(request_ids, max_lens, stop_token_ids, strict=True):
             request = self._requests.get(request_id)

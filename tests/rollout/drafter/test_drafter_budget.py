@@ -74,3 +74,19 @@ def test_ngram_matches_a_brute_force_lookup(tokens, k):
     context.extend(tokens[len(tokens) // 2:])
     assert propose_ngram(context, k, 2, 4) == _reference_ngram(tokens, k, 2, 4)
 
+
+
+def test_a_draft_is_priced_at_the_forwards_batch_size():
+    """The same request with the same history: priced as one sequence in the forward it
+    drafts on past where two earlier responses part; priced as one of 256 it stops
+    before (the threshold above). `num_seqs` defaults to the requests proposed for."""
+    from services.rollout.drafter import DrafterConfig, HistoDrafter
+
+    drafter = HistoDrafter(DrafterConfig(min_gain=0.0, use_global=False, max_draft_len=8, cost_model=CostModel()))
+    drafter.load_history("p", [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 13, 14, 15, 16, 17]])
+    drafter.start_request("r", "p", [1, 1])
+    [alone] = drafter.propose(["r"], [100])
+    [tail] = drafter.propose(["r"], [100], num_seqs=1)
+    [full] = drafter.propose(["r"], [100], num_seqs=256)
+    assert alone == tail and len(tail) > 3  # past the fork at the fourth token
+    assert len(full) < len(tail) and tail[:len(full)] == full

@@ -34,15 +34,11 @@ def _prompts(k: int, offset: int):
 
 def _engine_step_totals(cluster: LocalCluster) -> tuple[float, float]:
     """(sum of seconds, count) of every worker's engine steps so far."""
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
     total = count = 0.0
     for name in cluster.workers:
-        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports[name]}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(cluster.scrape(name, timeout_s=10)):
             if family.name == "rhymerl:engine_step_seconds":
                 for sample in family.samples:
                     total += sample.value if sample.name.endswith("_sum") else 0.0

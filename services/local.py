@@ -192,6 +192,13 @@ class LocalCluster:
                 raise TimeoutError(f"{name} not ready; see {self.log_dir / (name + '.log')}")
             time.sleep(0.1)
 
+    def scrape(self, name: str, timeout_s: float = 5.0) -> str:
+        """The Prometheus text ``name`` serves on its metrics port now."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[name]}/metrics", timeout=timeout_s) as r:
+            return r.read().decode()
+
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else ""

@@ -4,7 +4,6 @@ health, registration, /metrics, and a worker that drains on SIGTERM."""
 from __future__ import annotations
 
 import signal
-import urllib.request
 
 import pytest
 from rhymerl import Prompt, RolloutClient, SamplingParams
@@ -13,11 +12,6 @@ from services.local import LocalCluster
 from tests.e2e.cluster import save_tiny_model
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return r.read().decode()
 
 
 def metric(text: str, name: str) -> float:
@@ -39,16 +33,16 @@ def test_processes_serve_a_step_export_metrics_and_drain(tmp_path):
             assert second.summary.history_hit_rate == 1.0
 
             workers = [f"worker-{i}" for i in range(2)]
-            generated = sum(metric(scrape(cluster.metrics_ports[w]), "rhymerl:generation_tokens_total")
+            generated = sum(metric(cluster.scrape(w), "rhymerl:generation_tokens_total")
                             for w in workers)
             assert generated == first.summary.num_generated_tokens + second.summary.num_generated_tokens
-            accepted = sum(metric(scrape(cluster.metrics_ports[w]), "rhymerl:spec_decode_num_accepted_tokens_total")
+            accepted = sum(metric(cluster.scrape(w), "rhymerl:spec_decode_num_accepted_tokens_total")
                            for w in workers)
             assert accepted == second.summary.num_accepted_tokens + first.summary.num_accepted_tokens
-            sched = scrape(cluster.metrics_ports["scheduler"])
+            sched = cluster.scrape("scheduler")
             assert metric(sched, 'rhymerl:samples_total{finish_reason="length"}') == 16
             assert "rhymerl:step_bubble_ratio" in sched
-            assert metric(scrape(cluster.metrics_ports["history"]), "rhymerl:history_rollouts_written_total") == 16
+            assert metric(cluster.scrape("history"), "rhymerl:history_rollouts_written_total") == 16
 
             # SIGTERM: the worker leaves the fleet, and the next step runs on the other one.
             cluster.procs["worker-1"].send_signal(signal.SIGTERM)

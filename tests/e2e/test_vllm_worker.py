@@ -61,10 +61,10 @@ def test_every_sample_returned_exactly_once_with_logprobs(client):
 
 def test_metrics_carry_rhymerl_and_vllm_series(cluster, client):
     """The worker's /metrics: rhymerl's series as on the native worker, vLLM's beside them."""
-    from tests.e2e.test_local_processes import metric, scrape
+    from tests.e2e.test_local_processes import metric
 
     client.rollout("metrics", prompts(2, offset=400), n=2, sampling=SAMPLED)
-    texts = [scrape(cluster.metrics_ports[f"worker-{i}"]) for i in range(2)]
+    texts = [cluster.scrape(f"worker-{i}") for i in range(2)]
     assert sum(metric(t, "rhymerl:generation_tokens_total") for t in texts) >= 4 * SAMPLED.max_tokens
     assert all("vllm:" in t for t in texts)
 
@@ -73,7 +73,7 @@ def test_history_drafts_are_accepted_and_greedy_output_is_unchanged(cluster, cli
     """Epoch 2 drafts from epoch 1's greedy rollouts; its tokens are epoch 1's, whichever
     worker (with or without the proposer) ran each chunk. The drafting worker reports its
     verifies in rhymerl's spec_decode series, fed from vLLM's counts."""
-    from tests.e2e.test_local_processes import metric, scrape
+    from tests.e2e.test_local_processes import metric
 
     ps = prompts(3, offset=100)
     first = client.rollout("epoch-1", ps, n=2, sampling=GREEDY)
@@ -87,10 +87,10 @@ def test_history_drafts_are_accepted_and_greedy_output_is_unchanged(cluster, cli
     assert all(len(v) == 1 for v in by_prompt.values())
     assert second.summary.num_draft_tokens > 0
     assert second.summary.num_accepted_tokens >= 0.9 * second.summary.num_draft_tokens
-    drafting = scrape(cluster.metrics_ports["worker-0"])
+    drafting = cluster.scrape("worker-0")
     assert metric(drafting, "rhymerl:spec_decode_num_accepted_tokens_total") >= second.summary.num_accepted_tokens
     assert metric(drafting, "rhymerl:spec_decode_num_drafts_total") > 0
-    assert metric(scrape(cluster.metrics_ports["worker-1"]), "rhymerl:spec_decode_num_drafts_total") == 0
+    assert metric(cluster.scrape("worker-1"), "rhymerl:spec_decode_num_drafts_total") == 0
 
 
 @pytest.mark.parametrize("change, field", [

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
-from services.rollout.engine import CostModel, EngineRequest, LLMEngine
+from services.rollout.engine import CostModel, EngineRequest, LLMEngine, run_to_completion
 from services.rollout.loader import init_random_model
 from services.rollout.models.config import ModelConfig
 
@@ -97,15 +97,10 @@ def run(model, device: str, reqs: list[EngineRequest], batch_invariant: bool, dr
                        max_num_batched_tokens=1024, batch_invariant=batch_invariant, drafter=drafter,
                        speculative=drafter is not None, max_draft_len=16, use_cuda_graphs=True,
                        cost_model=CostModel(((1, 1.0), (1024, 1.0))))  # drafts always allowed
-    for r in reqs:
-        engine.add_request(r)
-    outputs = {}
     clock = time.perf_counter if device == "cuda" else time.process_time
     _sync(device)
     start = clock()
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out
+    outputs = run_to_completion(engine, reqs)
     _sync(device)
     return clock() - start, outputs
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from services.rollout.engine import EngineRequest, LLMEngine
+from services.rollout.engine import EngineRequest, LLMEngine, run_to_completion
 
 
 def request(i: int, prompt: list[int], seed: int, temperature: float, max_tokens: int) -> EngineRequest:
@@ -19,12 +19,8 @@ def request(i: int, prompt: list[int], seed: int, temperature: float, max_tokens
 
 
 def run_engine(engine: LLMEngine, reqs: list[EngineRequest]) -> tuple[dict, float]:
-    for r in reqs:
-        engine.add_request(r)
-    outputs, start = {}, time.perf_counter()
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out
+    start = time.perf_counter()
+    outputs = run_to_completion(engine, reqs)
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     return outputs, time.perf_counter() - start

@@ -73,7 +73,12 @@ def grpo_part(model_dir: str, device: str, num_prompts: int, samples: int, max_t
         return d
 
     setting = f"{num_prompts} prompts x {samples} samples, max {max_tokens} tokens, stop at EOS"
-    run_engine(engine(), grpo_requests(records, 2, 2, 1.0, 16, eos))  # warm-up
+    # Warm-up: each timed configuration once, on the whole batch for 64 tokens, so the
+    # Triton kernels each one uses (greedy, sampled, verify) are compiled before timing,
+    # as they are in a worker that has served a step.
+    for temperature, make_drafter in ((0.0, None), (1.0, None), (1.0, drafter)):
+        warm = grpo_requests(records, num_prompts, samples, temperature, min(64, max_tokens), eos)
+        run_engine(engine(make_drafter() if make_drafter else None), warm)
     rows = []
     greedy = grpo_requests(records, num_prompts, samples, 0.0, max_tokens, eos)
     hf_tokens, hf_s = hf_generate(model_dir, [r.prompt_token_ids for r in greedy], max_tokens, device, eos)

@@ -34,6 +34,7 @@ def hf_generate(model: CausalLM | str, prompts: list[list[int]], max_tokens: int
         ids[row, width - len(p):] = torch.tensor(p)
         mask[row, width - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
+    hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, pad_token_id=pad)  # warm-up
     _sync(device)
     start = time.perf_counter()
     out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,

@@ -5,7 +5,7 @@ and, when it samples, a draft to verify), the runner
   1. lays their tokens out flat, one sequence after another, with positions, KV slots,
      block tables, context and query lengths (``prepare``);
   2. runs the model with the paged attention backend (on CUDA, decode/verify-only steps
-     replay a CUDA graph captured for the step's (num_seqs, num_tokens) bucket; prefill
+     replay a CUDA graph captured for the step's size bucket; prefill
      steps and the CPU run eagerly);
   3. returns the logits of the rows that sample: the last fed token of each sequence
      that has fed all its tokens, plus one row per draft token.
@@ -58,7 +58,7 @@ class ModelRunner:
         if use_cuda_graphs and device.type == "cuda":
             self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype)
             with torch.inference_mode():
-                self.graphs.capture_decode()
+                self.graphs.capture_all()
 
     # ------------------------------------------------------------------ 1. layout
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
@@ -117,7 +117,8 @@ class ModelRunner:
 
 class CUDAGraphs:
     """Decode/verify forwards captured as CUDA graphs, one per (seq bucket, token bucket,
-    query-length class), captured lazily the first time a bucket is needed.
+    query-length class): decode graphs by sequence count, verify graphs by token count
+    (``bucket``), all captured when the runner starts (``capture_all``).
 
     A graph reads static buffers: the step's tokens are copied in packed at the front,
     the padding rows get slot -1 (no KV write) and belong to no sequence, and padding
@@ -129,7 +130,10 @@ class CUDAGraphs:
                  dtype: torch.dtype):
         self.runner = runner
         self.seq_buckets = [b for b in GRAPH_SEQ_BUCKETS if b < max_num_seqs] + [min(max_num_seqs, 256)]
-        self.token_buckets = sorted(set(GRAPH_TOKEN_BUCKETS) | set(self.seq_buckets))
+        # No step feeds more than every sequence's last token plus a full draft.
+        buckets = sorted(set(GRAPH_TOKEN_BUCKETS) | set(self.seq_buckets))
+        most = max_num_seqs * (1 + max_draft_len)
+        self.token_buckets = [b for b in buckets if b < most] + [b for b in buckets if b >= most][:1]
         self.max_verify_query_len = max_draft_len + 1
         max_seqs, max_tokens, dev = self.seq_buckets[-1], self.token_buckets[-1], runner.device
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=dev)
@@ -146,13 +150,20 @@ class CUDAGraphs:
         self.num_replays = 0
 
     def bucket(self, num_seqs: int, num_tokens: int, max_query_len: int) -> tuple[int, int, int] | None:
+        """A decode step's graph is chosen by its sequence count; a verify step's by its token
+        count alone (room for as many sequences as tokens, up to the largest sequence
+        bucket), so there is one verify graph per token bucket rather than one per (sequence,
+        token) pair: ragged drafts would otherwise meet a new pair, and a capture, on most steps."""
         if num_seqs > self.seq_buckets[-1] or num_tokens > self.token_buckets[-1]:
             return None
         if max_query_len > self.max_verify_query_len:
             return None
-        seqs = self.seq_buckets[bisect.bisect_left(self.seq_buckets, num_seqs)]
-        tokens = self.token_buckets[bisect.bisect_left(self.token_buckets, max(num_tokens, seqs))]
-        return seqs, tokens, 1 if max_query_len == 1 else self.max_verify_query_len
+        if max_query_len == 1:
+            seqs = self.seq_buckets[bisect.bisect_left(self.seq_buckets, num_seqs)]
+            return seqs, seqs, 1
+        tokens = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
+        seqs = self.seq_buckets[bisect.bisect_left(self.seq_buckets, min(tokens, self.seq_buckets[-1]))]
+        return seqs, tokens, self.max_verify_query_len
 
     def replay(self, inputs: StepInputs) -> torch.Tensor | None:  # [num_tokens, hidden] or None: run eagerly
         md = inputs.metadata
@@ -214,12 +225,16 @@ class CUDAGraphs:
         self._keep_alive.append(graph)
         return graph.replay
 
-    def capture_decode(self) -> None:
-        """Capture every decode bucket up front (largest first, so the pool is sized once);
-        verify buckets are captured the first time a step needs them."""
-        for seq_bucket in reversed(self.seq_buckets):
-            if not self.failed and (seq_bucket, seq_bucket, 1) not in self.graphs:
-                self._capture(seq_bucket, seq_bucket, 1)
+    def capture_all(self) -> None:
+        """Capture every decode bucket and, when drafts are verified, every verify bucket up
+        front (largest first, so the pool is sized once): a capture costs a forward and more,
+        so none is left for the first steps to pay."""
+        keys = [(s, s, 1) for s in self.seq_buckets]
+        if self.max_verify_query_len > 1:
+            keys += [self.bucket(1, t, self.max_verify_query_len) for t in self.token_buckets if t > 1]
+        for key in sorted(set(keys), key=lambda k: (k[1], k[0], k[2]), reverse=True):
+            if not self.failed and key not in self.graphs:
+                self._capture(*key)
 
 def default_num_kv_blocks(model, device: torch.device, block_size: int, max_num_batched_tokens: int,
                           memory_fraction: float, cpu_bytes: int = 512 << 20, batch_invariant: bool = False) -> int:

@@ -443,16 +443,22 @@ def test_graph_buffers_and_padding_match_eager(model):
         engine = new_engine(model, drafter=drafter, speculative=drafter is not None, max_num_seqs=8)
         graphs = engine.runner.graphs = EagerGraphs(engine.runner, 8, engine.max_draft_len, CONFIG.hidden_size,
                                                     torch.float32)
+        graphs.capture_all()
+        captured = set(graphs.graphs)
         for r in reqs:
             engine.add_request(r)
         out = run_to_end(engine)
+        assert set(graphs.graphs) == captured  # every step found its graph captured up front
         for rid, ref in plain.items():
             assert out[rid].token_ids == ref.token_ids
             assert torch.allclose(torch.tensor(out[rid].logprobs), torch.tensor(ref.logprobs), atol=1e-5)
         assert graphs.num_replays > 0
         query_lens |= {q for _, _, q in graphs.graphs}
     assert query_lens == {1, 1 + engine.max_draft_len}  # decode and verify buckets
-    assert graphs.bucket(3, 3, 1) == (4, 4, 1) and graphs.bucket(3, 9, 4) == (4, 16, 7)
+    assert graphs.bucket(3, 3, 1) == (4, 4, 1)
+    # Verify graphs are chosen by token count alone: one per token bucket, whatever the ragged mix.
+    assert graphs.bucket(3, 9, 4) == graphs.bucket(1, 9, 7) == graphs.bucket(8, 16, 2) == (8, 16, 7)
+    assert graphs.bucket(2, 3, 2) == (4, 4, 7)
     assert graphs.bucket(9, 9, 1) is None
 
 

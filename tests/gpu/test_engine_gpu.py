@@ -112,6 +112,21 @@ def test_cuda_graph_buckets_match_eager(device):
                 assert any(q > 1 for _, _, q in graphs.graphs)  # a verify bucket
 
 
+def test_engines_made_one_after_another_capture_every_graph(device):
+    """A process that makes engine after engine (benchmarks, tests, a worker reloading):
+    an earlier engine's graphs, freed while a later one captures, must not break its
+    captures (on an H100 a capture failed and the engine served without graphs)."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs exist only on the GPU")
+    model, _ = models(torch.bfloat16)
+    for _ in range(3):
+        e = engine(model, device, [], drafter=HistoDrafter(), speculative=True)
+        graphs = e.runner.graphs
+        assert graphs is not None and not graphs.failed
+        assert any(q > 1 for _, _, q in graphs.graphs) and any(q == 1 for _, _, q in graphs.graphs)
+        del e, graphs  # left to the cycle collector, as a benchmark's engines are
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_kv_cache_under_pressure(device, dtype):
     """Too few KV blocks for the batch: sequences are preempted and recomputed, with and

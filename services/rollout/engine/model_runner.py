@@ -15,6 +15,7 @@ It knows nothing about scheduling, stop conditions or acceptance.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,8 +218,17 @@ class CUDAGraphs:
         forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            forward()
+        # No garbage collection while capturing: collecting an earlier engine's graphs
+        # destroys them, which CUDA forbids during a capture and which invalidates it
+        # (seen on an H100, with engines made one after another in one process).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                forward()
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         if self.pool is None:
             self.pool = graph.pool()
@@ -229,6 +239,7 @@ class CUDAGraphs:
         """Capture every decode bucket and, when drafts are verified, every verify bucket up
         front (largest first, so the pool is sized once): a capture costs a forward and more,
         so none is left for the first steps to pay."""
+        gc.collect()  # an earlier engine's graphs are freed now, not during a capture
         keys = [(s, s, 1) for s in self.seq_buckets]
         if self.max_verify_query_len > 1:
             keys += [self.bucket(1, t, self.max_verify_query_len) for t in self.token_buckets if t > 1]

@@ -135,6 +135,7 @@ def _pip_install(wheels: list[Path], target: Path) -> None:
 
 def build(out: Path, python: str, cache: Path, max_mib: float) -> dict:
     pins = read_pins()
+    commit = git_commit()  # before the build's temporary folder makes the tree look changed
     tmp = Path(tempfile.mkdtemp(prefix=".gpu-bundle-", dir=out.parent))
     try:
         print(f"building the GPU bundle for CPython {python} (manylinux x86-64) in {out}", flush=True)
@@ -146,7 +147,7 @@ def build(out: Path, python: str, cache: Path, max_mib: float) -> dict:
         generate_grpc(tmp / "proto", cache)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = dict(
-            python=python, platform="manylinux x86-64", commit=git_commit(), pins=pins,
+            python=python, platform="manylinux x86-64", commit=commit, pins=pins,
             redis_server=redis_version, gencode=GENCODE_TOOLS,
             files={str(p.relative_to(tmp)): dict(bytes=p.stat().st_size,
                                                  sha256=hashlib.sha256(p.read_bytes()).hexdigest()) for p in files})

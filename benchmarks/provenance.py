@@ -11,9 +11,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit(*paths: str) -> str:
-    """HEAD's short hash, with "-dirty" when the work tree (or just ``paths``, if given)
-    differs from it. Outside a git checkout (a copy of the tree on the GPU machine):
-    $RHYMERL_COMMIT, which deploy/gpu/launch.py sets from the bundle, else "uncommitted"."""
+    """$RHYMERL_COMMIT when set (deploy/gpu/launch.py sets it from the bundle on the GPU
+    machine, whose copy of the tree may hold a stale .git); else HEAD's short hash, with
+    "-dirty" when the work tree (or just ``paths``, if given) differs from it; outside a
+    git checkout, "uncommitted"."""
+    if os.environ.get("RHYMERL_COMMIT"):
+        return os.environ["RHYMERL_COMMIT"]
     def git(*args: str) -> str:
         out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, check=False, cwd=REPO)
         return out.stdout.strip() if out.returncode == 0 else ""

@@ -97,8 +97,11 @@ class GPURuntime:
         env["PYTHONPATH"] = os.pathsep.join(paths)
         env["PATH"] = os.pathsep.join([str(self.bundle / "bin"), sysconfig.get_path("scripts"), env.get("PATH", "")])
         env["PYTHONUNBUFFERED"] = "1"
-        if "RHYMERL_COMMIT" not in env and not (ROOT / ".git").exists() and self.manifest.get("commit"):
-            env["RHYMERL_COMMIT"] = f"{self.manifest['commit']} (when the bundle was built; no git here)"
+        # The bundle's commit names what was measured: a copy of the tree may carry a .git
+        # whose HEAD is older than its files (seen on the lent H100: results said the
+        # session's first commit, "-dirty").
+        if "RHYMERL_COMMIT" not in env and self.manifest.get("commit"):
+            env["RHYMERL_COMMIT"] = f"{self.manifest['commit']} (the bundle's; build it at the commit you run)"
         return env
 
     def python(self, code: str, timeout_s: float = 300) -> str:

@@ -24,6 +24,8 @@ text) and the generations of the worker's global index. How a draft is made:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from services.rollout.drafter.suffix_index import SuffixIndex
 
 # A live source during a walk: [index, state, match length, prior].
@@ -59,40 +61,6 @@ def _scan(index: SuffixIndex, state: int) -> tuple[int, int, float, float]:
         if w > best:
             best, token, best_state = w, tok, st
     return token, best_state, best, total
-
-
-def _best(index: SuffixIndex, state: int) -> tuple[int, int, float, float]:
-    """(token, next state, its weight, total weight) of the heaviest continuation."""
-    nxt = index.one_next[state]
-    if nxt:
-        w = index.weight[nxt]
-        return index.one_token[state], nxt, w, w
-    return _scan(index, state)
-
-
-def _blend(index: SuffixIndex, state: int, token: int, w: float, total: float, smoothing: float,
-           backoff: float) -> float:
-    """p(token | context) backed off to the next shorter context (Witten-Bell style): the
-    longer the list of different tokens seen after the context, the more its estimate
-    leans on the shorter one's. A long but rare context ("= 1" after one specific digit
-    string) would otherwise promise a digit the policy samples anew every time."""
-    parent = index.link[state]
-    if parent <= 0:
-        return w / (total + smoothing)
-    one_next = index.one_next
-    escape = backoff * (1 if one_next[state] else len(index.trans[state])) + smoothing
-    # the parent's occurrences (its weight) stand for its continuations' total: O(1)
-    nxt = one_next[parent]
-    if nxt:
-        if index.one_token[parent] != token:
-            return w / (total + escape)  # (w + escape * 0.0) / ..., exactly
-    else:
-        edges = index.trans[parent]
-        nxt = edges.get(token) if edges is not None else None
-        if nxt is None:
-            return w / (total + escape)
-    weight = index.weight
-    return (w + escape * (weight[nxt] / (weight[parent] + smoothing))) / (total + escape)
 
 
 def _prob(index: SuffixIndex, state: int, token: int, smoothing: float, backoff: float) -> float:
@@ -157,21 +125,36 @@ def _follow(source: Source, token: int, nxt: int | None, min_match_len: int) -> 
     return False
 
 
+def initial_gain(sources: list[Source]) -> float:
+    """The gain a draft starts from: the most trusted source's trust. No token of the
+    draft has a higher gain (each multiplies it by at most 0.99)."""
+    return max(s[2] / (s[2] + s[3]) for s in sources)
+
+
 def draft(sources: list[Source], cap: int, stops: frozenset[int], smoothing: float, backoff: float,
           min_match_len: int, min_gain: float, calibration: float) -> tuple[list[int], list[float]]:
-    """The draft (at most `cap` tokens) and each token's gain (non-increasing).
-
-    Hot path (every request, every step): one pass over the sources reads each one's
-    heaviest continuation, its back-off candidate and its own estimate (`_best` and
-    `_blend`, inlined for one-transition states); candidates are scored only when the
-    sources disagree."""
+    """The draft (at most `cap` tokens) and each token's gain (non-increasing)."""
     tokens: list[int] = []
     gains: list[float] = []
+    for token, gain in steps(sources, cap, stops, smoothing, backoff, min_match_len, min_gain, calibration):
+        tokens.append(token)
+        gains.append(gain)
+    return tokens, gains
+
+
+def steps(sources: list[Source], cap: int, stops: frozenset[int], smoothing: float, backoff: float,
+          min_match_len: int, min_gain: float, calibration: float) -> Iterator[tuple[int, float]]:
+    """`draft`'s tokens and gains one at a time, computed as they are asked for.
+
+    Hot path (every request, every step): one pass over the sources reads each one's
+    heaviest continuation, its back-off candidate and its own estimate (`_blend` above,
+    inlined); candidates are scored only when the sources disagree."""
     if not sources or cap <= 0:
-        return tokens, gains
-    gain = max(s[2] / (s[2] + s[3]) for s in sources)
+        return
+    gain = initial_gain(sources)
+    num_tokens = 0
     single_escape = backoff * 1 + smoothing  # the escape weight of a one-transition context
-    while len(tokens) < cap and sources:
+    while num_tokens < cap and sources:
         views = []  # per source: (token, next state, own estimate of the token)
         backoffs = []
         token = None
@@ -238,11 +221,10 @@ def draft(sources: list[Source], cap: int, stops: frozenset[int], smoothing: flo
         q = p * calibration
         gain *= q if q < 0.99 else 0.99
         if gain < min_gain:
-            break
-        tokens.append(token)
-        gains.append(gain)
+            return
+        yield token, gain
+        num_tokens += 1
         if token in stops:
-            break
+            return
         sources = [s for s, v in zip(sources, views) if _follow(s, token, v[1] if v[0] == token else None,
                                                                  min_match_len)]
-    return tokens, gains

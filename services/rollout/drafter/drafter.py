@@ -28,8 +28,7 @@ import numpy as np
 from services.rollout.drafter.budget import draft_within_budget, gain_threshold
 from services.rollout.drafter.config import DrafterConfig
 from services.rollout.drafter.global_index import GlobalIndex
-from services.rollout.drafter.prompt_index import (START, HistoryResponse, LiveSequence, PromptIndex,
-                                                   reward_factors)
+from services.rollout.drafter.prompt_index import START, HistoryResponse, LiveSequence, PromptIndex, reward_factors
 from services.rollout.drafter.request_state import DrafterStats, RequestState
 from services.rollout.drafter.walk import initial_gain, prepare, steps
 

@@ -258,8 +258,9 @@ class HistoDrafter:
         request.calibration_used = calibration = request.calibration
         if not sources:
             return None, 0.0
-        return (steps(sources, cap, stops, cfg.smoothing, cfg.backoff_weight, cfg.min_match_len, min_gain,
-                      calibration), initial_gain(sources) * 0.99)
+        gain = initial_gain(sources)  # each token multiplies it by at most 0.99: the bound
+        return steps(sources, gain, cap, stops, cfg.smoothing, cfg.backoff_weight, cfg.min_match_len, min_gain,
+                     calibration), gain * 0.99
 
     # -- accounting --------------------------------------------------------------------
 

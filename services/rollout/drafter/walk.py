@@ -131,27 +131,16 @@ def initial_gain(sources: list[Source]) -> float:
     return max(s[2] / (s[2] + s[3]) for s in sources)
 
 
-def draft(sources: list[Source], cap: int, stops: frozenset[int], smoothing: float, backoff: float,
-          min_match_len: int, min_gain: float, calibration: float) -> tuple[list[int], list[float]]:
-    """The draft (at most `cap` tokens) and each token's gain (non-increasing)."""
-    tokens: list[int] = []
-    gains: list[float] = []
-    for token, gain in steps(sources, cap, stops, smoothing, backoff, min_match_len, min_gain, calibration):
-        tokens.append(token)
-        gains.append(gain)
-    return tokens, gains
-
-
-def steps(sources: list[Source], cap: int, stops: frozenset[int], smoothing: float, backoff: float,
+def steps(sources: list[Source], gain: float, cap: int, stops: frozenset[int], smoothing: float, backoff: float,
           min_match_len: int, min_gain: float, calibration: float) -> Iterator[tuple[int, float]]:
-    """`draft`'s tokens and gains one at a time, computed as they are asked for.
+    """The draft (at most `cap` tokens), token by token with its gain (non-increasing),
+    computed as it is asked for, from (non-empty) sources whose `initial_gain` is `gain`.
 
     Hot path (every request, every step): one pass over the sources reads each one's
     heaviest continuation, its back-off candidate and its own estimate (`_blend` above,
     inlined); candidates are scored only when the sources disagree."""
-    if not sources or cap <= 0:
+    if cap <= 0:
         return
-    gain = initial_gain(sources)
     num_tokens = 0
     single_escape = backoff * 1 + smoothing  # the escape weight of a one-transition context
     while num_tokens < cap and sources:

@@ -11,7 +11,7 @@ text) and the generations of the worker's global index. How a draft is made:
    outvoted by the many occurrences of its suffix); each candidate is scored by all
    sources together: p(t) = sum_s trust_s * p_s(t) / sum_s trust_s, with
    p_s(t) = weight(t) / (total weight after the context + smoothing), backed off to the
-   next shorter context (`_blend`), and trust_s = L_s / (L_s + prior_s), so agreeing
+   next shorter context (`_prob`), and trust_s = L_s / (L_s + prior_s), so agreeing
    sources confirm a token, disagreeing ones dilute it, and a long match outweighs a
    short one.
 3. The best candidate extends the draft; the draft's gain, the estimated chance that
@@ -20,6 +20,10 @@ text) and the generations of the worker's global index. How a draft is made:
    `min_gain` (the caller's cost threshold included), at `cap`, or after a stop token.
 4. Every source follows the chosen token; one that cannot backs off to shorter contexts
    (suffix links, not below `min_match_len`) or falls silent.
+
+`steps` is the engine's hot path, written out for speed (lookups inlined, one pass over
+the sources per token); tests/rollout/drafter/reference_walk.py keeps the plain version,
+and test_drafter_reference.py holds this one to it, bit for bit.
 """
 
 from __future__ import annotations
@@ -64,8 +68,12 @@ def _scan(index: SuffixIndex, state: int) -> tuple[int, int, float, float]:
 
 
 def _prob(index: SuffixIndex, state: int, token: int, smoothing: float, backoff: float) -> float:
-    """The source's estimate of a token it did not propose itself (`_blend` of it, with
-    the lookups inlined; `state` was continued, so it has one transition or a dict)."""
+    """The source's estimate p(token | context), backed off to the next shorter context
+    (Witten-Bell style): the longer the list of different tokens seen after the context,
+    the more its estimate leans on the shorter one's. A long but rare context ("= 1"
+    after one specific digit string) would otherwise promise a digit the policy samples
+    anew every time. `state` was continued: it has one transition or a dict. `steps`
+    inlines the same for the token each source proposes itself."""
     one_next, one_token, weight = index.one_next, index.one_token, index.weight
     parent = index.link[state]
     up = one_next[parent]
@@ -137,8 +145,8 @@ def steps(sources: list[Source], gain: float, cap: int, stops: frozenset[int], s
     computed as it is asked for, from (non-empty) sources whose `initial_gain` is `gain`.
 
     Hot path (every request, every step): one pass over the sources reads each one's
-    heaviest continuation, its back-off candidate and its own estimate (`_blend` above,
-    inlined); candidates are scored only when the sources disagree."""
+    heaviest continuation, its back-off candidate and its own estimate of that token
+    (`_prob`'s, inlined); candidates are scored only when the sources disagree."""
     if cap <= 0:
         return
     num_tokens = 0
@@ -215,5 +223,17 @@ def steps(sources: list[Source], gain: float, cap: int, stops: frozenset[int], s
         num_tokens += 1
         if token in stops:
             return
-        sources = [s for s, v in zip(sources, views) if _follow(s, token, v[1] if v[0] == token else None,
-                                                                 min_match_len)]
+        followed = []
+        for s, v in zip(sources, views):
+            if v[0] != token:
+                if _follow(s, token, None, min_match_len):
+                    followed.append(s)
+                continue
+            index, nxt = s[0], v[1]
+            if index.one_next[nxt] or index.trans[nxt] is not None:  # `_follow`'s common case
+                s[1] = nxt
+                s[2] += 1
+                followed.append(s)
+            elif _follow(s, token, nxt, min_match_len):
+                followed.append(s)
+        sources = followed

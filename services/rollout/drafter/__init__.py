@@ -11,9 +11,17 @@
 - ngram.py: vLLM's n-gram prompt lookup, the baseline.
 """
 
-from services.rollout.drafter.budget import gain_threshold, trim_to_budget
+from services.rollout.drafter.budget import (
+    draft_within_budget,
+    gain_threshold,
+    trim_to_budget,
+)
 from services.rollout.drafter.config import DrafterConfig
-from services.rollout.drafter.drafter import DrafterStats, HistoDrafter, UnknownRequestError
+from services.rollout.drafter.drafter import (
+    DrafterStats,
+    HistoDrafter,
+    UnknownRequestError,
+)
 from services.rollout.drafter.global_index import GlobalIndex
 from services.rollout.drafter.ngram import NgramContext, propose_ngram
 from services.rollout.drafter.suffix_index import SuffixIndex
@@ -26,6 +34,7 @@ __all__ = [
     "NgramContext",
     "SuffixIndex",
     "UnknownRequestError",
+    "draft_within_budget",
     "gain_threshold",
     "propose_ngram",
     "trim_to_budget",

@@ -14,8 +14,9 @@ This module knows nothing about drafts' contents or requests: it sees numbers on
 
 from __future__ import annotations
 
+import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from services.rollout.engine.cost_model import CostModel
 
@@ -69,3 +70,51 @@ def trim_to_budget(drafts: list[list[int]], gains: list[list[float]], budget: in
             left -= 1
         drafts[i], gains[i] = drafts[i][:keep], g[:keep]
     return budget
+
+
+def draft_within_budget(walks: list[Iterator[tuple[int, float]] | None], bounds: list[float],
+                        budget: int | None) -> tuple[list[list[int]], list[list[float]]]:
+    """The drafts `trim_to_budget` leaves of the walks' whole drafts, computing only the
+    tokens that can make the cut: best first, a walk's next token only once every token
+    drafted so far with a higher gain was taken. At a full batch the budget is a few
+    tokens for a hundred sequences, so most walks stop at their bound or first token.
+
+    Args:
+        walks: per request, its draft's (token, gain) pairs as they are computed, gains
+            non-increasing (None: no draft).
+        bounds: per request, a gain none of its draft's tokens exceeds.
+        budget: the most draft tokens kept over the batch (None: no limit, all drafted).
+    """
+    drafts: list[list[int]] = [[] for _ in walks]
+    gains: list[list[float]] = [[] for _ in walks]
+    if budget is None:
+        for i, walk in enumerate(walks):
+            for token, gain in walk or ():
+                drafts[i].append(token)
+                gains[i].append(gain)
+        return drafts, gains
+    if budget <= 0:
+        return drafts, gains
+    heap = [(-bounds[i], i) for i, walk in enumerate(walks) if walk is not None]
+    heapq.heapify(heap)
+    pending = [False] * len(walks)  # the last token drafted for it is in the heap, not taken
+    taken, cut = 0, None
+    while heap and (cut is None or -heap[0][0] >= cut):
+        key, i = heapq.heappop(heap)
+        if pending[i]:  # a drafted token (else a bound: draft the walk's first token)
+            pending[i] = False
+            taken += 1
+            if taken == budget:
+                cut = -key  # the budget-th highest gain: the rest only matter if equal
+        step = next(walks[i], None)
+        if step is not None:
+            drafts[i].append(step[0])
+            gains[i].append(step[1])
+            pending[i] = True
+            heapq.heappush(heap, (-step[1], i))
+    for i in range(len(walks)):
+        if pending[i]:  # drafted below the cut
+            drafts[i].pop()
+            gains[i].pop()
+    trim_to_budget(drafts, gains, budget)  # ties at the cut, as over the whole drafts
+    return drafts, gains

@@ -21,17 +21,16 @@ Lifecycle, as the worker and its engine drive it:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from services.rollout.drafter.budget import gain_threshold, trim_to_budget
+from services.rollout.drafter.budget import draft_within_budget, gain_threshold
 from services.rollout.drafter.config import DrafterConfig
 from services.rollout.drafter.global_index import GlobalIndex
-from services.rollout.drafter.prompt_index import START, HistoryResponse, LiveSequence, PromptIndex
+from services.rollout.drafter.prompt_index import START, HistoryResponse, LiveSequence, PromptIndex, reward_factors
 from services.rollout.drafter.request_state import DrafterStats, RequestState
-from services.rollout.drafter.walk import draft, prepare
+from services.rollout.drafter.walk import initial_gain, prepare, steps
 
 _NO_STOPS: frozenset[int] = frozenset()
 _EMA = 0.2  # per propose call, of the drafts' running averages (for the cost threshold)
@@ -77,13 +76,8 @@ class HistoDrafter:
         entry = self._prompt(prompt_id)
         if not cfg.use_history:
             return
-        factors = [1.0] * len(responses)
-        if cfg.reward_weighting and rewards is not None and len(rewards) > 1:
-            mean = sum(rewards) / len(rewards)
-            std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-            if std > 1e-9:
-                factors = [math.exp(cfg.reward_temperature * max(-3.0, min(3.0, (r - mean) / std)))
-                           for r in rewards]
+        factors = (reward_factors(rewards, cfg.reward_temperature) if cfg.reward_weighting and rewards is not None
+                   else [1.0] * len(responses))
         history = [HistoryResponse([START] + np.asarray(tokens, dtype=np.int64).tolist(), age,
                                    cfg.history_weight * cfg.recency_decay ** age * factor)
                    for tokens, age, factor in zip(responses, ages, factors)]
@@ -216,19 +210,21 @@ class HistoDrafter:
         if cfg.cost_model is not None:
             min_gain = max(min_gain, gain_threshold(cfg.cost_model, num_seqs or len(request_ids),
                                                     self._draft_per_seq, self._gain_per_seq))
-        drafts, all_gains = [], []
-        for request_id, max_len, stops in zip(request_ids, max_lens, stop_token_ids, strict=True):
-            request = self._requests.get(request_id)
-            if request is None:
-                raise UnknownRequestError(request_id)
-            tokens, gains = self._draft(request, min(max_len, cfg.max_draft_len), stops, min_gain)
-            drafts.append(tokens)
-            all_gains.append(gains)
-        if budget is not None:
-            trim_to_budget(drafts, all_gains, max(0, budget))
+        requests = [self._get(request_id) for request_id in request_ids]
+        # Best first within the budget (only the drafts' tokens that can make its cut are
+        # computed), unless a request's global matches must catch up with a flip first:
+        # that indexes its text, which the drafts before it in the batch must not see.
+        flips = self._global.flips if self._global is not None else 0
+        lazy = all(r.glob is None or r.glob.flips == flips for r in requests)
+        walks, bounds = [], []
+        for request, max_len, stops in zip(requests, max_lens, stop_token_ids, strict=True):
+            walk, bound = self._walk(request, min(max_len, cfg.max_draft_len), stops, min_gain)
+            walks.append(walk if lazy or walk is None else iter(list(walk)))
+            bounds.append(bound)
+        drafts, all_gains = draft_within_budget(walks, bounds, None if budget is None else max(0, budget))
         num_tokens = 0
-        for request_id, tokens, gains in zip(request_ids, drafts, all_gains):
-            self._requests[request_id].last_gains = gains
+        for request, tokens, gains in zip(requests, drafts, all_gains):
+            request.last_gains = gains
             num_tokens += len(tokens)
             self._num_empty += not tokens
         if request_ids:
@@ -239,11 +235,12 @@ class HistoDrafter:
         self._num_draft_tokens += num_tokens
         return drafts
 
-    def _draft(self, request: RequestState, cap: int, stops: frozenset[int],
-               min_gain: float) -> tuple[list[int], list[float]]:
+    def _walk(self, request: RequestState, cap: int, stops: frozenset[int],
+              min_gain: float) -> tuple[Iterator[tuple[int, float]] | None, float]:
+        """The request's draft as it is computed (None: none), and a bound on its gains."""
         cfg, seq = self.config, request.seq
         if cap <= 0:
-            return [], []
+            return None, 0.0
         num_tokens = len(seq.tokens)
         sources = []
         source = prepare(self._prompts[request.prompt_id].index, seq.state, seq.match_len,
@@ -259,8 +256,11 @@ class HistoDrafter:
                 if source is not None:
                     sources.append(source)
         request.calibration_used = calibration = request.calibration
-        return draft(sources, cap, stops, cfg.smoothing, cfg.backoff_weight, cfg.min_match_len, min_gain,
-                     calibration)
+        if not sources:
+            return None, 0.0
+        gain = initial_gain(sources)  # each token multiplies it by at most 0.99: the bound
+        return steps(sources, gain, cap, stops, cfg.smoothing, cfg.backoff_weight, cfg.min_match_len, min_gain,
+                     calibration), gain * 0.99
 
     # -- accounting --------------------------------------------------------------------
 

@@ -16,6 +16,8 @@ This module knows nothing about drafting policy or acceptance.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.rollout.drafter.suffix_index import ROOT, SuffixIndex
@@ -23,6 +25,18 @@ from services.rollout.drafter.suffix_index import ROOT, SuffixIndex
 # Every response starts with this marker, so "the start of a response" is a context too:
 # the first tokens of a sample are drafted from how earlier responses began.
 START = -1
+
+
+def reward_factors(rewards: Sequence[float], temperature: float) -> list[float]:
+    """Per response, exp(temperature * its z-scored reward, clipped to +-3); all 1.0
+    when the rewards do not vary."""
+    factors = [1.0] * len(rewards)
+    if len(rewards) > 1:
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+        if std > 1e-9:
+            factors = [math.exp(temperature * max(-3.0, min(3.0, (r - mean) / std))) for r in rewards]
+    return factors
 
 
 @dataclass

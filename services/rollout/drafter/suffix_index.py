@@ -130,27 +130,21 @@ class SuffixIndex:
 
     # -- building ----------------------------------------------------------------------
 
-    def _new_state(self, length: int, link: int, one_token: int, one_next: int,
-                   trans: dict[int, int] | None, weight: float, source: list[int] | None,
-                   offset: int) -> int:
-        self.link.append(link)
-        self.length.append(length)
-        self.one_token.append(one_token)
-        self.one_next.append(one_next)
-        self.trans.append(trans)
-        self.weight.append(weight)
-        self.source.append(source)
-        self.offset.append(offset)
-        return len(self.length) - 1
-
     def _clone(self, q: int, length: int, propagate: bool) -> int:
         # The clone takes q's shorter strings; its end positions are q's (plus the new
         # one, added by the caller's weight walk), so with exact weights it starts at q's.
-        edges = self.trans[q]
-        clone = self._new_state(length, self.link[q], self.one_token[q], self.one_next[q],
-                                dict(edges) if edges is not None else None,
-                                self.weight[q] if propagate else 0.0, self.source[q], self.offset[q])
-        self.link[q] = clone
+        # Appended inline (live tokens clone a state every other append).
+        edges, link = self.trans[q], self.link
+        clone = len(link)
+        link.append(link[q])
+        self.length.append(length)
+        self.one_token.append(self.one_token[q])
+        self.one_next.append(self.one_next[q])
+        self.trans.append(dict(edges) if edges is not None else None)
+        self.weight.append(self.weight[q] if propagate else 0.0)
+        self.source.append(self.source[q])
+        self.offset.append(self.offset[q])
+        link[q] = clone
         return clone
 
     def extend(self, last: int, token: int, weight: float = 1.0, propagate: bool = True,
@@ -168,7 +162,7 @@ class SuffixIndex:
         Returns:
             The sequence's state after the token.
         """
-        # Hot path (every live token): `get`, `_new_state` and `_add_edge` are inlined.
+        # Hot path (every live token): `get`, a new state's appends and `_add_edge` are inlined.
         length, link, w = self.length, self.link, self.weight
         one_token, one_next, trans = self.one_token, self.one_next, self.trans
         self.num_tokens += 1

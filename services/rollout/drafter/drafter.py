@@ -222,18 +222,20 @@ class HistoDrafter:
             walks.append(walk if lazy or walk is None else iter(list(walk)))
             bounds.append(bound)
         drafts, all_gains = draft_within_budget(walks, bounds, None if budget is None else max(0, budget))
-        num_tokens = 0
-        for request, tokens, gains in zip(requests, drafts, all_gains):
+        self._account(requests, drafts, all_gains)
+        return drafts
+
+    def _account(self, requests: list[RequestState], drafts: list[list[int]], all_gains: list[list[float]]) -> None:
+        """A proposal's statistics: each request's gains, the empties, the running means."""
+        for request, gains in zip(requests, all_gains):
             request.last_gains = gains
-            num_tokens += len(tokens)
-            self._num_empty += not tokens
-        if request_ids:
-            n = len(request_ids)
+        num_tokens = sum(map(len, drafts))
+        self._num_empty += drafts.count([])
+        if n := len(requests):
             self._draft_per_seq += _EMA * (num_tokens / n - self._draft_per_seq)
             self._gain_per_seq += _EMA * (sum(map(sum, all_gains)) / n - self._gain_per_seq)
-        self._num_asked += len(request_ids)
+        self._num_asked += n
         self._num_draft_tokens += num_tokens
-        return drafts
 
     def _walk(self, request: RequestState, cap: int, stops: frozenset[int],
               min_gain: float) -> tuple[Iterator[tuple[int, float]] | None, float]:
@@ -288,8 +290,8 @@ class HistoDrafter:
         entry = self._prompts.get(prompt_id)
         if entry is None:
             cfg = self.config
-            entry = PromptIndex(cfg.max_tokens_per_prompt, cfg.sibling_weight, cfg.prompt_weight)
-            self._prompts[prompt_id] = entry
+            entry = self._prompts[prompt_id] = PromptIndex(cfg.max_tokens_per_prompt, cfg.sibling_weight,
+                                                           cfg.prompt_weight)
         entry.released = False
         return entry
 

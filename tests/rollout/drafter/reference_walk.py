@@ -10,8 +10,6 @@ from services.rollout.drafter.budget import gain_threshold
 from services.rollout.drafter.suffix_index import SuffixIndex
 from services.rollout.drafter.walk import Source, prepare
 
-_EMA = 0.2
-
 
 def _best(index: SuffixIndex, state: int) -> tuple[int, int, float, float]:
     """(token, next state, its weight, total weight) of the heaviest continuation."""
@@ -147,17 +145,7 @@ class ReferenceDrafter(HistoDrafter):
             all_gains.append(gains)
         if budget is not None:
             trim_to_budget(drafts, all_gains, max(0, budget))
-        num_tokens = 0
-        for request_id, tokens, gains in zip(request_ids, drafts, all_gains):
-            self._requests[request_id].last_gains = gains
-            num_tokens += len(tokens)
-            self._num_empty += not tokens
-        if request_ids:
-            n = len(request_ids)
-            self._draft_per_seq += _EMA * (num_tokens / n - self._draft_per_seq)
-            self._gain_per_seq += _EMA * (sum(map(sum, all_gains)) / n - self._gain_per_seq)
-        self._num_asked += len(request_ids)
-        self._num_draft_tokens += num_tokens
+        self._account([self._requests[r] for r in request_ids], drafts, all_gains)
         return drafts
 
     def _reference_draft(self, request, cap, stops, min_gain):

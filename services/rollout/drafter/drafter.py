@@ -30,7 +30,7 @@ from services.rollout.drafter.config import DrafterConfig
 from services.rollout.drafter.global_index import GlobalIndex
 from services.rollout.drafter.prompt_index import START, HistoryResponse, LiveSequence, PromptIndex, reward_factors
 from services.rollout.drafter.request_state import DrafterStats, RequestState
-from services.rollout.drafter.walk import initial_gain, prepare, steps
+from services.rollout.drafter.walk import initial_gain, steps
 
 _NO_STOPS: frozenset[int] = frozenset()
 _EMA = 0.2  # per propose call, of the drafts' running averages (for the cost threshold)
@@ -240,23 +240,10 @@ class HistoDrafter:
     def _walk(self, request: RequestState, cap: int, stops: frozenset[int],
               min_gain: float) -> tuple[Iterator[tuple[int, float]] | None, float]:
         """The request's draft as it is computed (None: none), and a bound on its gains."""
-        cfg, seq = self.config, request.seq
+        cfg = self.config
         if cap <= 0:
             return None, 0.0
-        num_tokens = len(seq.tokens)
-        sources = []
-        source = prepare(self._prompts[request.prompt_id].index, seq.state, seq.match_len,
-                         cfg.match_len_prior, cfg.min_match_len, num_tokens)
-        if source is not None:
-            sources.append(source)
-        glob = request.glob
-        if glob is not None:
-            if glob.flips != self._global.flips:  # generations changed since its last tokens
-                self._global.follow(glob, seq.tokens, 0)
-            for index, state, length in zip(self._global.generations, glob.states, glob.lens):
-                source = prepare(index, state, length, cfg.global_match_len_prior, cfg.min_match_len, num_tokens)
-                if source is not None:
-                    sources.append(source)
+        sources = request.sources(self._prompts[request.prompt_id].index, self._global, self.config)
         request.calibration_used = calibration = request.calibration
         if not sources:
             return None, 0.0

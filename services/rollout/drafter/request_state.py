@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.rollout.drafter.global_index import GlobalMatch
+from services.rollout.drafter.config import DrafterConfig
+from services.rollout.drafter.global_index import GlobalIndex, GlobalMatch
 from services.rollout.drafter.prompt_index import LiveSequence
+from services.rollout.drafter.suffix_index import SuffixIndex
+from services.rollout.drafter.walk import Source, prepare
 
 _DECAY = 0.8  # per step, of a request's acceptance evidence
 
@@ -50,3 +53,23 @@ class RequestState:
         # One pseudo-token of prior: with no recent evidence the gains are taken as is.
         # Both sums decay every step, so a request that stopped drafting recovers.
         return min(1.5, max(0.25, (self.obs + 1.0) / (self.pred + 1.0)))
+
+    def sources(self, prompt_index: SuffixIndex, global_index: GlobalIndex | None,
+                cfg: DrafterConfig) -> list[Source]:
+        """Where its continuation is matched now: its prompt's index, then each generation
+        of the global index (whose matches catch up first if the generations changed)."""
+        seq = self.seq
+        num_tokens = len(seq.tokens)
+        sources = []
+        source = prepare(prompt_index, seq.state, seq.match_len, cfg.match_len_prior, cfg.min_match_len, num_tokens)
+        if source is not None:
+            sources.append(source)
+        glob = self.glob
+        if glob is not None:
+            if glob.flips != global_index.flips:  # generations changed since its last tokens
+                global_index.follow(glob, seq.tokens, 0)
+            for index, state, length in zip(global_index.generations, glob.states, glob.lens):
+                source = prepare(index, state, length, cfg.global_match_len_prior, cfg.min_match_len, num_tokens)
+                if source is not None:
+                    sources.append(source)
+        return sources

@@ -8,7 +8,7 @@ from __future__ import annotations
 from services.rollout.drafter import HistoDrafter, UnknownRequestError, trim_to_budget
 from services.rollout.drafter.budget import gain_threshold
 from services.rollout.drafter.suffix_index import SuffixIndex
-from services.rollout.drafter.walk import Source, prepare
+from services.rollout.drafter.walk import Source
 
 
 def _best(index: SuffixIndex, state: int) -> tuple[int, int, float, float]:
@@ -149,23 +149,10 @@ class ReferenceDrafter(HistoDrafter):
         return drafts
 
     def _reference_draft(self, request, cap, stops, min_gain):
-        cfg, seq = self.config, request.seq
+        cfg = self.config
         if cap <= 0:
             return [], []
-        num_tokens = len(seq.tokens)
-        sources = []
-        source = prepare(self._prompts[request.prompt_id].index, seq.state, seq.match_len,
-                         cfg.match_len_prior, cfg.min_match_len, num_tokens)
-        if source is not None:
-            sources.append(source)
-        glob = request.glob
-        if glob is not None:
-            if glob.flips != self._global.flips:
-                self._global.follow(glob, seq.tokens, 0)
-            for index, state, length in zip(self._global.generations, glob.states, glob.lens):
-                source = prepare(index, state, length, cfg.global_match_len_prior, cfg.min_match_len, num_tokens)
-                if source is not None:
-                    sources.append(source)
+        sources = request.sources(self._prompts[request.prompt_id].index, self._global, cfg)
         request.calibration_used = calibration = request.calibration
         return draft(sources, cap, stops, cfg.smoothing, cfg.backoff_weight, cfg.min_match_len, min_gain,
                      calibration)

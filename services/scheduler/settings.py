@@ -53,6 +53,11 @@ class SchedulerSettings(TLSSettings):
     max_attempts: int = Field(
         3, description="A sample whose Run call fails this many times (worker crash, engine error) finishes as ABORT "
                        "with the last error, instead of looping forever.")
+    fair_share: Literal["capped", "work_conserving"] = Field(
+        "capped", description="Sharing the worker slots between steps (fair_share.py). capped: while several steps "
+                              "run, none holds more than an equal split of the slots, so a small step beside a huge "
+                              "one runs in small batches (the huge step's throughput drops meanwhile). "
+                              "work_conserving: a step may take every slot the others do not need (full batches).")
     history_epochs: int = Field(4, description="Epochs of history used for length prediction.")
     record_events: str = Field(
         "", description="A JSON-lines file every policy call and decision is appended to, for offline replay "

@@ -49,7 +49,7 @@ class CoreLimits:
     max_attempts: int = 3  # Run calls a sample may fail before it is given up
     no_worker_timeout_s: float = 30.0  # queued work with no worker this long is aborted
     history_epochs: int = 4  # epochs of history used for length prediction
-    fair_share: str = "capped"  # fair_share.py: "capped" or "work_conserving"
+    fair_share: str = "matched"  # fair_share.py: "matched", "equal" or "work_conserving"
 
 
 class SchedulerCore:
@@ -228,7 +228,8 @@ class SchedulerCore:
             return
         running = {step_id: run.num_running for step_id, run in self.active.items()}
         queued = {step_id: run.num_unfinished - run.num_running for step_id, run in self.active.items()}
-        quotas = step_quotas(sum(w.state.capacity for w in workers), running, queued, self.limits.fair_share)
+        sizes = {step_id: run.num_samples for step_id, run in self.active.items()}
+        quotas = step_quotas(sum(w.state.capacity for w in workers), running, queued, self.limits.fair_share, sizes)
         now, states = time.monotonic(), [w.state for w in workers]
         for quota in [None] if quotas is None else [q for _, q in quotas]:
             by_worker: dict[str, list[Assignment]] = defaultdict(list)

@@ -50,6 +50,7 @@ class CoreLimits:
     no_worker_timeout_s: float = 30.0  # queued work with no worker this long is aborted
     history_epochs: int = 4  # epochs of history used for length prediction
     fair_share: str = "matched"  # fair_share.py: "matched", "equal" or "work_conserving"
+    handover_slice: int = 4096  # a step's samples go to the policy this many at a time
 
 
 class SchedulerCore:
@@ -168,7 +169,7 @@ class SchedulerCore:
             if self.hold_new_steps:  # a weight push waits for the running steps first
                 self.held.append(run)
             else:
-                self._hand_to_policy(run)
+                await self.spawn(self._hand_to_policy(run))  # the core's task: stop() ends it
             metrics.steps_total.labels(status="submitted").inc()
         return run
 
@@ -193,20 +194,33 @@ class SchedulerCore:
         run.history_hit_rate = len(lengths) / len(prompt_ids)
         self.lengths.load_history(lengths)
 
-    def _hand_to_policy(self, run: StepRun) -> None:
+    async def _hand_to_policy(self, run: StepRun) -> None:
+        """The step's missing samples go to the policy a slice at a time (a huge step's
+        predictions take a while: health checks and other trainers' calls are served in
+        between, and its first slices may already run). A cancel in between takes what
+        the policy holds; the rest is aborted here and never reaches it."""
         run.in_policy = True
+        pending = [s for s in run.samples.values() if not s.done]
         if run.cancelled:
-            self.delivery.abort_queued(run, [s for s in run.samples.values() if not s.done])
+            self.delivery.abort_queued(run, pending)
             return
         self.active[run.step_id] = run
-        self.policy.add_step([s.request for s in run.samples.values() if not s.done], self.lengths,
-                             time.monotonic())
-        self.wake()
+        slices = self.policy.add_step_in_slices([s.request for s in pending], self.lengths, time.monotonic(),
+                                                self.limits.handover_slice)
+        try:
+            for handed in slices:
+                self.wake()
+                await asyncio.sleep(0)
+                if run.cancelled:
+                    self.delivery.abort_queued(run, pending[handed:])
+                    return
+        finally:
+            slices.close()
 
     def release_held(self) -> None:
         held, self.held = self.held, []
         for run in held:
-            self._hand_to_policy(run)
+            self.spawn(self._hand_to_policy(run))
 
     # --- 2. placement ----------------------------------------------------------------
     async def _dispatch_loop(self) -> None:

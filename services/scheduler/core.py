@@ -168,8 +168,8 @@ class SchedulerCore:
             await self._load_lengths(run, missing)
             if self.hold_new_steps:  # a weight push waits for the running steps first
                 self.held.append(run)
-            else:
-                await self.spawn(self._hand_to_policy(run))  # the core's task: stop() ends it
+            elif (handover := self._hand_to_policy(run)) is not None:
+                await handover
             metrics.steps_total.labels(status="submitted").inc()
         return run
 
@@ -194,33 +194,39 @@ class SchedulerCore:
         run.history_hit_rate = len(lengths) / len(prompt_ids)
         self.lengths.load_history(lengths)
 
-    async def _hand_to_policy(self, run: StepRun) -> None:
-        """The step's missing samples go to the policy a slice at a time (a huge step's
-        predictions take a while: health checks and other trainers' calls are served in
-        between, and its first slices may already run). A cancel in between takes what
-        the policy holds; the rest is aborted here and never reaches it."""
+    def _hand_to_policy(self, run: StepRun) -> asyncio.Task | None:
+        """The step becomes active now; its missing samples go to the policy a slice at a
+        time, in a task of the core (returned; stop() ends it)."""
         run.in_policy = True
         pending = [s for s in run.samples.values() if not s.done]
         if run.cancelled:
             self.delivery.abort_queued(run, pending)
-            return
+            return None
         self.active[run.step_id] = run
+        return self.spawn(self._hand_over(run, pending))
+
+    async def _hand_over(self, run: StepRun, pending: list[SampleProgress]) -> None:
+        """A huge step's predictions take a while: health checks and other trainers' calls
+        are served between slices, and its first slices may already run. A cancel in
+        between takes what the policy holds; the rest is aborted here, never queued."""
         slices = self.policy.add_step_in_slices([s.request for s in pending], self.lengths, time.monotonic(),
                                                 self.limits.handover_slice)
+        handed = 0
         try:
-            for handed in slices:
+            while not run.cancelled:
+                handed = next(slices, None)
+                if handed is None:
+                    return
                 self.wake()
                 await asyncio.sleep(0)
-                if run.cancelled:
-                    self.delivery.abort_queued(run, pending[handed:])
-                    return
+            self.delivery.abort_queued(run, pending[handed:])
         finally:
             slices.close()
 
     def release_held(self) -> None:
         held, self.held = self.held, []
         for run in held:
-            self.spawn(self._hand_to_policy(run))
+            self._hand_to_policy(run)
 
     # --- 2. placement ----------------------------------------------------------------
     async def _dispatch_loop(self) -> None:

@@ -123,3 +123,19 @@ def test_a_step_handed_over_in_slices_queues_as_if_whole(name, kwargs):
     assert len(whole[0]) == 35 and drain(4) == whole and drain(1) == whole
     if name == "rhymerl":
         assert whole[1] == {"s": True}
+
+
+@run_async
+async def test_a_released_step_is_active_before_its_handover_runs():
+    """A push's next wait (core.active) must see the steps the last one released, though
+    their handover is a task that has not run yet."""
+    core = make_core(FakeLink())
+    core.hold_new_steps = True
+    run = await core.submit(step("held", {"a": [3, 4]}, n=3))
+    assert core.held == [run] and "held" not in core.active
+    core.hold_new_steps = False
+    core.release_held()
+    assert core.active == {"held": run} and core.policy.num_queued() == 0  # handed over by its task
+    samples, _ = await collect(run)
+    assert len(samples) == 3
+    await core.stop()

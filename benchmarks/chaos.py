@@ -15,6 +15,7 @@ services as separate processes on loopback.
    deadline, and the services' memory sampled (bounded: ``--max-rss-mb``).
 4. Fair share (unless --no-fair-share): a 4 x 4-sample step alone, then beside a
    16 x 4096 = 65,536-sample step; the scheduler's health latency meanwhile.
+   ``--only-fair-share`` skips 2 and 3 (a quick look at the fair-share figure).
 Writes <out>/chaos.md and chaos.json (seed, faults by kind, steps, samples, lost,
 duplicated, hangs, identical_share, fair_share, reregister_s, command, commit).
 """
@@ -113,6 +114,8 @@ def campaign(args, workdir: Path) -> dict:
                            extra_env={"RHYMERL_SCHEDULER_WORKER_TIMEOUT_S": "120"})
     started = time.monotonic()
     with cluster:
+        if args.only_fair_share:
+            return {"fair_share": measure_fair_share(cluster), "duration_s": round(time.monotonic() - started, 1)}
         reference = reference_run(cluster, checkpoints)
         ledger, stop = Ledger(reference), threading.Event()
         faults = Faults(cluster, args.seed, args.faults, checkpoints, bad_payload)
@@ -184,11 +187,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-deadline-s", type=float, default=300.0, help="a step past this hung")
     parser.add_argument("--max-rss-mb", type=int, default=2048, help="the memory bound per service")
     parser.add_argument("--fair-share", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--only-fair-share", action="store_true",
+                        help="no campaign: only the fair-share measure, printed (nothing written)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="rhymerl-chaos-") as tmp:
         result = campaign(args, Path(tmp))
+    if args.only_fair_share:
+        print(json.dumps(result, indent=2))
+        return result
     result.update(command="python -m benchmarks.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
                   commit=git_commit(), device=f"CPU: {cpu_name()}")
     write(result, args.out)
@@ -197,4 +205,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     outcome = main()
-    sys.exit(0 if not (outcome["lost"] or outcome["duplicated"] or outcome["hangs"]) else 1)
+    sys.exit(0 if not (outcome.get("lost") or outcome.get("duplicated") or outcome.get("hangs")) else 1)

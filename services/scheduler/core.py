@@ -49,6 +49,8 @@ class CoreLimits:
     max_attempts: int = 3  # Run calls a sample may fail before it is given up
     no_worker_timeout_s: float = 30.0  # queued work with no worker this long is aborted
     history_epochs: int = 4  # epochs of history used for length prediction
+    fair_share: str = "matched"  # fair_share.py: "matched", "equal" or "work_conserving"
+    handover_slice: int = 1024  # a step's samples go to the policy this many at a time
 
 
 class SchedulerCore:
@@ -166,8 +168,8 @@ class SchedulerCore:
             await self._load_lengths(run, missing)
             if self.hold_new_steps:  # a weight push waits for the running steps first
                 self.held.append(run)
-            else:
-                self._hand_to_policy(run)
+            elif (handover := self._hand_to_policy(run)) is not None:
+                await handover
             metrics.steps_total.labels(status="submitted").inc()
         return run
 
@@ -192,15 +194,34 @@ class SchedulerCore:
         run.history_hit_rate = len(lengths) / len(prompt_ids)
         self.lengths.load_history(lengths)
 
-    def _hand_to_policy(self, run: StepRun) -> None:
+    def _hand_to_policy(self, run: StepRun) -> asyncio.Task | None:
+        """The step becomes active now; its missing samples go to the policy a slice at a
+        time, in a task of the core (returned; stop() ends it)."""
         run.in_policy = True
+        pending = [s for s in run.samples.values() if not s.done]
         if run.cancelled:
-            self.delivery.abort_queued(run, [s for s in run.samples.values() if not s.done])
-            return
+            self.delivery.abort_queued(run, pending)
+            return None
         self.active[run.step_id] = run
-        self.policy.add_step([s.request for s in run.samples.values() if not s.done], self.lengths,
-                             time.monotonic())
-        self.wake()
+        return self.spawn(self._hand_over(run, pending))
+
+    async def _hand_over(self, run: StepRun, pending: list[SampleProgress]) -> None:
+        """A huge step's predictions take a while: health checks and other trainers' calls
+        are served between slices, and its first slices may already run. A cancel in
+        between takes what the policy holds; the rest is aborted here, never queued."""
+        slices = self.policy.add_step_in_slices([s.request for s in pending], self.lengths, time.monotonic(),
+                                                self.limits.handover_slice)
+        handed = 0
+        try:
+            while not run.cancelled:
+                handed = next(slices, None)
+                if handed is None:
+                    return
+                self.wake()
+                await asyncio.sleep(0)
+            self.delivery.abort_queued(run, pending[handed:])
+        finally:
+            slices.close()
 
     def release_held(self) -> None:
         held, self.held = self.held, []
@@ -227,7 +248,8 @@ class SchedulerCore:
             return
         running = {step_id: run.num_running for step_id, run in self.active.items()}
         queued = {step_id: run.num_unfinished - run.num_running for step_id, run in self.active.items()}
-        quotas = step_quotas(sum(w.state.capacity for w in workers), running, queued)
+        sizes = {step_id: run.num_samples for step_id, run in self.active.items()}
+        quotas = step_quotas(sum(w.state.capacity for w in workers), running, queued, self.limits.fair_share, sizes)
         now, states = time.monotonic(), [w.state for w in workers]
         for quota in [None] if quotas is None else [q for _, q in quotas]:
             by_worker: dict[str, list[Assignment]] = defaultdict(list)

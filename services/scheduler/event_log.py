@@ -143,6 +143,8 @@ class EventRecorder(Policy):
 
     # --- the Policy interface -----------------------------------------------------
     def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
+        # the core's sliced handover reaches this through Policy.add_step_in_slices: one
+        # slice, recorded and replayed whole (a policy's slices equal its whole add_step)
         self._emit({"op": "add_step", "now": now, "requests": [request_fields(r) for r in requests],
                     "lengths": self._lengths.snapshot(lengths)})
         self.policy.add_step(requests, lengths, now)

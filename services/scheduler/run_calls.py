@@ -48,9 +48,12 @@ class RunCalls:
     def start(self, worker: WorkerHandle, assignments: list[Assignment], now: float) -> None:
         """Sends ``assignments`` to ``worker`` in one Run call (a task of its own)."""
         chunks = [self._chunk(worker, a, now) for a in assignments]
-        task = self.core.spawn(self._run(worker, assignments, chunks))
+        pending = {c.dispatch_id: a for c, a in zip(chunks, assignments)}
+        task = self.core.spawn(self._run(worker, pending, chunks))
         self._by_worker[worker.worker_id].add(task)
         task.add_done_callback(self._by_worker[worker.worker_id].discard)
+        # cancelled before its first step (its worker lost at once), _run's finally never runs
+        task.add_done_callback(lambda t: self._requeue(worker, pending) if t.cancelled() and pending else None)
 
     def worker_lost(self, worker: WorkerHandle) -> None:
         """Cancels ``worker``'s Run calls; their chunks are re-queued."""
@@ -77,8 +80,7 @@ class RunCalls:
         return Chunk(prog.dispatch_id, a.request.key, prog.prompt_token_ids, list(prog.token_ids), sampling,
                      a.max_new_tokens, run.n)
 
-    async def _run(self, worker: WorkerHandle, assignments: list[Assignment], chunks: list[Chunk]) -> None:
-        pending = {c.dispatch_id: a for c, a in zip(chunks, assignments)}
+    async def _run(self, worker: WorkerHandle, pending: dict[str, Assignment], chunks: list[Chunk]) -> None:
         try:
             async for event in self.core.link.run(worker, self.core.policy_version, chunks):
                 if isinstance(event, RunEnded):

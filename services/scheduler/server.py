@@ -139,7 +139,8 @@ async def start_scheduler(settings: SchedulerSettings):
         steps=StepTable(settings.max_steps_retained, settings.max_retained_bytes),
         step_log=StepLog(settings.redis_url, ttl_s=settings.step_log_ttl_s),
         limits=CoreLimits(max_samples_in_flight=settings.max_samples_in_flight, max_attempts=settings.max_attempts,
-                          no_worker_timeout_s=settings.worker_timeout_s, history_epochs=settings.history_epochs))
+                          no_worker_timeout_s=settings.worker_timeout_s, history_epochs=settings.history_epochs,
+                          fair_share=settings.fair_share))
     weights = WeightFanout(core, settings.weight_updates)
     await weights.restore()
     server_box: list[Server] = []

@@ -53,6 +53,12 @@ class SchedulerSettings(TLSSettings):
     max_attempts: int = Field(
         3, description="A sample whose Run call fails this many times (worker crash, engine error) finishes as ABORT "
                        "with the last error, instead of looping forever.")
+    fair_share: Literal["matched", "equal", "work_conserving"] = Field(
+        "matched", description="Sharing the worker slots between running steps (fair_share.py). matched: an equal "
+                               "split, and no step runs more chunks than the largest other running step has samples "
+                               "(a small step beside a huge one runs in small batches; the huge step slows down "
+                               "meanwhile). equal: an equal split only. work_conserving: a step may take every slot "
+                               "the others do not need (full batches, the most throughput).")
     history_epochs: int = Field(4, description="Epochs of history used for length prediction.")
     record_events: str = Field(
         "", description="A JSON-lines file every policy call and decision is appended to, for offline replay "

@@ -108,11 +108,60 @@ def test_max_min_shares():
     assert max_min_shares(10, {"a": 100, "b": 100, "c": 100}) == {"a": 4, "b": 3, "c": 3}
     assert max_min_shares(10, {"a": 1, "b": 1}) == {"a": 1, "b": 1}
     assert max_min_shares(1, {"a": 5, "b": 5}) == {"a": 1, "b": 0}
-    assert step_quotas(8, {"big": 8}, {"big": 90}) is None  # alone: every free slot
-    quotas = step_quotas(8, {"big": 8, "small": 0}, {"big": 90, "small": 2})
-    assert [(s, q.as_dict()) for s, q in quotas] == [("small", {"small": 2})]  # big is over its share
-    quotas = step_quotas(8, {"big": 2, "small": 0}, {"big": 90, "small": 2})
-    assert [(s, q.as_dict()) for s, q in quotas] == [("small", {"small": 2}), ("big", {"big": 4})]
+
+
+def as_lists(quotas):
+    return None if quotas is None else [(s, q.as_dict()) for s, q in quotas]
+
+
+def test_work_conserving_quotas_give_the_big_step_what_the_small_one_leaves():
+    def quotas(running, queued):
+        return as_lists(step_quotas(8, running, queued, "work_conserving"))
+
+    assert quotas({"big": 8}, {"big": 90}) is None  # alone: every free slot
+    assert quotas({"big": 8, "small": 0}, {"big": 90, "small": 2}) == [("small", {"small": 2})]  # big over share
+    assert quotas({"big": 2, "small": 0}, {"big": 90, "small": 2}) == [("small", {"small": 2}), ("big", {"big": 4})]
+    assert quotas({"big": 2, "small": 2}, {"big": 90, "small": 0}) is None  # only big waits: every free slot
+
+
+def test_equal_quotas_hold_each_step_to_an_equal_split_while_several_run():
+    def quotas(running, queued, slots=8):
+        return as_lists(step_quotas(slots, running, queued, "equal"))
+
+    assert quotas({"big": 8}, {"big": 90}) is None  # alone: every free slot
+    assert quotas({"big": 2}, {"big": 90, "done": 0}) is None  # a step with nothing left shares nothing
+    assert quotas({"big": 8, "small": 0}, {"big": 90, "small": 2}) == [("small", {"small": 2})]
+    # the small step's unused half stays free: big gets 4 of 8, not 6
+    assert quotas({"big": 2, "small": 0}, {"big": 90, "small": 2}) == [("small", {"small": 2}), ("big", {"big": 2})]
+    # the small step's samples all run: big still waits for nothing beyond its half
+    assert quotas({"big": 2, "small": 2}, {"big": 90, "small": 0}) == [("big", {"big": 2})]
+    assert quotas({"big": 4, "small": 2}, {"big": 90, "small": 0}) == []
+    # three steps, 10 slots: 4, 3, 3 (the remainder to the oldest)
+    assert quotas({}, {"a": 90, "b": 90, "c": 1}, slots=10) == [("a", {"a": 4}), ("b", {"b": 3}), ("c", {"c": 1})]
+    # fewer slots than steps: the older ones get one each, the newest waits for one to end
+    assert quotas({}, {"a": 5, "b": 5, "c": 5}, slots=2) == [("a", {"a": 1}), ("b", {"b": 1})]
+
+
+def test_matched_quotas_hold_a_step_to_the_largest_other_steps_size():
+    def quotas(running, queued, sizes=None, slots=64):
+        return as_lists(step_quotas(slots, running, queued, "matched", sizes))
+
+    assert as_lists(step_quotas(64, {"big": 2}, {"big": 90})) is None  # the default mode; alone: every slot
+    # beside a 4-sample step (all 4 running), the huge one runs 4 chunks, not 32 or 60
+    assert quotas({"big": 0, "small": 4}, {"big": 900, "small": 0}, {"big": 904, "small": 4}) == [("big", {"big": 4})]
+    # the small step's tail (1 sample left of 4): still its size, so the huge one keeps 4
+    assert quotas({"big": 4, "small": 1}, {"big": 900, "small": 0}, {"big": 904, "small": 4}) == []
+    # a huge step's tail does not shrink another huge one below the equal split
+    assert quotas({"a": 1, "b": 0}, {"a": 0, "b": 900}, {"a": 5000, "b": 900}) == [("b", {"b": 32})]
+    # steps of similar size: the equal split
+    assert quotas({}, {"a": 100, "b": 100}) == [("a", {"a": 32}), ("b", {"b": 32})]
+    # three steps: each held to the largest of the others (and to the equal split)
+    assert quotas({}, {"a": 900, "b": 10, "c": 3}) == [("a", {"a": 10}), ("b", {"b": 10}), ("c", {"c": 3})]
+
+
+def test_unknown_fair_share_mode_is_refused():
+    with pytest.raises(ValueError):
+        step_quotas(8, {}, {"a": 1}, "greedy")
 
 
 @pytest.mark.parametrize("policy", ["static", "seer", "histopipe", "rhymerl"])

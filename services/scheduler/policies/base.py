@@ -8,7 +8,9 @@ feeds it events and applies the assignments it returns.
 Who writes what: the policy updates the ``Request`` fields (``num_generated``,
 ``predicted_len``, ``last_worker``, ``num_chunks``, ``num_migrations``, ``is_probe``);
 the caller updates ``WorkerState.running`` and ``healthy``. The caller's contract:
-  1. ``add_step(requests, lengths, now)`` when a step's requests arrive;
+  1. ``add_step(requests, lengths, now)`` when a step's requests arrive, or
+     ``add_step_in_slices`` (the same, done in slices, the caller free to serve other
+     events between them; it may stop between slices after ``cancel_step``);
   2. ``schedule(workers, now, quota)`` after every event; the caller puts each returned
      assignment's request into ``workers[...].running`` (keyed by ``request.key``) and
      sends the chunk; ``quota`` (optional) caps the chunks each step may start in this
@@ -27,7 +29,7 @@ the caller updates ``WorkerState.running`` and ``healthy``. The caller's contrac
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
@@ -152,6 +154,16 @@ class Policy(ABC):
     @abstractmethod
     def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
         """A step's requests arrive; the policy sets ``predicted_len`` via ``lengths``."""
+
+    def add_step_in_slices(self, requests: list[Request], lengths: LengthModel, now: float,
+                           slice_size: int) -> Iterator[int]:
+        """``add_step`` done in slices of about ``slice_size`` requests: yields, after each
+        slice, how many of ``requests`` (a prefix) the policy holds so far. Between slices
+        the caller may schedule (the held requests may run), and may stop iterating after
+        ``cancel_step`` of the step: the rest was never queued. Whole-step decisions are
+        the policy's to keep whole. This default hands the step over in one slice."""
+        self.add_step(requests, lengths, now)
+        yield len(requests)
 
     @abstractmethod
     def schedule(self, workers: list[WorkerState], now: float,

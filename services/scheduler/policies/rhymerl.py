@@ -32,6 +32,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from services.common.cost_curve import CostCurve
 from services.scheduler.length_model import LengthModel
 from services.scheduler.policies.base import Assignment, Request, StepQuota, WorkerState
@@ -62,16 +64,27 @@ class RhymeRLPolicy(SeerPolicy):
         self._num_steps = 0
 
     def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
+        for _ in self.add_step_in_slices(requests, lengths, now, max(1, len(requests))):
+            pass
+
+    def add_step_in_slices(self, requests: list[Request], lengths: LengthModel, now: float,
+                           slice_size: int) -> Iterator[int]:
+        """Predictions a slice at a time (nothing queued yet), then each step's sharing
+        decision over the whole step, then Seer's queueing a slice at a time."""
         for request in requests:
             if request.step_id not in self._step_seq:
                 self._step_seq[request.step_id] = self._num_steps
                 self._num_steps += 1
-        for request in requests:
-            request.predicted_len = lengths.predict(request)
-        for step_id in dict.fromkeys(r.step_id for r in requests):  # arrival order, not hash order
-            in_step = [r for r in requests if r.step_id == step_id]
-            self._sharing[step_id] = self._expected_runaways(in_step, lengths) >= self.runaway_guard
-        super().add_step(requests, lengths, now)
+        tallies: dict[str, list[float]] = {}  # step -> [sum of known rates, known, unknown]
+        for start in range(0, len(requests), slice_size):
+            for request in requests[start:start + slice_size]:
+                request.predicted_len = lengths.predict(request)
+                self._tally_runaway(request, lengths, tallies.setdefault(request.step_id, [0.0, 0, 0]))
+            yield 0
+        for step_id, (known_sum, num_known, num_unknown) in tallies.items():  # arrival order
+            default = known_sum / num_known if num_known else lengths.finished_cap_hit_rate() or 0.0
+            self._sharing[step_id] = known_sum + num_unknown * default >= self.runaway_guard
+        yield from super().add_step_in_slices(requests, lengths, now, slice_size)
 
     def cancel_step(self, step_id: str) -> list[Request]:
         removed = super().cancel_step(step_id)
@@ -147,16 +160,20 @@ class RhymeRLPolicy(SeerPolicy):
         return (self._lengths.has_history(request.prompt_id)
                 or self._lengths.num_finished_siblings(request.group_id) > 0)
 
-    def _expected_runaways(self, requests: list[Request], lengths: LengthModel) -> float:
-        """Samples expected to hit ``max_tokens`` although predicted short: the cap-hit
-        rate of their prompt's history (for prompts without one, the step's mean rate, or
-        else the rate among the samples this run has finished so far)."""
-        short = [r for r in requests if r.predicted_len < self.runaway_share * r.max_tokens
-                 or not lengths.has_history(r.prompt_id)]  # without history "long" is a guess
-        rates = [lengths.cap_hit_rate(r.prompt_id, r.max_tokens) for r in short]
-        known = [rate for rate in rates if rate is not None]
-        default = sum(known) / len(known) if known else lengths.finished_cap_hit_rate() or 0.0
-        return sum(default if rate is None else rate for rate in rates)
+    def _tally_runaway(self, request: Request, lengths: LengthModel, tally: list[float]) -> None:
+        """Counts toward the step's expected runaways (samples expected to hit
+        ``max_tokens`` although predicted short): a short request adds the cap-hit rate of
+        its prompt's history; one whose prompt has none counts at the step's mean rate, or
+        else at the rate among the samples this run has finished so far."""
+        if request.predicted_len >= self.runaway_share * request.max_tokens and lengths.has_history(
+                request.prompt_id):
+            return  # known long (without history "long" is a guess)
+        rate = lengths.cap_hit_rate(request.prompt_id, request.max_tokens)
+        if rate is None:
+            tally[2] += 1
+        else:
+            tally[0] += rate
+            tally[1] += 1
 
     def _pays_to_move(self, request: Request, free: LeastLoaded) -> bool:
         """Moving saves (remaining tokens) x (step time here - step time there); it costs

@@ -16,6 +16,7 @@ modelled here) and its global KV pool (a migration here re-prefills instead).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import ClassVar
 
 from services.scheduler.length_model import LengthModel
@@ -57,8 +58,15 @@ class SeerPolicy(Policy):
 
     # --- events -------------------------------------------------------------------
     def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
+        for _ in self.add_step_in_slices(requests, lengths, now, max(1, len(requests))):
+            pass
+
+    def add_step_in_slices(self, requests: list[Request], lengths: LengthModel, now: float,
+                           slice_size: int) -> Iterator[int]:
+        """The step is booked and its probes chosen whole; requests are predicted and
+        queued a slice at a time."""
         self._lengths = lengths
-        self._steps.add(requests)
+        self._steps.add(requests)  # the whole step: it is unfinished until every request is done
         first_of_group: dict[tuple[str, str], Request] = {}
         for request in requests:
             first = first_of_group.get(request.group_id)
@@ -66,8 +74,12 @@ class SeerPolicy(Policy):
                 first_of_group[request.group_id] = request
         for request in first_of_group.values():
             request.is_probe = self._wants_probe(request)
-        for request in requests:
-            self._enqueue(request)
+        if len(requests) > slice_size:
+            yield 0  # booking a huge step takes about a slice's time
+        for start in range(0, len(requests), slice_size):
+            for request in requests[start:start + slice_size]:
+                self._enqueue(request)
+            yield min(len(requests), start + slice_size)
 
     def schedule(self, workers: list[WorkerState], now: float,
                  quota: StepQuota | None = None) -> list[Assignment]:

@@ -243,7 +243,7 @@ class SchedulerCore:
         metrics.queue_depth.set(self.policy.num_queued())
         if self.paused or not self.policy.num_queued():
             return
-        workers = self.workers.serving(self.policy_version)
+        workers = self.workers.serving(self.policy_version) if self.serving.dispatchable else []
         if not workers:
             return
         running = {step_id: run.num_running for step_id, run in self.active.items()}

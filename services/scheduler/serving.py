@@ -9,7 +9,10 @@ workers: the newest registered within ``SETTLE_S`` of the first (a worker restar
 its initial weights must not pull the fleet's version down). Whatever the record says,
 a version no registered worker serves gives way to a newer one that registers, and,
 ``SETTLE_S`` after the first worker came, to the newest registered (a record of an
-earlier deployment).
+earlier deployment). When the record could not be read (Redis down as the scheduler
+started), nothing is dispatched until the version settles: a worker restarted on its
+initial weights may register first, and serving it until the fleet's newer workers come
+would switch versions under running samples (seen in the fault campaign).
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ class ServingVersion:
         self.recorded = False  # the version came from the record of a push
         self.settled = False  # a push, or the settle window passed
         self._first_worker_at: float | None = None
+        self.unreadable = False  # a record may exist but could not be read
+
+    @property
+    def dispatchable(self) -> bool:
+        """Whether chunks may be sent: the version is known or settled, or there is no record to wait for."""
+        return not self.unreadable or self.recorded or self.settled
 
     def restore(self, version: int) -> None:
         self.version, self.recorded = version, True

@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 SERVING_KEY = "rhymerl:serving"
 
 
+class RecordUnreadable(Exception):
+    """Redis is configured but could not be read: a record may exist."""
+
+
 @dataclass
 class LoggedStep:
     fingerprint: str
@@ -115,14 +119,17 @@ class StepLog:
         return await self._write(SERVING_KEY, {"version": str(version), "sha256": sha256, "path": path})
 
     async def load_serving(self) -> tuple[int, str, str] | None:
-        """(version, sha256, path) of the last push recorded, or None."""
+        """(version, sha256, path) of the last push recorded, or None (no record, no Redis).
+
+        Raises:
+            RecordUnreadable: Redis is configured but did not answer.
+        """
         if self._client is None:
             return None
         try:
             fields = await asyncio.wait_for(self._client.hgetall(SERVING_KEY), self.timeout_s * 5)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            log.warning("serving version unreadable: %s", exc)
-            return None
+            raise RecordUnreadable(f"serving version unreadable: {exc}") from exc
         if b"version" not in fields:
             return None
         return int(fields[b"version"]), fields.get(b"sha256", b"").decode(), fields.get(b"path", b"").decode()

@@ -61,7 +61,8 @@ class Watchdog:
         await self.refresh()
 
     async def refresh(self) -> None:
-        await self.set_ready(bool(self.core.workers.serving(self.core.policy_version)))
+        core = self.core
+        await self.set_ready(core.serving.dispatchable and bool(core.workers.serving(core.policy_version)))
 
     async def remove(self, w: WorkerHandle, why: str) -> None:
         log.warning("dropping worker %s (%s)", w.worker_id, why)

@@ -28,6 +28,7 @@ from rhymerl.v1 import common_pb2
 
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, RhymerlError, Unavailable
 from services.scheduler.core import SchedulerCore
+from services.scheduler.step_log import RecordUnreadable
 from services.scheduler.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,12 @@ class WeightFanout:
 
     async def restore(self) -> None:
         """A restarted scheduler takes up the serving version its predecessor recorded."""
-        record = await self.core.log.load_serving()
+        try:
+            record = await self.core.log.load_serving()
+        except RecordUnreadable as exc:
+            log.warning("%s; dispatching once the fleet's version settles", exc)
+            self.core.serving.unreadable = True
+            return
         if record is not None:
             self.source = record
             self.core.serving.restore(record[0])

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from rhymerl.v1 import common_pb2
 
 from services.common.errors import FailedPrecondition
+from services.common.redis_server import free_port
+from services.scheduler.serving import SETTLE_S
 from services.scheduler.weight_fanout import WeightFanout
 from tests.aio import run_async
-from tests.scheduler.fake_workers import FakeLink, make_core
+from tests.scheduler.fake_workers import FakeLink, collect, make_core, step
 
 
 @run_async
@@ -41,4 +46,44 @@ async def test_loading_the_serving_path_again_is_acknowledged_and_catches_up_lag
     assert again.num_workers_updated == 2 and link.loads[-1] == ("w1", 1, "/a")
     with pytest.raises(FailedPrecondition):
         await fanout.load(common_pb2.LoadWeightsRequest(version=1, path="/b"))
+    await core.stop()
+
+
+@run_async
+async def test_an_unreadable_record_holds_dispatch_until_the_fleets_version_settles():
+    """Redis down as the scheduler starts: a worker restarted on its initial weights may
+    register before the fleet's newer one. Nothing is dispatched (and readiness says so)
+    until the version settles, so no sample starts on v0 and goes on under v3 (seen in the
+    fault campaign: 45 samples with two versions)."""
+    link = FakeLink()
+    link.versions = {"w0": 0, "w1": 3}
+    core = make_core(link, workers=0, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    await WeightFanout(core).restore()
+    assert core.serving.unreadable and not core.serving.dispatchable
+    core.register("w0", "fake:0", 4, 0, 96, 512)  # restarted on its initial weights: comes first
+    run = await core.submit(step("s", {"p": [1, 2, 3]}, n=4))
+    await asyncio.sleep(0.05)  # the dispatch loop runs: it must send nothing
+    assert not link.chunks_started
+    core.register("w1", "fake:1", 4, 3, 96, 512)
+    assert core.policy_version == 3 and not link.chunks_started
+    core.serving.settle([0, 3], nobody_serves=False, now=time.monotonic() + SETTLE_S + 1)
+    assert core.serving.dispatchable
+    core.wake()
+    samples, _ = await collect(run)
+    assert len(samples) == 4
+    # one version per sample (token_policy_versions is filled only when they are mixed)
+    assert all(s.policy_version == 3 and not s.token_policy_versions for s in samples)
+    await core.stop()
+
+
+@run_async
+async def test_a_readable_redis_without_a_record_dispatches_at_once():
+    """A fresh deployment (Redis answers, no push recorded yet) learns from its workers
+    without waiting."""
+    link = FakeLink()
+    core = make_core(link)
+    await WeightFanout(core).restore()
+    assert core.serving.dispatchable
+    samples, _ = await collect(await core.submit(step("s", {"p": [1, 2, 3]}, n=2)))
+    assert len(samples) == 2
     await core.stop()

@@ -59,9 +59,15 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
         return []
     rows = SamplingRows()
     for seq in seqs:
-        for j in range(1 + len(seq.draft_token_ids)):
-            # the token sampled here sits at absolute position num_tokens + j
-            rows.add(seq.req, seq.num_tokens + j, seq.masked_token_ids(seq.num_generated + j))
+        # the tokens sampled here sit at absolute positions num_tokens, num_tokens + 1, ...;
+        # stop tokens are masked on the rows before min_tokens
+        num_tokens, num_rows = len(seq.token_ids), 1 + len(seq.draft_token_ids)
+        num_masked = min(num_rows, max(0, seq.req.min_tokens - (num_tokens - seq.num_prompt_tokens)))
+        if num_masked and seq.stop_token_ids:
+            rows.add(seq.req, num_tokens, seq.stop_token_ids, num_masked)
+            rows.add(seq.req, num_tokens + num_masked, frozenset(), num_rows - num_masked)
+        else:
+            rows.add(seq.req, num_tokens, frozenset(), num_rows)
     assert len(rows) == logits.shape[0], (len(rows), logits.shape)
     dev = logits.device
     tokens, logprobs = sample(rows.mask(logits), *rows.params(dev), *rows.keys(dev), rows.processed_rows(dev))
@@ -69,6 +75,10 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
     verdicts, row = [], 0
     for seq in seqs:
         draft = seq.draft_token_ids
+        if not draft:  # a plain decode: its one sampled token
+            verdicts.append(Verdict(tokens_l[row:row + 1], logprobs_l[row:row + 1], 0, 0))
+            row += 1
+            continue
         sampled = tokens_l[row:row + 1 + len(draft)]
         a = num_accepted(draft, sampled)
         verdicts.append(Verdict(sampled[:a + 1], logprobs_l[row:row + a + 1], len(draft), a))

@@ -85,15 +85,16 @@ class Sequence:
     # ------------------------------------------------------------------ commit
     def append_token(self, token_id: int, logprob: float) -> bool:
         """Commit one sampled token; returns True when this chunk ends with it."""
-        gen_index = self.num_generated
-        self.token_ids.append(token_id)
+        req, token_ids = self.req, self.token_ids
+        gen_index = len(token_ids) - self.num_prompt_tokens
+        token_ids.append(token_id)
         self.out_token_ids.append(token_id)
         self.out_logprobs.append(logprob)
-        if token_id in self.stop_token_ids and gen_index >= self.req.min_tokens:
+        if token_id in self.stop_token_ids and gen_index >= req.min_tokens:
             self.finish_reason = "stop"
-        elif self.num_generated >= self.req.max_tokens or self.num_tokens >= self.max_model_len:
+        elif gen_index + 1 >= req.max_tokens or len(token_ids) >= self.max_model_len:
             self.finish_reason = "length"
-        elif len(self.out_token_ids) >= self.req.max_new_tokens:
+        elif len(self.out_token_ids) >= req.max_new_tokens:
             return True  # chunk budget spent, the sample goes on elsewhere
         else:
             return False

@@ -23,37 +23,42 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kernels.sampling import token_logprobs
 from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
 from services.rollout.engine.request import EngineRequest
 from services.rollout.engine.sequence import Sequence
+from services.rollout.engine.step_inputs import host_tensor
 
 LOGPROBS_MODES = ("raw", "processed")
 
 
 class SamplingRows:
-    """The sampler's inputs for a batch of logits rows, added in order, a run of a
-    request's consecutive positions at a time (the verifier adds a sequence's last token
-    and its draft in one or two calls: this runs for every row of every step)."""
+    """The sampler's inputs for a batch of logits rows, added row by row in order."""
 
     def __init__(self):
-        self.row_params: list[tuple] = []  # per row: (temperature, top_k, top_p, min_p, seed, processed)
+        self.temperature: list[float] = []
+        self.top_k: list[int] = []
+        self.top_p: list[float] = []
+        self.min_p: list[float] = []
+        self.seeds: list[int] = []
         self.positions: list[int] = []
+        self.processed: list[bool] = []
         self.masked: list[tuple[int, list[int]]] = []  # (row, token ids out of its distribution)
 
-    def add(self, req: EngineRequest, position: int, masked_token_ids: frozenset[int], count: int = 1) -> None:
-        """``count`` rows: the tokens at absolute positions ``position``, ``position + 1``, ...
-        of ``req``'s sample, each with ``masked_token_ids`` out of its distribution."""
-        first = len(self.positions)
+    def add(self, req: EngineRequest, position: int, masked_token_ids: frozenset[int]) -> None:
+        """One row: the token at absolute ``position`` of ``req``'s sample."""
         if masked_token_ids:
-            ids = sorted(masked_token_ids)
-            self.masked.extend((first + j, ids) for j in range(count))
-        params = (req.temperature, max(req.top_k, 0), req.top_p, req.min_p, req.seed,
-                  req.logprobs_mode == "processed")
-        self.row_params.extend([params] * count)
-        self.positions.extend(range(position, position + count))
+            self.masked.append((len(self.positions), sorted(masked_token_ids)))
+        self.temperature.append(req.temperature)
+        self.top_k.append(max(req.top_k, 0))
+        self.top_p.append(req.top_p)
+        self.min_p.append(req.min_p)
+        self.seeds.append(req.seed)
+        self.positions.append(position)
+        self.processed.append(req.logprobs_mode == "processed")
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -67,23 +72,17 @@ class SamplingRows:
             logits[row, [i for i in ids if i < logits.shape[1]]] = float("-inf")
         return logits
 
-    def _column(self, i: int) -> list:
-        return [p[i] for p in self.row_params]
-
     def params(self, device) -> tuple[torch.Tensor, ...]:
         """(temperature, top_k, top_p, min_p) as the sampler takes them."""
-        return (torch.tensor(self._column(0), dtype=torch.float32, device=device),
-                torch.tensor(self._column(1), dtype=torch.int32, device=device),
-                torch.tensor(self._column(2), dtype=torch.float32, device=device),
-                torch.tensor(self._column(3), dtype=torch.float32, device=device))
+        return (host_tensor(self.temperature, np.float32, device), host_tensor(self.top_k, np.int32, device),
+                host_tensor(self.top_p, np.float32, device), host_tensor(self.min_p, np.float32, device))
 
     def keys(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(seeds, positions): what keys each row's noise."""
-        return (torch.tensor(self._column(4), dtype=torch.int64, device=device),
-                torch.tensor(self.positions, dtype=torch.int64, device=device))
+        return host_tensor(self.seeds, np.int64, device), host_tensor(self.positions, np.int64, device)
 
     def processed_rows(self, device) -> torch.Tensor:  # [num_rows] bool
-        return torch.tensor(self._column(5), dtype=torch.bool, device=device)
+        return host_tensor(self.processed, np.bool_, device)
 
 
 @torch.inference_mode()

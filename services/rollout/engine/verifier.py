@@ -30,6 +30,9 @@ from services.rollout.engine.logprobs import SamplingRows
 from services.rollout.engine.sequence import Sequence
 
 
+_NOTHING: frozenset[int] = frozenset()
+
+
 @dataclass
 class Verdict:
     token_ids: list[int]  # s_0..s_a: the accepted drafts then the recovered/bonus token
@@ -59,15 +62,12 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
         return []
     rows = SamplingRows()
     for seq in seqs:
-        # the tokens sampled here sit at absolute positions num_tokens, num_tokens + 1, ...;
-        # stop tokens are masked on the rows before min_tokens
-        num_tokens, num_rows = len(seq.token_ids), 1 + len(seq.draft_token_ids)
-        num_masked = min(num_rows, max(0, seq.req.min_tokens - (num_tokens - seq.num_prompt_tokens)))
-        if num_masked and seq.stop_token_ids:
-            rows.add(seq.req, num_tokens, seq.stop_token_ids, num_masked)
-            rows.add(seq.req, num_tokens + num_masked, frozenset(), num_rows - num_masked)
-        else:
-            rows.add(seq.req, num_tokens, frozenset(), num_rows)
+        # the token sampled at row j sits at absolute position num_tokens + j; stop tokens
+        # are masked on the rows before min_tokens (Sequence.masked_token_ids, inlined)
+        num_tokens = len(seq.token_ids)
+        num_masked = seq.req.min_tokens - (num_tokens - seq.num_prompt_tokens)
+        for j in range(1 + len(seq.draft_token_ids)):
+            rows.add(seq.req, num_tokens + j, seq.stop_token_ids if j < num_masked else _NOTHING)
     assert len(rows) == logits.shape[0], (len(rows), logits.shape)
     dev = logits.device
     tokens, logprobs = sample(rows.mask(logits), *rows.params(dev), *rows.keys(dev), rows.processed_rows(dev))

@@ -57,6 +57,7 @@ def test_prepare_matches_reference_layout():
         make_seq(4, 13, 2, 6, [], [6, 8, 10, 12]),  # a prefill chunk that does not sample (drafts ignored)
         make_seq(5, 13, 5, 8, [], [13, 15, 16, 17]),  # the last prefill chunk: samples its last token
         make_seq(6, 3, 0, 3, [], [20]),  # a whole short prompt in one chunk
+        make_seq(7, 10, 4, 1, [], [21, 22, 23]),  # a one-token prefill chunk: feeds one token, samples none
     ]
     seqs[4].draft_token_ids = [9, 9]  # a non-sampling sequence never feeds its draft
     inputs = prepare_step(seqs, BLOCK, torch.device("cpu"))

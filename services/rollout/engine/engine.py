@@ -205,16 +205,16 @@ class LLMEngine:
             seq.record_verify(verdict.num_draft, verdict.num_accepted)
             self._drafter_call(self._drafter.record_acceptance, seq.request_id, verdict.num_draft,
                                verdict.num_accepted)
+            seq.draft_token_ids = []
         # KV is now valid for the fed tokens and the accepted drafts
         seq.num_computed_tokens += seq.num_scheduled_tokens + verdict.num_accepted
         seq.num_scheduled_tokens = 0
-        seq.draft_token_ids = []
-        emitted = verdict.token_ids
+        emitted, ended = verdict.token_ids, False
         for i, (token, logprob) in enumerate(zip(verdict.token_ids, verdict.logprobs)):
-            if seq.append_token(token, logprob):
-                emitted = emitted[:i + 1]
+            if seq.append_token(token, logprob):  # the chunk ends here
+                emitted, ended = emitted[:i + 1], True
                 break
-        if not seq.chunk_done:
+        if not ended:
             self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
             self.block_manager.commit(seq)
             if self.speculative:  # (the NullDrafter's add_tokens does nothing)

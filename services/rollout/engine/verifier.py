@@ -33,7 +33,7 @@ from services.rollout.engine.sequence import Sequence
 _NOTHING: frozenset[int] = frozenset()
 
 
-@dataclass
+@dataclass(slots=True)
 class Verdict:
     token_ids: list[int]  # s_0..s_a: the accepted drafts then the recovered/bonus token
     logprobs: list[float]  # the policy's logprob of each
@@ -76,7 +76,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
     for seq in seqs:
         draft = seq.draft_token_ids
         if not draft:  # a plain decode: its one sampled token
-            verdicts.append(Verdict(tokens_l[row:row + 1], logprobs_l[row:row + 1], 0, 0))
+            verdicts.append(Verdict([tokens_l[row]], [logprobs_l[row]], 0, 0))
             row += 1
             continue
         sampled = tokens_l[row:row + 1 + len(draft)]

@@ -222,7 +222,7 @@ def main() -> None:
         return
     before_commit, before = run_before(args.before, common) if args.before else (None, [])
     rows = measure_all(args.batches, args.new_tokens, args.draft_len, args.repeats)
-    commit = git_commit()
+    commit = git_commit("services", "kernels", "benchmarks")
     for row in rows:
         old = next((b for b in before if (b["workload"], b["batch"]) == (row["workload"], row["batch"])), None)
         row["host_before"] = old["host"] if old else None

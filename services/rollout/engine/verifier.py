@@ -63,11 +63,15 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
     rows = SamplingRows()
     for seq in seqs:
         # the token sampled at row j sits at absolute position num_tokens + j; stop tokens
-        # are masked on the rows before min_tokens (Sequence.masked_token_ids, inlined)
-        num_tokens = len(seq.token_ids)
-        num_masked = seq.req.min_tokens - (num_tokens - seq.num_prompt_tokens)
-        for j in range(1 + len(seq.draft_token_ids)):
-            rows.add(seq.req, num_tokens + j, seq.stop_token_ids if j < num_masked else _NOTHING)
+        # are masked on the rows before min_tokens (Sequence.masked_token_ids)
+        num_tokens, num_rows = len(seq.token_ids), 1 + len(seq.draft_token_ids)
+        num_masked = min(num_rows, seq.req.min_tokens - (num_tokens - seq.num_prompt_tokens))
+        if num_masked > 0 and seq.stop_token_ids:
+            rows.add(seq.req, num_tokens, seq.stop_token_ids, num_masked)
+            if num_masked < num_rows:
+                rows.add(seq.req, num_tokens + num_masked, _NOTHING, num_rows - num_masked)
+        else:
+            rows.add(seq.req, num_tokens, _NOTHING, num_rows)
     assert len(rows) == logits.shape[0], (len(rows), logits.shape)
     dev = logits.device
     tokens, logprobs = sample(rows.mask(logits), *rows.params(dev), *rows.keys(dev), rows.processed_rows(dev))

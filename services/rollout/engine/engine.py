@@ -209,17 +209,13 @@ class LLMEngine:
         # KV is now valid for the fed tokens and the accepted drafts
         seq.num_computed_tokens += seq.num_scheduled_tokens + verdict.num_accepted
         seq.num_scheduled_tokens = 0
-        emitted, ended = verdict.token_ids, False
-        for i, (token, logprob) in enumerate(zip(verdict.token_ids, verdict.logprobs)):
-            if seq.append_token(token, logprob):  # the chunk ends here
-                emitted, ended = emitted[:i + 1], True
-                break
+        num_emitted, ended = seq.append_tokens(verdict.token_ids, verdict.logprobs)
         if not ended:
             self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
             self.block_manager.commit(seq)
             if self.speculative:  # (the NullDrafter's add_tokens does nothing)
-                self._drafter_call(self._drafter.add_tokens, seq.request_id, emitted)
-        return len(emitted)
+                self._drafter_call(self._drafter.add_tokens, seq.request_id, verdict.token_ids)
+        return num_emitted
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)

@@ -100,6 +100,21 @@ class Sequence:
             return False
         return True
 
+    def append_tokens(self, token_ids: list[int], logprobs: list[float]) -> tuple[int, bool]:
+        """Commit tokens in order up to the first that ends this chunk, as ``append_token``
+        one at a time would; returns (how many, whether the chunk ended). A verify step's
+        tokens go in at once when none can end the chunk: fewer than max_new_tokens_left(),
+        none a stop token."""
+        if 1 < len(token_ids) < self.max_new_tokens_left() and self.stop_token_ids.isdisjoint(token_ids):
+            self.token_ids.extend(token_ids)
+            self.out_token_ids.extend(token_ids)
+            self.out_logprobs.extend(logprobs)
+            return len(token_ids), False
+        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            if self.append_token(token_id, logprob):
+                return i + 1, True
+        return len(token_ids), False
+
     def record_verify(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return

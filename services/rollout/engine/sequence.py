@@ -69,9 +69,9 @@ class Sequence:
 
     def max_new_tokens_left(self) -> int:
         """Tokens this sequence may still emit in this chunk (>= 1 while running)."""
-        return min(self.req.max_new_tokens - len(self.out_token_ids),
-                   self.req.max_tokens - self.num_generated,
-                   self.max_model_len - self.num_tokens)
+        num_tokens, req = len(self.token_ids), self.req  # (no properties: called per sequence per step)
+        return min(req.max_new_tokens - len(self.out_token_ids), req.max_tokens - (num_tokens - self.num_prompt_tokens),
+                   self.max_model_len - num_tokens)
 
     @property
     def chunk_done(self) -> bool:

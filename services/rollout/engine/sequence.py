@@ -105,7 +105,9 @@ class Sequence:
         one at a time would; returns (how many, whether the chunk ended). A verify step's
         tokens go in at once when none can end the chunk: fewer than max_new_tokens_left(),
         none a stop token."""
-        if 1 < len(token_ids) < self.max_new_tokens_left() and self.stop_token_ids.isdisjoint(token_ids):
+        if len(token_ids) == 1:  # a plain decode
+            return 1, self.append_token(token_ids[0], logprobs[0])
+        if len(token_ids) < self.max_new_tokens_left() and self.stop_token_ids.isdisjoint(token_ids):
             self.token_ids.extend(token_ids)
             self.out_token_ids.extend(token_ids)
             self.out_logprobs.extend(logprobs)

@@ -50,6 +50,7 @@ class SamplingRows:
         self.first_positions: list[int] = []
         self.counts: list[int] = []  # rows in each run
         self.num_rows = 0
+        self._run_of_row: np.ndarray | None = None  # the run each row belongs to, once made
         self.masked: list[tuple[int, list[int]]] = []  # (row, token ids out of its distribution)
 
     def add(self, req: EngineRequest, position: int, masked_token_ids: frozenset[int], count: int = 1) -> None:
@@ -67,6 +68,7 @@ class SamplingRows:
         self.first_positions.append(position)
         self.counts.append(count)
         self.num_rows += count
+        self._run_of_row = None
 
     def __len__(self) -> int:
         return self.num_rows
@@ -82,7 +84,11 @@ class SamplingRows:
 
     def _per_row(self, per_run: list, dtype: type) -> np.ndarray:
         values = np.array(per_run, dtype=dtype)
-        return values if self.num_rows == len(self.counts) else np.repeat(values, self.counts)
+        if self.num_rows == len(self.counts):  # one row per run
+            return values
+        if self._run_of_row is None:
+            self._run_of_row = np.repeat(np.arange(len(self.counts)), self.counts)
+        return values[self._run_of_row]
 
     def _tensor(self, per_run: list, dtype: type, device) -> torch.Tensor:
         return torch.from_numpy(self._per_row(per_run, dtype)).to(device)
@@ -97,7 +103,7 @@ class SamplingRows:
         positions = self._per_row(self.first_positions, np.int64)
         if self.num_rows != len(self.counts):  # each run's row j is at first_position + j
             run_starts = np.cumsum(self.counts) - self.counts
-            positions = positions + np.arange(self.num_rows) - np.repeat(run_starts, self.counts)
+            positions = positions + np.arange(self.num_rows) - run_starts[self._run_of_row]
         return self._tensor(self.seeds, np.int64, device), torch.from_numpy(positions).to(device)
 
     def processed_rows(self, device) -> torch.Tensor:  # [num_rows] bool

@@ -44,7 +44,9 @@ class ScheduledBatch:
     def sampling_seqs(self) -> list[Sequence]:
         """The sequences that sample this step: decodes and prefills whose last chunk runs
         (read before ``postprocess``, which advances the other prefill chunks)."""
-        return [s for s in self.seqs if s.num_computed_tokens + s.num_scheduled_tokens == s.num_tokens]
+        prefills = self.seqs[self.num_decodes:]
+        return self.seqs[:self.num_decodes] + [
+            s for s in prefills if s.num_computed_tokens + s.num_scheduled_tokens == len(s.token_ids)]
 
     def num_prompt_tokens(self) -> int:
         return sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:])
@@ -85,16 +87,27 @@ class BatchScheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        # Decodes feed their last token, prefills the next chunk; none of that changes while
+        # decodes preempt below (a preempted sequence leaves ``running`` and is skipped).
+        decodes, prefills = [], []
+        for seq in self.running:
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if left == 1:
+                decodes.append(seq)
+            elif left > 1:
+                prefills.append(seq)
         # 1. decodes, each needing a slot for its last token's KV
-        for seq in [s for s in self.running if s.num_uncomputed == 1]:
+        block_size = self.block_manager.block_size
+        for seq in decodes:
             if seq.status != SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted below while making room, or out of budget
-            while not self.block_manager.ensure_slots(seq, seq.num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim)
-                batch.num_preempted += 1
-                if victim is seq:
-                    break
+            if len(seq.token_ids) > len(seq.block_table) * block_size:  # its last block is full
+                while not self.block_manager.ensure_slots(seq, seq.num_tokens):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    batch.num_preempted += 1
+                    if victim is seq:
+                        break
             if seq.status == SequenceStatus.RUNNING:
                 seq.num_scheduled_tokens = 1
                 batch.seqs.append(seq)
@@ -102,8 +115,8 @@ class BatchScheduler:
         batch.num_decodes = len(batch.seqs)
         # 2. chunks of prefills already under way
         prefilling_keys = set()
-        for seq in self.running:
-            if seq.num_uncomputed > 1:
+        for seq in prefills:
+            if seq.status == SequenceStatus.RUNNING:
                 if self._computes_shareable_blocks(seq):
                     prefilling_keys.add(seq.prompt_key)
                 if budget > 0:
@@ -135,6 +148,7 @@ class BatchScheduler:
         become shareable); sampling sequences are advanced by the engine's commit."""
         for seq in batch.seqs:
             seq.busy_s += elapsed_s
+        for seq in batch.seqs[batch.num_decodes:]:  # (a decode feeds its last token)
             if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
                 seq.num_computed_tokens += seq.num_scheduled_tokens
                 self.block_manager.commit(seq)

@@ -96,15 +96,18 @@ class BlockManager:
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the blocks past the first num_tokens tokens (rejected draft tokens' KV)."""
-        keep = self.num_blocks_for(num_tokens)
-        while len(seq.block_table) > keep:
-            self._release(seq.block_table.pop())
+        keep, table = -(-num_tokens // self.block_size), seq.block_table
+        while len(table) > keep:
+            self._release(table.pop())
 
     def commit(self, seq: Sequence) -> None:
         """Hash the blocks that just became full of committed KV, making them shareable."""
         bs = self.block_size
         start = self.num_hashed_blocks.get(seq.seq_id, 0)
         end = seq.num_computed_tokens // bs
+        if end <= start:  # no block filled up (most steps): nothing to hash
+            self.num_hashed_blocks[seq.seq_id] = start
+            return
         prev = self.block_hashes[seq.block_table[start - 1]] if start > 0 else 0
         for i in range(start, end):
             block = seq.block_table[i]

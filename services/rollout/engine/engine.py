@@ -150,6 +150,7 @@ class LLMEngine:
             num_generated += self._commit(seq, verdict)                        # 5. commit
             if seq.chunk_done:
                 outputs.append(self._finish(seq))                              # 6. finish
+        self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
         self._record_step(batch, start, num_prompt_tokens, num_draft_tokens, num_generated)
         return outputs
 
@@ -170,8 +171,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ step parts
     def _propose_drafts(self, batch: ScheduledBatch) -> None:
         """Give each decoding sequence a draft within the cost model's budget and free KV."""
+        if self.max_draft_len == 0:
+            return
         decodes = [s for s in batch.decode_seqs if s.request_id not in self._undrafted]
-        if not decodes or self.max_draft_len == 0:
+        if not decodes:
             return
         budget = min(self.cost_model.draft_budget(batch.num_tokens), self.scheduler.budget_left(batch))
         max_lens = [max(0, min(self.max_draft_len, s.max_new_tokens_left() - 1)) for s in decodes]
@@ -198,25 +201,21 @@ class LLMEngine:
 
     def _commit(self, seq: Sequence, verdict: Verdict) -> int:
         """Append the verdict's tokens up to the first that ends the chunk; returns how many."""
-        seq.record_verify(verdict.num_draft, verdict.num_accepted)
-        self.metrics.on_verify(verdict.num_draft, verdict.num_accepted)
         if verdict.num_draft:
+            seq.record_verify(verdict.num_draft, verdict.num_accepted)
             self._drafter_call(self._drafter.record_acceptance, seq.request_id, verdict.num_draft,
                                verdict.num_accepted)
+            seq.draft_token_ids = []
         # KV is now valid for the fed tokens and the accepted drafts
         seq.num_computed_tokens += seq.num_scheduled_tokens + verdict.num_accepted
         seq.num_scheduled_tokens = 0
-        seq.draft_token_ids = []
-        emitted = []
-        for token, logprob in zip(verdict.token_ids, verdict.logprobs):
-            emitted.append(token)
-            if seq.append_token(token, logprob):
-                break
-        if not seq.chunk_done:
+        num_emitted, ended = seq.append_tokens(verdict.token_ids, verdict.logprobs)
+        if not ended:
             self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
             self.block_manager.commit(seq)
-            self._drafter_call(self._drafter.add_tokens, seq.request_id, emitted)
-        return len(emitted)
+            if self.speculative:  # (the NullDrafter's add_tokens does nothing)
+                self._drafter_call(self._drafter.add_tokens, seq.request_id, verdict.token_ids)
+        return num_emitted
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kernels.sampling import token_logprobs
@@ -34,32 +35,43 @@ LOGPROBS_MODES = ("raw", "processed")
 
 
 class SamplingRows:
-    """The sampler's inputs for a batch of logits rows, added row by row in order."""
+    """The sampler's inputs for a batch of logits rows, added in order, a run of rows at a
+    time: a request's consecutive positions (the verifier adds a sequence's last token and
+    its draft in one call; this runs for every row of every step). The per-run values
+    become per-row tensors with one ``np.repeat``."""
 
     def __init__(self):
-        self.temperature: list[float] = []
+        self.temperature: list[float] = []  # per run, like the five lists below
         self.top_k: list[int] = []
         self.top_p: list[float] = []
         self.min_p: list[float] = []
         self.seeds: list[int] = []
-        self.positions: list[int] = []
         self.processed: list[bool] = []
+        self.first_positions: list[int] = []
+        self.counts: list[int] = []  # rows in each run
+        self.num_rows = 0
+        self._run_of_row: np.ndarray | None = None  # the run each row belongs to, once made
         self.masked: list[tuple[int, list[int]]] = []  # (row, token ids out of its distribution)
 
-    def add(self, req: EngineRequest, position: int, masked_token_ids: frozenset[int]) -> None:
-        """One row: the token at absolute ``position`` of ``req``'s sample."""
+    def add(self, req: EngineRequest, position: int, masked_token_ids: frozenset[int], count: int = 1) -> None:
+        """``count`` rows: the tokens at absolute positions ``position``, ``position + 1``, ...
+        of ``req``'s sample, each with ``masked_token_ids`` out of its distribution."""
         if masked_token_ids:
-            self.masked.append((len(self.positions), sorted(masked_token_ids)))
+            ids = sorted(masked_token_ids)
+            self.masked.extend((self.num_rows + j, ids) for j in range(count))
         self.temperature.append(req.temperature)
         self.top_k.append(max(req.top_k, 0))
         self.top_p.append(req.top_p)
         self.min_p.append(req.min_p)
         self.seeds.append(req.seed)
-        self.positions.append(position)
         self.processed.append(req.logprobs_mode == "processed")
+        self.first_positions.append(position)
+        self.counts.append(count)
+        self.num_rows += count
+        self._run_of_row = None
 
     def __len__(self) -> int:
-        return len(self.positions)
+        return self.num_rows
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab]
         """The logits with each row's masked tokens at -inf (a copy if any is masked)."""
@@ -70,20 +82,32 @@ class SamplingRows:
             logits[row, [i for i in ids if i < logits.shape[1]]] = float("-inf")
         return logits
 
+    def _per_row(self, per_run: list, dtype: type) -> np.ndarray:
+        values = np.array(per_run, dtype=dtype)
+        if self.num_rows == len(self.counts):  # one row per run
+            return values
+        if self._run_of_row is None:
+            self._run_of_row = np.repeat(np.arange(len(self.counts)), self.counts)
+        return values[self._run_of_row]
+
+    def _tensor(self, per_run: list, dtype: type, device) -> torch.Tensor:
+        return torch.from_numpy(self._per_row(per_run, dtype)).to(device)
+
     def params(self, device) -> tuple[torch.Tensor, ...]:
         """(temperature, top_k, top_p, min_p) as the sampler takes them."""
-        return (torch.tensor(self.temperature, dtype=torch.float32, device=device),
-                torch.tensor(self.top_k, dtype=torch.int32, device=device),
-                torch.tensor(self.top_p, dtype=torch.float32, device=device),
-                torch.tensor(self.min_p, dtype=torch.float32, device=device))
+        return (self._tensor(self.temperature, np.float32, device), self._tensor(self.top_k, np.int32, device),
+                self._tensor(self.top_p, np.float32, device), self._tensor(self.min_p, np.float32, device))
 
     def keys(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(seeds, positions): what keys each row's noise."""
-        return (torch.tensor(self.seeds, dtype=torch.int64, device=device),
-                torch.tensor(self.positions, dtype=torch.int64, device=device))
+        positions = self._per_row(self.first_positions, np.int64)
+        if self.num_rows != len(self.counts):  # each run's row j is at first_position + j
+            run_starts = np.cumsum(self.counts) - self.counts
+            positions = positions + np.arange(self.num_rows) - run_starts[self._run_of_row]
+        return self._tensor(self.seeds, np.int64, device), torch.from_numpy(positions).to(device)
 
     def processed_rows(self, device) -> torch.Tensor:  # [num_rows] bool
-        return torch.tensor(self.processed, dtype=torch.bool, device=device)
+        return self._tensor(self.processed, np.bool_, device)
 
 
 @torch.inference_mode()

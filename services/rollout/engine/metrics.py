@@ -49,10 +49,18 @@ class EngineMetrics:
         self.counters.num_drafter_errors += 1
         self._drafter_errors.inc()
 
-    def on_verify(self, num_draft: int, num_accepted: int) -> None:
-        if num_draft == 0:
+    def on_verdicts(self, verdicts) -> None:
+        """A step's verdicts (each with ``num_draft`` and ``num_accepted``): the drafts among
+        them counted at once, the same totals as one update per draft for fewer calls."""
+        drafted = [v for v in verdicts if v.num_draft]
+        if not drafted:
             return
-        self.on_verifies(1, num_draft, num_accepted, [1] * num_accepted)
+        accepted_per_pos = [0] * max(v.num_accepted for v in drafted)
+        for v in drafted:
+            for i in range(v.num_accepted):
+                accepted_per_pos[i] += 1
+        self.on_verifies(len(drafted), sum(v.num_draft for v in drafted), sum(v.num_accepted for v in drafted),
+                         accepted_per_pos)
 
     def on_verifies(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
                     accepted_per_pos: list[int]) -> None:

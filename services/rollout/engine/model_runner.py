@@ -3,7 +3,7 @@
 Given the scheduled sequences (each with ``num_scheduled_tokens`` of its tokens to feed
 and, when it samples, a draft to verify), the runner
   1. lays their tokens out flat, one sequence after another, with positions, KV slots,
-     block tables, context and query lengths (``prepare``);
+     block tables, context and query lengths (``prepare``, step_inputs.py);
   2. runs the model with the paged attention backend (on CUDA, decode/verify-only steps
      replay a CUDA graph captured for the step's size bucket; prefill
      steps and the CPU run eagerly);
@@ -18,29 +18,18 @@ import bisect
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
 from services.rollout.engine.sequence import Sequence
+from services.rollout.engine.step_inputs import StepInputs, prepare_step
 
 log = logging.getLogger(__name__)
 
 # CUDA graph buckets: padded sequence counts and padded token counts of a decode/verify step.
 GRAPH_SEQ_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 GRAPH_TOKEN_BUCKETS = GRAPH_SEQ_BUCKETS + (288, 320, 384, 448, 512)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sample_rows] int64, rows of the flat batch whose logits are needed
-    num_seqs: int
-    num_tokens: int
-    is_prefill: bool  # any sequence fed more than its last token
 
 
 class ModelRunner:
@@ -63,43 +52,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ 1. layout
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        cu_q = [0]
-        sample_rows: list[int] = []
-        is_prefill = False
-        for seq in seqs:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            tokens = seq.token_ids[start:start + n]
-            samples = start + n == seq.num_tokens
-            if samples:
-                tokens = tokens + seq.draft_token_ids
-                sample_rows.extend(range(cu_q[-1] + n - 1, cu_q[-1] + len(tokens)))
-            is_prefill |= n > 1
-            table = seq.block_table
-            for p in range(start, start + len(tokens)):
-                slots.append(table[p // bs] * bs + p % bs)
-            input_ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            cu_q.append(cu_q[-1] + len(tokens))
-            seq_lens.append(start + len(tokens))
-        width = max(len(s.block_table) for s in seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(cu_q, dtype=torch.int32, device=dev),
-            max_query_len=max(b - a for a, b in zip(cu_q, cu_q[1:])))
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            metadata=md, sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            num_seqs=len(seqs), num_tokens=len(input_ids), is_prefill=is_prefill)
+        return prepare_step(seqs, self.block_size, self.device)
 
     # ------------------------------------------------------------------ 2-3. forward + logits
     @torch.inference_mode()

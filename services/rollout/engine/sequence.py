@@ -69,9 +69,9 @@ class Sequence:
 
     def max_new_tokens_left(self) -> int:
         """Tokens this sequence may still emit in this chunk (>= 1 while running)."""
-        return min(self.req.max_new_tokens - len(self.out_token_ids),
-                   self.req.max_tokens - self.num_generated,
-                   self.max_model_len - self.num_tokens)
+        num_tokens, req = len(self.token_ids), self.req  # (no properties: called per sequence per step)
+        return min(req.max_new_tokens - len(self.out_token_ids), req.max_tokens - (num_tokens - self.num_prompt_tokens),
+                   self.max_model_len - num_tokens)
 
     @property
     def chunk_done(self) -> bool:
@@ -85,19 +85,37 @@ class Sequence:
     # ------------------------------------------------------------------ commit
     def append_token(self, token_id: int, logprob: float) -> bool:
         """Commit one sampled token; returns True when this chunk ends with it."""
-        gen_index = self.num_generated
-        self.token_ids.append(token_id)
+        req, token_ids = self.req, self.token_ids
+        gen_index = len(token_ids) - self.num_prompt_tokens
+        token_ids.append(token_id)
         self.out_token_ids.append(token_id)
         self.out_logprobs.append(logprob)
-        if token_id in self.stop_token_ids and gen_index >= self.req.min_tokens:
+        if token_id in self.stop_token_ids and gen_index >= req.min_tokens:
             self.finish_reason = "stop"
-        elif self.num_generated >= self.req.max_tokens or self.num_tokens >= self.max_model_len:
+        elif gen_index + 1 >= req.max_tokens or len(token_ids) >= self.max_model_len:
             self.finish_reason = "length"
-        elif len(self.out_token_ids) >= self.req.max_new_tokens:
+        elif len(self.out_token_ids) >= req.max_new_tokens:
             return True  # chunk budget spent, the sample goes on elsewhere
         else:
             return False
         return True
+
+    def append_tokens(self, token_ids: list[int], logprobs: list[float]) -> tuple[int, bool]:
+        """Commit tokens in order up to the first that ends this chunk, as ``append_token``
+        one at a time would; returns (how many, whether the chunk ended). A verify step's
+        tokens go in at once when none can end the chunk: fewer than max_new_tokens_left(),
+        none a stop token."""
+        if len(token_ids) == 1:  # a plain decode
+            return 1, self.append_token(token_ids[0], logprobs[0])
+        if len(token_ids) < self.max_new_tokens_left() and self.stop_token_ids.isdisjoint(token_ids):
+            self.token_ids.extend(token_ids)
+            self.out_token_ids.extend(token_ids)
+            self.out_logprobs.extend(logprobs)
+            return len(token_ids), False
+        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            if self.append_token(token_id, logprob):
+                return i + 1, True
+        return len(token_ids), False
 
     def record_verify(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

@@ -30,7 +30,10 @@ from services.rollout.engine.logprobs import SamplingRows
 from services.rollout.engine.sequence import Sequence
 
 
-@dataclass
+_NOTHING: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
 class Verdict:
     token_ids: list[int]  # s_0..s_a: the accepted drafts then the recovered/bonus token
     logprobs: list[float]  # the policy's logprob of each
@@ -59,9 +62,16 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
         return []
     rows = SamplingRows()
     for seq in seqs:
-        for j in range(1 + len(seq.draft_token_ids)):
-            # the token sampled here sits at absolute position num_tokens + j
-            rows.add(seq.req, seq.num_tokens + j, seq.masked_token_ids(seq.num_generated + j))
+        # the token sampled at row j sits at absolute position num_tokens + j; stop tokens
+        # are masked on the rows before min_tokens (Sequence.masked_token_ids)
+        num_tokens, num_rows = len(seq.token_ids), 1 + len(seq.draft_token_ids)
+        num_masked = min(num_rows, seq.req.min_tokens - (num_tokens - seq.num_prompt_tokens))
+        if num_masked > 0 and seq.stop_token_ids:
+            rows.add(seq.req, num_tokens, seq.stop_token_ids, num_masked)
+            if num_masked < num_rows:
+                rows.add(seq.req, num_tokens + num_masked, _NOTHING, num_rows - num_masked)
+        else:
+            rows.add(seq.req, num_tokens, _NOTHING, num_rows)
     assert len(rows) == logits.shape[0], (len(rows), logits.shape)
     dev = logits.device
     tokens, logprobs = sample(rows.mask(logits), *rows.params(dev), *rows.keys(dev), rows.processed_rows(dev))
@@ -69,6 +79,10 @@ def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
     verdicts, row = [], 0
     for seq in seqs:
         draft = seq.draft_token_ids
+        if not draft:  # a plain decode: its one sampled token
+            verdicts.append(Verdict([tokens_l[row]], [logprobs_l[row]], 0, 0))
+            row += 1
+            continue
         sampled = tokens_l[row:row + 1 + len(draft)]
         a = num_accepted(draft, sampled)
         verdicts.append(Verdict(sampled[:a + 1], logprobs_l[row:row + a + 1], len(draft), a))

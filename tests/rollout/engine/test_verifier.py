@@ -72,3 +72,25 @@ def test_sampled_tokens_are_those_a_plain_run_draws_at_each_position():
     assert cut.token_ids == plain[:2] and cut.num_accepted == 1
     [again] = verify(logits, [_seq(plain[:3], 1.0, tuple(prompt))])
     assert again.token_ids == whole.token_ids and again.logprobs == whole.logprobs  # reproducible
+
+
+def test_sampling_rows_runs_equal_rows_one_at_a_time():
+    """SamplingRows.add with count= (a run of positions) gives the sampler the same inputs
+    as adding each row alone; masked rows included."""
+    from services.rollout.engine.logprobs import SamplingRows
+
+    reqs = [_seq([], temperature=0.5 * i, seed=i).req for i in range(4)]
+    runs = [(reqs[0], 10, frozenset(), 1), (reqs[1], 3, frozenset({2, 5}), 2), (reqs[1], 5, frozenset(), 3),
+            (reqs[2], 7, frozenset(), 4), (reqs[3], 40, frozenset({1}), 1)]
+    together, alone = SamplingRows(), SamplingRows()
+    for req, position, masked, count in runs:
+        together.add(req, position, masked, count)
+        for j in range(count):
+            alone.add(req, position + j, masked)
+    assert len(together) == len(alone) == 11
+    for a, b in zip([*together.params("cpu"), *together.keys("cpu"), together.processed_rows("cpu")],
+                    [*alone.params("cpu"), *alone.keys("cpu"), alone.processed_rows("cpu")]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    logits = torch.randn(11, VOCAB)
+    assert torch.equal(together.mask(logits), alone.mask(logits))
+    assert alone.keys("cpu")[1].tolist() == [10, 3, 4, 5, 6, 7, 7, 8, 9, 10, 40]

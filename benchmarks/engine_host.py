@@ -1,0 +1,259 @@
+"""How much host (Python) time does one engine step cost, phase by phase?
+
+    python -m benchmarks.engine_host                          # this tree
+    python -m benchmarks.engine_host --before 76be091         # and a baseline commit, side by side
+
+On a GPU the decode forward is a CUDA-graph replay of a few milliseconds at most; what the
+engine does around it in Python (schedule, prepare the step's inputs, verify's
+bookkeeping, commit each sequence's tokens) adds to every step. Here the model is a
+random 1-layer, 64-wide one on the CPU, so the forward is negligible and what is left is
+that host work. Each phase is timed with ``time.perf_counter`` by wrapping the engine's
+methods from outside (no timing code in the engine):
+  schedule  BatchScheduler.schedule
+  draft     LLMEngine._propose_drafts (the drafter below is a dictionary lookup)
+  prepare   ModelRunner.prepare (the step's flat inputs and attention metadata)
+  forward   ModelRunner.run minus prepare (the model, the logits)
+  verify    verify() minus the sampler (kernels.sampling.sample, whose CPU reference
+            computes Gumbel noise in PyTorch; on a GPU a Triton kernel does it), i.e.
+            the sampling rows, the verdicts
+  commit    the rest of step(): postprocess, commit each sequence's tokens, finish,
+            metrics
+"host" is schedule + draft + prepare + verify + commit; "without draft" leaves out the
+drafter's share (a dictionary lookup here, a real drafter's cost elsewhere). Only full-batch decode/verify
+steps count (no prefill, no sequence finished yet); each phase's figure is its mean
+over those steps, from the fastest of ``--repeats`` runs (by host time).
+
+Workloads at batch 1, 16, 64 and 256 (20-token prompts, 64 new tokens, greedy):
+  decode  no speculation, one token per sequence per step;
+  verify  a drafter that proposes the next ``--draft-len`` tokens of each request's own
+          earlier greedy output (mostly accepted), under a flat cost model so the budget
+          never cuts them.
+With ``--before COMMIT`` the same measurement runs first on that commit's code (its
+files exported with ``git archive`` to a temporary directory, this script copied in),
+and the table shows both.
+
+Writes benchmarks/results/engine_host.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.provenance import REPO, cpu_name, git_commit
+from benchmarks.report import markdown_table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PHASES = ("schedule", "draft", "prepare", "forward", "verify", "sample", "commit")
+HOST = ("schedule", "draft", "prepare", "verify", "commit")
+
+
+class ContinuationDrafter:
+    """Proposes each request's known continuation, ``max_lens`` tokens at a time."""
+
+    def __init__(self, continuations: dict[str, list[int]]):
+        self.continuations, self.done = continuations, {}
+
+    def start_request(self, request_id, prompt_id, prompt_token_ids, generated_token_ids=()):
+        self.done[request_id] = len(generated_token_ids)
+
+    def add_tokens(self, request_id, token_ids):
+        self.done[request_id] += len(token_ids)
+
+    def record_acceptance(self, *args):
+        pass
+
+    def stop_request(self, request_id):
+        self.done.pop(request_id, None)
+
+    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
+        return [self.continuations[r][self.done[r]:self.done[r] + n] for r, n in zip(request_ids, max_lens)]
+
+
+def tiny_model():
+    from services.rollout.loader import init_random_model
+    from services.rollout.models.config import ModelConfig
+
+    cfg = ModelConfig(
+        architecture="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, max_position_embeddings=1024, tie_word_embeddings=False, attention_bias=True,
+        qk_norm=False, eos_token_ids=(0,), bos_token_id=None, dtype="float32")
+    return init_random_model(cfg, seed=0)
+
+
+def requests(batch: int, new_tokens: int):
+    from services.rollout.engine import EngineRequest
+
+    return [EngineRequest(
+        request_id=f"r{i}", prompt_id=f"p{i}", step_id="s0", sample_index=0,
+        prompt_token_ids=[1 + (7 * j + 3 * i) % 500 for j in range(20)], generated_token_ids=[],
+        temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=1000 + i, max_tokens=new_tokens,
+        max_new_tokens=new_tokens, stop_token_ids=frozenset(), min_tokens=0, ignore_eos=True, logprobs=True)
+        for i in range(batch)]
+
+
+def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=None) -> tuple[dict, dict]:
+    """One run; returns (mean ms per phase over the counted steps, each request's tokens)."""
+    import services.rollout.engine.engine as engine_module
+    import services.rollout.engine.verifier as verifier_module
+    from services.rollout.engine import CostModel, LLMEngine
+
+    drafter = ContinuationDrafter(continuations) if continuations else None
+    engine = LLMEngine(model, device="cpu", num_kv_blocks=4096, block_size=16, max_num_seqs=256,
+                       max_num_batched_tokens=8192, drafter=drafter, speculative=drafter is not None,
+                       max_draft_len=draft_len, cost_model=CostModel([(1, 1.0), (1 << 20, 1.0)]),
+                       measure_cost=False)
+    step_times: dict[str, float] = {}
+    totals = {p: 0.0 for p in PHASES}
+    counted = [0]
+
+    def timed(name, fn):
+        def wrapper(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                step_times[name] = step_times.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    def schedule(fn):
+        def wrapper():
+            out = fn()
+            step_times["full"] = len(out.seqs) == batch and out.num_decodes == batch
+            return out
+        return timed("schedule", wrapper)
+
+    engine.scheduler.schedule = schedule(engine.scheduler.schedule)
+    engine._propose_drafts = timed("draft", engine._propose_drafts)
+    engine.runner.prepare = timed("prepare", engine.runner.prepare)
+    engine.runner.run = timed("run", engine.runner.run)
+    saved = engine_module.verify, verifier_module.sample
+    engine_module.verify = timed("verify_all", engine_module.verify)
+    verifier_module.sample = timed("sample", verifier_module.sample)
+    try:
+        for r in requests(batch, new_tokens):
+            engine.add_request(r)
+        outputs = {}
+        while engine.has_unfinished():
+            step_times.clear()
+            t = time.perf_counter()
+            done = engine.step()
+            step_s = time.perf_counter() - t
+            for o in done:
+                outputs[o.request_id] = o
+            if step_times.get("full") and not done:
+                s = {k: v for k, v in step_times.items() if k != "full"}
+                parts = dict(schedule=s["schedule"], draft=s.get("draft", 0.0), prepare=s["prepare"],
+                             forward=s["run"] - s["prepare"], verify=s["verify_all"] - s.get("sample", 0.0),
+                             sample=s.get("sample", 0.0))
+                parts["commit"] = step_s - s["schedule"] - s.get("draft", 0.0) - s["run"] - s["verify_all"]
+                for p in PHASES:
+                    totals[p] += parts[p]
+                counted[0] += 1
+    finally:
+        engine_module.verify, verifier_module.sample = saved
+    n = max(counted[0], 1)
+    ms = {p: totals[p] / n * 1e3 for p in PHASES}
+    ms["host"] = sum(ms[p] for p in HOST)
+    ms["steps"] = counted[0]
+    c = engine.metrics.counters
+    ms["accepted"] = c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0
+    return ms, {r: o.token_ids for r, o in outputs.items()}
+
+
+def measure_all(batches, new_tokens: int, draft_len: int, repeats: int) -> list[dict]:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = tiny_model()
+    rows = []
+    for batch in batches:
+        greedy = None
+        for workload in ("decode", "verify"):
+            best = None
+            for _ in range(repeats):
+                ms, tokens = measure(model, batch, new_tokens, draft_len if workload == "verify" else 0,
+                                     greedy if workload == "verify" else None)
+                greedy = greedy or tokens
+                if best is None or ms["host"] < best["host"]:
+                    best = ms
+            rows.append(dict(workload=workload, batch=batch, **best))
+            print(f"{workload:6s} batch {batch:3d}: host {best['host']:.3f} ms/step "
+                  + " ".join(f"{p} {best[p]:.3f}" for p in PHASES), flush=True)
+    return rows
+
+
+def run_before(commit: str, argv: list[str]) -> tuple[str, list[dict]]:
+    """This script's measurement on ``commit``'s code, in a temporary export of it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", commit], cwd=REPO, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        shutil.copy(Path(__file__), Path(tmp) / "benchmarks" / "engine_host.py")
+        out = Path(tmp) / "before.json"
+        subprocess.run([sys.executable, "-m", "benchmarks.engine_host", *argv, "--json-only", str(out)],
+                       cwd=tmp, check=True)
+        short = subprocess.run(["git", "rev-parse", "--short", commit], cwd=REPO, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return short, json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--before", help="a commit to measure first, shown beside this tree's figures")
+    ap.add_argument("--json-only", help=argparse.SUPPRESS)  # run_before's child: rows to this file
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens),
+              "--draft-len", str(args.draft_len), "--repeats", str(args.repeats)]
+    if args.json_only:
+        Path(args.json_only).write_text(json.dumps(measure_all(args.batches, args.new_tokens, args.draft_len,
+                                                               args.repeats)))
+        return
+    before_commit, before = run_before(args.before, common) if args.before else (None, [])
+    rows = measure_all(args.batches, args.new_tokens, args.draft_len, args.repeats)
+    commit = git_commit("services", "kernels", "benchmarks")
+    for row in rows:
+        old = next((b for b in before if (b["workload"], b["batch"]) == (row["workload"], row["batch"])), None)
+        row["host_before"] = old["host"] if old else None
+        row["speedup"] = old["host"] / row["host"] if old else None
+        row["bookkeeping"] = row["host"] - row["draft"]
+        row["bookkeeping_before"] = old["host"] - old["draft"] if old else None
+        row["bookkeeping_speedup"] = row["bookkeeping_before"] / row["bookkeeping"] if old else None
+    columns = [("workload", "workload", "{}"), ("batch", "batch", "{}"), ("accepted", "accepted", "{:.2f}")]
+    columns += [(f"{p} ms", p, "{:.3f}") for p in PHASES] + [("host ms", "host", "{:.3f}")]
+    meta = dict(device=f"cpu ({cpu_name()}, 1 torch thread)", commit=commit,
+                command="python -m benchmarks.engine_host " + " ".join(sys.argv[1:]),
+                torch=torch.__version__, before_commit=before_commit)
+    text = [f"# Engine host time per step\n\ndevice: {meta['device']}; commit {commit}; torch {torch.__version__}",
+            f"command: `{meta['command']}`",
+            "accepted: the share of draft tokens accepted. Model: random, 1 layer, hidden 64 (the forward is negligible); ms per full-batch decode/verify "
+            "step, mean over the steps of the fastest run. host = schedule + draft + prepare + verify + commit "
+            "(verify without the sampler, `sample`). See the docstring of benchmarks/engine_host.py.",
+            f"## This tree ({commit})\n\n" + markdown_table(rows, columns)]
+    if before:
+        text.append(f"## Before (commit {before_commit})\n\n" + markdown_table(before, columns))
+        text.append("## Host ms per step, before vs after\n\n" + markdown_table(
+            rows, [("workload", "workload", "{}"), ("batch", "batch", "{}"),
+                   (f"before ({before_commit})", "host_before", "{:.3f}"), (f"after ({commit})", "host", "{:.3f}"),
+                   ("speedup", "speedup", "{:.2f}x"), ("without draft: before", "bookkeeping_before", "{:.3f}"),
+                   ("after", "bookkeeping", "{:.3f}"), ("speedup", "bookkeeping_speedup", "{:.2f}x")]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine_host.md").write_text("\n\n".join(text) + "\n")
+    (args.out / "engine_host.json").write_text(json.dumps(dict(**meta, rows=rows, before=before), indent=2) + "\n")
+    print("\n\n".join(text[3:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engine_run import ContinuationDrafter
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
 from services.rollout.engine import CostModel, EngineRequest, LLMEngine, run_to_completion
@@ -67,29 +68,6 @@ def requests(num_prompts: int, samples: int, prompt_len: int, max_tokens: int, v
                 max_tokens=max_tokens, max_new_tokens=max_tokens, stop_token_ids=frozenset(), min_tokens=0,
                 ignore_eos=True, logprobs=True))
     return out
-
-
-class ContinuationDrafter:
-    """Drafts each request's known continuation (from an earlier run): every step verifies
-    up to 16 tokens, the verify-heavy end of speculation."""
-
-    def __init__(self, continuations: dict[str, list[int]]):
-        self.continuations, self.done = continuations, {}
-
-    def start_request(self, request_id, prompt_id, prompt_token_ids, generated_token_ids=()):
-        self.done[request_id] = len(generated_token_ids)
-
-    def add_tokens(self, request_id, token_ids):
-        self.done[request_id] += len(token_ids)
-
-    def record_acceptance(self, *args):
-        pass
-
-    def stop_request(self, request_id):
-        self.done.pop(request_id, None)
-
-    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
-        return [self.continuations[r][self.done[r]:self.done[r] + n] for r, n in zip(request_ids, max_lens)]
 
 
 def run(model, device: str, reqs: list[EngineRequest], batch_invariant: bool, drafter=None) -> tuple[float, dict]:

@@ -48,34 +48,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engine_run import ContinuationDrafter
 from benchmarks.provenance import REPO, cpu_name, git_commit
 from benchmarks.report import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PHASES = ("schedule", "draft", "prepare", "forward", "verify", "sample", "commit")
 HOST = ("schedule", "draft", "prepare", "verify", "commit")
-
-
-class ContinuationDrafter:
-    """Proposes each request's known continuation, ``max_lens`` tokens at a time."""
-
-    def __init__(self, continuations: dict[str, list[int]]):
-        self.continuations, self.done = continuations, {}
-
-    def start_request(self, request_id, prompt_id, prompt_token_ids, generated_token_ids=()):
-        self.done[request_id] = len(generated_token_ids)
-
-    def add_tokens(self, request_id, token_ids):
-        self.done[request_id] += len(token_ids)
-
-    def record_acceptance(self, *args):
-        pass
-
-    def stop_request(self, request_id):
-        self.done.pop(request_id, None)
-
-    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
-        return [self.continuations[r][self.done[r]:self.done[r] + n] for r, n in zip(request_ids, max_lens)]
 
 
 def tiny_model():

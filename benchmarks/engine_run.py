@@ -1,5 +1,6 @@
 """What every part of engine_bench shares: a request, a run of the engine to completion,
-and the result row of a run (tokens, seconds, forward steps, drafts and accepted tokens)."""
+the result row of a run (tokens, seconds, forward steps, drafts and accepted tokens), and
+a drafter of known continuations for the benchmarks that time verify steps."""
 
 from __future__ import annotations
 
@@ -33,3 +34,26 @@ def result_row(system: str, sampling: str, engine: LLMEngine, outputs: dict, sec
     return dict(part=part, system=system, sampling=sampling, setting=setting, tokens=tokens, seconds=seconds,
                 steps=c.num_steps, draft_tokens=c.num_draft_tokens, accepted_tokens=c.num_accepted_tokens,
                 mean_accepted_per_verify=(c.num_accepted_tokens / c.num_drafts) if c.num_drafts else 0.0)
+
+
+class ContinuationDrafter:
+    """Drafts each request's known continuation (from an earlier run), ``max_lens`` tokens
+    at a time: every step verifies full drafts, the verify-heavy end of speculation."""
+
+    def __init__(self, continuations: dict[str, list[int]]):
+        self.continuations, self.done = continuations, {}
+
+    def start_request(self, request_id, prompt_id, prompt_token_ids, generated_token_ids=()):
+        self.done[request_id] = len(generated_token_ids)
+
+    def add_tokens(self, request_id, token_ids):
+        self.done[request_id] += len(token_ids)
+
+    def record_acceptance(self, *args):
+        pass
+
+    def stop_request(self, request_id):
+        self.done.pop(request_id, None)
+
+    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
+        return [self.continuations[r][self.done[r]:self.done[r] + n] for r, n in zip(request_ids, max_lens)]

@@ -63,10 +63,6 @@ class RhymeRLPolicy(SeerPolicy):
         self._step_seq: dict[str, int] = {}  # live step -> arrival order of steps
         self._num_steps = 0
 
-    def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
-        for _ in self.add_step_in_slices(requests, lengths, now, max(1, len(requests))):
-            pass
-
     def add_step_in_slices(self, requests: list[Request], lengths: LengthModel, now: float,
                            slice_size: int) -> Iterator[int]:
         """Predictions a slice at a time (nothing queued yet), then each step's sharing

@@ -58,6 +58,7 @@ class SeerPolicy(Policy):
 
     # --- events -------------------------------------------------------------------
     def add_step(self, requests: list[Request], lengths: LengthModel, now: float) -> None:
+        """The step in one slice (RhymeRL's ``add_step_in_slices`` included)."""
         for _ in self.add_step_in_slices(requests, lengths, now, max(1, len(requests))):
             pass
 

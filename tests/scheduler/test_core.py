@@ -66,10 +66,12 @@ async def test_a_lost_worker_loses_no_sample_and_duplicates_none():
 @run_async
 async def test_a_late_result_of_a_re_run_chunk_is_ignored():
     """The watchdog declares a worker lost while its chunk still runs; the chunk re-runs
-    elsewhere. When the first run's result arrives anyway, it must not add its tokens."""
+    elsewhere. When the first run's result arrives anyway, it must not add its tokens.
+    Chunks of 2 tokens: the stale result then carries other tokens than the re-run's (with
+    one chunk for the whole sample both would carry the same ones and hide a missing check)."""
     link = FakeLink()
     link.gate = asyncio.Event()
-    core = make_core(link, workers=1, capacity=1, chunk_size=100)
+    core = make_core(link, workers=1, capacity=1, chunk_size=2)
     run = await core.submit(step("s", {"a": [3]}, n=1))
     while not core.runs.num_chunks:
         await asyncio.sleep(0)

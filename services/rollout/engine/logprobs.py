@@ -137,6 +137,29 @@ def reference_logprobs(model, sequences: Seq[tuple[Seq[int], Seq[int]]], samplin
             for prompt, response in sequences]
 
 
+def sequence_logits(model, token_ids: list[int], device="cpu") -> torch.Tensor:
+    """float32 logits [len(token_ids), vocab]: row i predicts the token after position i.
+
+    One prefill of the whole sequence: in batch-invariant mode every position's logits
+    are those the rollout's decode, verify or re-prefill computed there.
+    """
+    device = torch.device(device)
+    cfg = model.config
+    num_tokens, block_size = len(token_ids), 16
+    num_blocks = -(-num_tokens // block_size)
+    attn = PagedAttention(KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                                  cfg.head_dim, next(model.parameters()).dtype, device),
+                          cfg.head_dim ** -0.5, batch_invariant=True)
+    attn.metadata = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device), max_query_len=num_tokens)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    hidden = model.forward(ids, torch.arange(num_tokens, device=device), attn)  # [num_tokens, hidden]
+    return model.compute_logits(hidden, batch_invariant=True).float()
+
+
 def _sequence_logprobs(model, prompt: list[int], response: list[int], sampling, device) -> list[float]:
     if not response:
         return []
@@ -148,22 +171,8 @@ def _sequence_logprobs(model, prompt: list[int], response: list[int], sampling, 
         stop_token_ids=frozenset(sampling.stop_token_ids), min_tokens=sampling.min_tokens,
         ignore_eos=sampling.ignore_eos, logprobs=True, logprobs_mode=sampling.logprobs_mode)
     seq = Sequence(req, cfg.eos_token_ids, cfg.max_position_embeddings)
-    num_tokens, block_size = seq.num_tokens, 16
-    num_blocks = -(-num_tokens // block_size)
-    # One prefill of the whole sequence: in batch-invariant mode every position's logits
-    # are those the rollout's decode, verify or re-prefill computed there.
-    attn = PagedAttention(KVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                                  cfg.head_dim, next(model.parameters()).dtype, device),
-                          cfg.head_dim ** -0.5, batch_invariant=True)
-    attn.metadata = AttentionMetadata(
-        slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device), max_query_len=num_tokens)
-    ids = torch.tensor(seq.token_ids, dtype=torch.int64, device=device)
-    hidden = model.forward(ids, torch.arange(num_tokens, device=device), attn)  # [num_tokens, hidden]
     first = len(prompt)
-    logits = model.compute_logits(hidden[first - 1:num_tokens - 1], batch_invariant=True).float()  # [len(response), vocab]
+    logits = sequence_logits(model, seq.token_ids, device)[first - 1:-1]  # [len(response), vocab]
     rows = SamplingRows()
     for j in range(len(response)):
         rows.add(req, first + j, seq.masked_token_ids(j))

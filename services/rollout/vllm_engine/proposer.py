@@ -43,6 +43,7 @@ class _Live:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    undrafted: bool = False  # the drafter failed on this request: it goes on without drafts
 
 
 class HistoryProposer:
@@ -55,6 +56,7 @@ class HistoryProposer:
         self._registered: dict[str, Registration] = {}
         self._live: dict[str, _Live] = {}
         self._finished: dict[str, tuple[int, int, int]] = {}
+        self.num_drafter_errors = 0
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner calls this on every drafter; there is no draft model."""
@@ -78,7 +80,7 @@ class HistoryProposer:
         for i, req_id in enumerate(req_ids):
             live = self._observe(req_id, sampled_token_ids[i] if i < len(sampled_token_ids) else [],
                                  int(num_tokens_no_spec[i]), token_ids_cpu[i])
-            if live is not None:
+            if live is not None and not live.undrafted:
                 rows.append(i)
                 max_lens.append(max(0, min(self.k, live.reg.end_len - int(num_tokens_no_spec[i]) - 1)))
                 stops.append(live.reg.stop_token_ids)
@@ -88,6 +90,7 @@ class HistoryProposer:
                 proposed = self.drafter.propose([req_ids[i] for i in rows], max_lens, stop_token_ids=stops)
             except Exception:  # noqa: BLE001 - a drafter bug costs speed, never a sample
                 log.exception("drafter.propose failed; this step goes undrafted")
+                self.num_drafter_errors += 1
                 proposed = [[] for _ in rows]
             for i, draft, cap in zip(rows, proposed, max_lens):
                 drafts[i] = [int(t) for t in draft[:cap]]
@@ -107,6 +110,7 @@ class HistoryProposer:
                 self.drafter.start_request(req_id, reg.prompt_id, context[:reg.prompt_len], context[reg.prompt_len:])
             except Exception:  # noqa: BLE001
                 log.exception("drafter.start_request failed for %s", req_id)
+                self.num_drafter_errors += 1
                 return None
             live = self._live[req_id] = _Live(reg, n)
             return live
@@ -115,11 +119,27 @@ class HistoryProposer:
             live.verify_steps += 1
             live.draft_tokens += live.last_draft
             live.accepted_tokens += accepted
-            self.drafter.record_acceptance(req_id, live.last_draft, accepted)
+            self._drafter_call(live, self.drafter.record_acceptance, req_id, live.last_draft, accepted)
         if n > live.seen:
-            self.drafter.add_tokens(req_id, [int(t) for t in row[live.seen:n]])
+            self._drafter_call(live, self.drafter.add_tokens, req_id, [int(t) for t in row[live.seen:n]])
             live.seen = n
         return live
+
+    def _drafter_call(self, live: _Live, method, req_id: str, *args) -> None:
+        """Calls the drafter for one request; if it raises, that request goes on without
+        drafts (logged and counted) instead of the exception reaching vLLM's step."""
+        if live.undrafted:
+            return
+        try:
+            method(req_id, *args)
+        except Exception:  # noqa: BLE001 - a drafter bug costs speed, never a sample
+            log.exception("drafter.%s failed for %s; it decodes without drafts", method.__name__, req_id)
+            self.num_drafter_errors += 1
+            live.undrafted = True
+            try:
+                self.drafter.stop_request(req_id)
+            except Exception:  # noqa: BLE001 - it may be half-started
+                pass
 
     def _retire(self, req_id: str) -> None:
         live = self._live.pop(req_id, None)

@@ -156,3 +156,39 @@ def test_re_pushing_the_serving_version_is_acknowledged(cluster):
             client.push_weights(1, weights(seed=2))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert all(w.policy_version == 1 for w in client.stats().workers)
+
+
+def test_a_worker_reached_directly_refuses_an_older_or_equal_version_with_other_bytes(cluster, tmp_path):
+    """The worker's own check, without the scheduler's in front of it (a tool that reaches
+    a worker directly, or a restarted scheduler with stale state): once version 2 serves,
+    version 2 with other bytes and version 1 are refused (pushed or loaded from a path),
+    the same bytes again are acknowledged, and version 2's weights keep serving."""
+    from rhymerl._calls import weight_chunks
+    from rhymerl.v1 import worker_pb2, worker_pb2_grpc
+
+    from services.rollout.loader import init_random_model, save_model
+    from services.rollout.models.config import ModelConfig
+
+    data = weights(seed=1)
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.push_weights(2, data) == 2
+        served = client.rollout("direct-before", prompts(2), n=2, sampling=GREEDY)
+    save_model(init_random_model(ModelConfig(**TINY), seed=3), tmp_path / "other")
+    address = cluster.scheduler.core.workers.workers["w0"].address
+    with grpc.insecure_channel(address) as channel:
+        worker = worker_pb2_grpc.WorkerServiceStub(channel)
+        for version, payload in ((2, weights(seed=2)), (1, weights(seed=2)), (1, data)):
+            with pytest.raises(grpc.RpcError) as err:
+                worker.PushWeights(weight_chunks(version, payload), timeout=120)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, version
+            assert err.value.details().startswith("version:")
+        for version in (1, 2):
+            with pytest.raises(grpc.RpcError) as err:
+                worker.LoadWeights(common_pb2.LoadWeightsRequest(version=version, path=str(tmp_path / "other")),
+                                   timeout=120)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, version
+        assert worker.PushWeights(weight_chunks(2, data), timeout=120).version == 2
+        assert worker.GetWorkerStats(worker_pb2.WorkerStatsRequest(), timeout=30).policy_version == 2
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        again = client.rollout("direct-after", prompts(2), n=2, sampling=GREEDY)
+    assert {s.key: s.token_ids for s in again.samples} == {s.key: s.token_ids for s in served.samples}

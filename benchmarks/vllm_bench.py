@@ -59,7 +59,7 @@ def run_row(engine_name: str, proposer: str, args) -> dict:
 
     settings = WorkerSettings(model_path=args.model_dir, engine=engine_name, device="cpu", dtype="float32",
                               max_num_seqs=256, speculative=proposer != "none", max_draft_len=args.draft_len,
-                              num_kv_blocks=4096)
+                              num_kv_blocks=4096 if engine_name == "rhymerl" else 0)  # vLLM sizes its own
     if engine_name == "vllm":
         from services.rollout.vllm_engine.builder import build_vllm_engine
 

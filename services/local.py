@@ -88,13 +88,14 @@ class LocalCluster:
             "RHYMERL_SCHEDULER_HISTORY_ADDRESS": history, "RHYMERL_SCHEDULER_POLICY": self.policy,
             "RHYMERL_SCHEDULER_CHUNK_TOKENS": self.chunk_tokens, "RHYMERL_SCHEDULER_REDIS_URL": self.redis_url})
         for name in self.workers:
-            self._spawn_service(name, "worker", {
+            engine = {**self.extra_env, **self.worker_env.get(name, {})}.get("RHYMERL_WORKER_ENGINE", "rhymerl")
+            kv_blocks = {} if engine == "vllm" else {"RHYMERL_WORKER_NUM_KV_BLOCKS": 1024}  # vLLM sizes its own
+            self._spawn_service(name, "worker", {**kv_blocks,
                 "RHYMERL_WORKER_HOST": "127.0.0.1", "RHYMERL_WORKER_PORT": self.ports[name],
                 "RHYMERL_WORKER_METRICS_PORT": self.metrics_ports[name], "RHYMERL_WORKER_ID": name,
                 "RHYMERL_WORKER_ADVERTISE_ADDRESS": f"127.0.0.1:{self.ports[name]}",
                 "RHYMERL_WORKER_MODEL_PATH": self.model_dir, "RHYMERL_WORKER_DEVICE": "cpu",
                 "RHYMERL_WORKER_DTYPE": "float32", "RHYMERL_WORKER_MAX_NUM_SEQS": 64,
-                "RHYMERL_WORKER_NUM_KV_BLOCKS": 1024,
                 "RHYMERL_WORKER_SCHEDULER_ADDRESS": self.scheduler_address,
                 "RHYMERL_WORKER_HISTORY_ADDRESS": history}, self.worker_env.get(name, {}))
         deadline = time.monotonic() + timeout_s

@@ -91,3 +91,26 @@ def test_bad_values_are_refused_naming_the_option_and_variable(toy):
     bad_env = runner.invoke(toy_app, ["run"], env={"TOY_PORT": "many"})
     assert bad_env.exit_code == 2 and "--port (TOY_PORT)" in bad_env.output
     assert not got
+
+
+
+@pytest.mark.parametrize("option,value", [("--batch-invariant", None), ("--num-kv-blocks", "512"),
+                                          ("--block-size", "32"), ("--no-measure-cost", None)])
+def test_a_setting_vllm_never_reads_is_refused_with_engine_vllm_naming_it(option, value, monkeypatch):
+    """batch_invariant promises bitwise results, num_kv_blocks / block_size size a cache and
+    measure_cost prices drafts: vLLM's engine reads none of them, so setting one with
+    --engine vllm (as an option or its environment variable) is refused naming it, not
+    accepted and ignored. Their defaults pass; rhymerl's engine takes the value."""
+    from services.rollout.settings import VLLM_IGNORES
+
+    name = option.removeprefix("--").removeprefix("no-").replace("-", "_")
+    assert name in VLLM_IGNORES
+    named = f"--{name.replace('_', '-')} (RHYMERL_WORKER_{name.upper()})"
+    result = CliRunner().invoke(app, ["worker", "--engine", "vllm", option, *([value] if value else [])])
+    assert result.exit_code == 2 and named in result.output and "--engine vllm" in result.output, result.output
+    monkeypatch.setenv(f"RHYMERL_WORKER_{name.upper()}", value or ("false" if option.startswith("--no-") else "true"))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        WorkerSettings(engine="vllm")
+    assert getattr(WorkerSettings(engine="rhymerl"), name) != WorkerSettings.model_fields[name].default
+    monkeypatch.delenv(f"RHYMERL_WORKER_{name.upper()}")
+    assert WorkerSettings(engine="vllm").engine == "vllm"

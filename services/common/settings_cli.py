@@ -49,7 +49,10 @@ def settings_command(app: typer.Typer, name: str, settings_cls: type[BaseSetting
                 settings = settings_cls(**{k: v for k, v in given.items() if v is not None})
             except ValidationError as err:  # a bad option or environment variable: say which, no traceback
                 for e in err.errors():
-                    field = str(e["loc"][0]) if e["loc"] else ""
+                    if not e["loc"]:  # a rule across settings: its message names them
+                        typer.echo(f"Error: {e['msg'].removeprefix('Value error, ')}", err=True)
+                        continue
+                    field = str(e["loc"][0])
                     typer.echo(f"Error: --{field.replace('_', '-')} ({env_var(settings_cls, field)}): {e['msg']}",
                                err=True)
                 raise typer.Exit(2) from None

@@ -3,10 +3,14 @@
 import socket
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.security import TLSSettings
+
+
+# Settings of rhymerl's own engine that vLLM's never reads (refused with engine=vllm).
+VLLM_IGNORES = ("batch_invariant", "num_kv_blocks", "block_size", "measure_cost")
 
 
 class WorkerSettings(TLSSettings):
@@ -67,6 +71,21 @@ class WorkerSettings(TLSSettings):
             raise ValueError("RHYMERL_WORKER_VLLM_MULTIPROCESSING=true is not supported: the vLLM worker runs "
                              "vLLM in-process only (docs/vllm.md)")
         return value
+
+    @model_validator(mode="after")
+    def _vllm_reads_no_engine_setting_of_ours(self) -> "WorkerSettings":
+        # vLLM's engine never reads these: accepting them would promise what it does not do
+        # (batch_invariant: bitwise results; vLLM sizes its own KV cache and blocks and
+        # prices no drafts). Their defaults pass; anything else is refused by name.
+        if self.engine != "vllm":
+            return self
+        for name in VLLM_IGNORES:
+            if getattr(self, name) != type(self).model_fields[name].default:
+                option = f"--{name.replace('_', '-')} (RHYMERL_WORKER_{name.upper()})"
+                raise ValueError(f"{option} = {getattr(self, name)!r} has no effect with --engine vllm "
+                                 f"(vLLM's engine never reads {name}): leave it at its default "
+                                 f"{type(self).model_fields[name].default!r} or use --engine rhymerl (docs/vllm.md)")
+        return self
 
     def worker_id(self, port: int) -> str:
         return self.id or f"{socket.gethostname()}:{port}"

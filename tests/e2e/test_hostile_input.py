@@ -135,9 +135,10 @@ def test_sdk_does_not_retry_resource_exhausted(cluster):
 
 def test_a_small_step_beside_a_huge_one_gets_its_share_and_health_answers(cluster):
     """A valid 16 x 4096-sample step must not starve another trainer's small step, and
-    the scheduler's health check keeps answering while it is admitted and runs. The small
-    step finishes while nearly all of the huge one is still to do (a hang guard bounds
-    the wait; no speed is assumed)."""
+    the scheduler's health check keeps answering while it is admitted and runs. Counted in
+    the scheduler's dispatch order, not in time: once the small step is submitted, each of
+    its samples starts before the huge one gets another fleet's worth of chunks (a hang
+    guard bounds the wait; no speed is assumed)."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     big_params = SamplingParams(temperature=1.0, max_tokens=64, seed=5, ignore_eos=True)
@@ -157,6 +158,18 @@ def test_a_small_step_beside_a_huge_one_gets_its_share_and_health_answers(cluste
                     health_errors.append(err.code())
                 stop.wait(0.1)
 
+    core, order = cluster.scheduler.core, []  # ("submit", step id) and each chunk's RequestKey, in order
+    start, submit = core.runs.start, core.submit
+
+    def logged_start(worker, assignments, now):
+        order.extend(a.request.key for a in assignments)
+        return start(worker, assignments, now)
+
+    async def logged_submit(req):
+        order.append(("submit", req.step_id))
+        return await submit(req)
+
+    core.runs.start, core.submit = logged_start, logged_submit
     threads = [threading.Thread(target=big, daemon=True), threading.Thread(target=probe, daemon=True)]
     for t in threads:
         t.start()
@@ -164,7 +177,11 @@ def test_a_small_step_beside_a_huge_one_gets_its_share_and_health_answers(cluste
     with RolloutClient(cluster.address, timeout_s=240, max_retries=0) as c:
         small = c.rollout("small", prompts(2, offset=900), n=2, sampling=GREEDY)
         assert len(small.samples) == 4 and all(s.finish_reason != "abort" for s in small.samples)
-        assert len(big_done) < 0.25 * 16 * 4096, "the small step waited for the huge one"
+        after = order[order.index(("submit", "small")) + 1:]
+        firsts = [i for i, key in enumerate(after) if key[0] == "small" and key not in after[:i]]
+        fleet = sum(w.state.capacity for w in core.workers.workers.values())
+        assert len(firsts) == 4
+        assert sum(key[0] == "huge" for key in after[:firsts[-1]]) < fleet, "the small step waited for the huge one"
         assert c.cancel_step("huge") > 0
     threads[0].join(300)
     stop.set()

@@ -32,6 +32,7 @@ class FakeLink:
     def __init__(self) -> None:
         self.generated = 0  # tokens produced, all workers
         self.chunks_started: Counter = Counter()  # RequestKey -> chunks sent
+        self.start_order: list = []  # the RequestKey of every chunk sent, in order
         self.poison: set[str] = set()  # prompt ids whose chunks fail the engine
         self.die_after: dict[str, int] = {}  # worker_id -> results before its Run calls break
         self.gate: asyncio.Event | None = None  # when set (not None), chunks wait for it
@@ -42,6 +43,7 @@ class FakeLink:
     async def run(self, worker, policy_version, chunks):
         for c in chunks:
             self.chunks_started[c.key] += 1
+            self.start_order.append(c.key)
         for c in chunks:
             await asyncio.sleep(0)
             if self.gate is not None:
@@ -103,6 +105,14 @@ def step(step_id: str, prompts: dict[str, list[int]], n: int, max_tokens: int = 
         step_id=step_id, n=n, sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=seed,
                                                                   logprobs=True),
         prompts=[common_pb2.Prompt(prompt_id=p, token_ids=t) for p, t in prompts.items()])
+
+
+async def dispatch_pass(core: SchedulerCore) -> None:
+    """Wakes the dispatch loop and returns once it has made a pass (a state, not a delay:
+    the loop clears its wake-up and places work in one go, with no await between)."""
+    core.wake()
+    while core._wake.is_set():
+        await asyncio.sleep(0)
 
 
 async def collect(run) -> tuple[list[rollout_pb2.SampleResult], rollout_pb2.StepSummary]:

@@ -170,7 +170,9 @@ def test_unknown_fair_share_mode_is_refused():
 @run_async
 async def test_a_small_step_gets_its_share_beside_a_huge_one(policy):
     """Every slot runs the huge step when the small one arrives: the small step's samples
-    start as soon as chunks end, not after the huge step's queue."""
+    start as soon as chunks end, not after the huge step's queue. Counted in chunks sent,
+    not in time: both small samples start before the huge step gets another fleet's
+    worth (8 slots) of chunks."""
     link = FakeLink()
     link.gate = asyncio.Event()
     core = make_core(link, capacity=4, policy=policy, chunk_size=2)
@@ -178,10 +180,13 @@ async def test_a_small_step_gets_its_share_beside_a_huge_one(policy):
     while core.runs.num_chunks < 8:
         await asyncio.sleep(0)
     small = await core.submit(step("small", {"q": [5, 5]}, n=2, max_tokens=40, seed=3))
+    sent_before = len(link.start_order)
     link.gate.set()
     samples, _ = await collect(small)
     assert len(samples) == 2
-    assert big.num_done < big.num_samples / 4, "the small step waited for the huge one"
+    after = [key.step_id for key in link.start_order[sent_before:]]
+    first_starts = [i for i, s in enumerate(after) if s == "small"][:2]
+    assert len(first_starts) == 2 and after[:first_starts[1]].count("big") < 8, "the small step waited for the huge one"
     await core.cancel("big")
     await collect(big)
     await core.stop()

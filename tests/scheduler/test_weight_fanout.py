@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -13,7 +12,7 @@ from services.common.redis_server import free_port
 from services.scheduler.serving import SETTLE_S
 from services.scheduler.weight_fanout import WeightFanout
 from tests.aio import run_async
-from tests.scheduler.fake_workers import FakeLink, collect, make_core, step
+from tests.scheduler.fake_workers import FakeLink, collect, dispatch_pass, make_core, step
 
 
 @run_async
@@ -62,8 +61,8 @@ async def test_an_unreadable_record_holds_dispatch_until_the_fleets_version_sett
     assert core.serving.unreadable and not core.serving.dispatchable
     core.register("w0", "fake:0", 4, 0, 96, 512)  # restarted on its initial weights: comes first
     run = await core.submit(step("s", {"p": [1, 2, 3]}, n=4))
-    await asyncio.sleep(0.05)  # the dispatch loop runs: it must send nothing
-    assert not link.chunks_started
+    await dispatch_pass(core)  # the dispatch loop has looked at the queue: it must send nothing
+    assert not link.chunks_started and not core.runs.num_chunks
     core.register("w1", "fake:1", 4, 3, 96, 512)
     assert core.policy_version == 3 and not link.chunks_started
     core.serving.settle([0, 3], nobody_serves=False, now=time.monotonic() + SETTLE_S + 1)

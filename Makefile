@@ -59,8 +59,14 @@ proto:
 run: install
 	$(PYTHON) -m devtools.local_run
 
-test: install install-vllm
-	$(PYTHON) -m pytest -q -ra
+test: install install-vllm peer
+	RHYMERL_REQUIRE_PEER=1 $(PYTHON) -m pytest -q -ra
+
+# vLLM's suffix-decoding peer (ArcticInference's C++ suffix tree), which the drafter tests
+# compare against: built once into ~/.cache/rhymerl/peers (about a minute), then a no-op.
+.PHONY: peer
+peer: install
+	$(PYTHON) -m benchmarks.peers.build_suffix_decoding
 
 test-fast: install
 	$(PYTHON) -m pytest -q -x -m "not slow"

@@ -6,6 +6,8 @@ results lose the issue's format."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -71,11 +73,13 @@ def test_one_replay_drives_ours_and_the_peer_on_the_same_steps():
 
 
 def test_the_real_peer_replays_if_built():
-    """vLLM's suffix method itself (built by make bench) runs through the replay."""
+    """vLLM's suffix method itself (built by `make test` and `make bench`) runs through the replay."""
     try:
         cache = load_peer()
     except PeerUnavailable as exc:
-        pytest.skip(f"peer not built: {exc}")
+        if os.environ.get("RHYMERL_REQUIRE_PEER"):  # make test built it: missing is a failure
+            pytest.fail(f"peer not built: {exc}")
+        pytest.skip(f"peer not built: {exc} (make peer)")
     traces = R.synthetic_traces(num_prompts=2, num_epochs=2, num_samples=3, seed=1)
     row = R.replay(traces, lambda: PeerSuffixDrafter(lambda: cache(MAX_TREE_DEPTH, 10_000)), R.stop_token(traces))
     assert row["num_tokens"] == sum(len(t.token_ids) for t in traces)

@@ -4,13 +4,13 @@ mode off and on, side by side in one run.
     python -m benchmarks.batch_invariant_bench                 # CPU (float32)
     python -m benchmarks.batch_invariant_bench --device cuda   # GPU (bf16)
 
-Writes benchmarks/results/batch_invariant.md and .json, and merges into
-benchmarks/results/engine.json (every other key kept):
-  "batch_invariant_mode": {"cpu_slowdown": x, "gpu_slowdown": y or null, ...}: the mode's
-      wall time over the default's on the GRPO-batch workload, per device kind; a device
-      this run did not measure keeps its earlier figure, or null with the reason;
-  "batch_invariant": whether the mode's check passed (a probe's logits bitwise equal
-      alone, in a batch, and under 8 and 16 verified drafts; engine_bench's check).
+Writes benchmarks/results/batch_invariant.md and .json (``--out``: the folder), this run's
+figures only (one file per run and device; a GPU run's go to its device's folder):
+  "batch_invariant_mode": {"cpu_slowdown": x, "gpu_slowdown": null, ...} (or the reverse on
+      a GPU): the mode's time over the default's on the GRPO-batch workload on this
+      device; the other device kind is null with the reason;
+  "checks": whether the mode's check passed (a probe's logits bitwise equal alone, in a
+      batch, and under 8 and 16 verified drafts; engine_bench's check), in both modes.
 
 Workloads (random weights; T = 1, seeded): a GRPO batch (8 prompts x 4 samples, 32-token
 prompts, 64 new tokens), decode at batch 1, and verify-heavy greedy decoding with drafts
@@ -129,26 +129,13 @@ def invariance_check(device: str) -> list[dict]:
             dict(mode="default", **batch_invariance(model, f"{device} model", batch_invariant=False))]
 
 
-def merge_into_engine_json(path: Path, device: str, rows: list[dict], checks: list[dict], meta: dict) -> dict:
-    """Adds this run's figures to engine.json without dropping any other key."""
-    data = json.loads(path.read_text()) if path.exists() else {}
-    section = data.get("batch_invariant_mode") or {}
-    kind = "gpu" if device == "cuda" else "cpu"
-    section[f"{kind}_slowdown"] = rows[0]["slowdown"]
-    section[f"{kind}_rows"] = rows
-    section[f"{kind}_device"] = meta["device"]
-    section.setdefault("gpu_slowdown", None)
-    if section["gpu_slowdown"] is None:
-        section["gpu_not_measured"] = GPU_NOT_MEASURED
-    else:
-        section.pop("gpu_not_measured", None)
-    section.update(headline=rows[0]["workload"], commit=meta["commit"], command=meta["command"])
-    data["batch_invariant_mode"] = section
-    mode_check = next(c for c in checks if c["mode"] == "batch-invariant")
-    data["batch_invariant"] = mode_check["invariant"]
-    data["batch_invariant_check"] = checks
-    path.write_text(json.dumps(data, indent=2) + "\n")
-    return section
+def mode_section(device: str, rows: list[dict], meta: dict) -> dict:
+    """The "batch_invariant_mode" figures of this run, on this device kind only."""
+    kind, other = ("gpu", "cpu") if device == "cuda" else ("cpu", "gpu")
+    return {f"{kind}_slowdown": rows[0]["slowdown"], f"{kind}_rows": rows, f"{kind}_device": meta["device"],
+            f"{other}_slowdown": None,
+            f"{other}_not_measured": GPU_NOT_MEASURED if other == "gpu" else "a GPU run measures the GPU only",
+            "headline": rows[0]["workload"], "commit": meta["commit"], "command": meta["command"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -171,16 +158,15 @@ def main(argv: list[str] | None = None) -> dict:
     checks = invariance_check(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    section = merge_into_engine_json(out / "engine.json", args.device, rows, checks, meta)
+    section = mode_section(args.device, rows, meta)
     table = markdown_table(rows, [("workload", "workload", "{}"), ("tokens", "tokens", "{}"),
                                   ("default s", "default_s", "{:.2f}"), ("batch-invariant s", "invariant_s", "{:.2f}"),
                                   ("slowdown", "slowdown", "{:.2f}x"), ("same tokens", "same_tokens", "{}")])
-    gpu = section.get("gpu_slowdown")
+    kind = "gpu" if args.device == "cuda" else "cpu"
     text = "\n".join([
         "# Batch-invariant mode: what it costs\n", f"- device: {meta['device']}", f"- commit: {meta['commit']}",
         f"- command: `{meta['command']}`", f"- torch {meta['torch']}\n",
-        f"cpu_slowdown: {section.get('cpu_slowdown', 'not measured')}; gpu_slowdown: "
-        f"{gpu if gpu is not None else 'not measured (' + GPU_NOT_MEASURED + ')'}\n",
+        f"{kind}_slowdown: {section[f'{kind}_slowdown']} (the other device kind: its own run and results folder)\n",
         "Seconds: " + ("wall time" if args.device == "cuda" else "CPU time of the process (one torch thread)")
         + f", fastest of {args.repeats} alternating runs per mode.\n", table, "",
         "Check (a probe's logits alone vs in a batch vs under 8 and 16 verified drafts, bit for bit):", "",

@@ -41,14 +41,6 @@ from services.rollout.loader import init_random_model
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _batch_invariant_mode_keys(path: Path) -> dict:
-    """The batch-invariant mode's figures, written by benchmarks/batch_invariant_bench.py:
-    kept across re-runs of this benchmark."""
-    keys = ("batch_invariant_mode", "batch_invariant", "batch_invariant_check")
-    old = json.loads(path.read_text()) if path.exists() else {}
-    return {k: old[k] for k in keys if k in old and "batch_invariant_mode" in old}
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -90,7 +82,6 @@ def main(argv: list[str] | None = None) -> dict:
     text = markdown(meta, summary, rows)
     (out / "engine.md").write_text(text)
     result = dict(**meta, **summary, rows=rows)
-    result.update(_batch_invariant_mode_keys(out / "engine.json"))
     (out / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
     print(text)
     unmeasured = [k for k in HEADLINE if result.get(k) is None or result[k] == {} or (

@@ -153,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         notes=[
             "Wall time is the trainer's rollout call (submit to the last sample), one system at a time, "
             "alternating which goes first.",
-            "Both systems sample the same policy with the same seeds; where the identical share is below 1, "
-            "floating-point differences between batch shapes (the kernels are not batch-invariant) made "
-            "the difference, not the speculation, which is lossless.",
+            "Both systems sample the same policy with the same seeds; the identical share counts the samples "
+            "whose tokens are the same in both. This run does not measure why any differ (docs/sampling.md "
+            "says what each worker mode guarantees).",
         ] + ([f"CPU timing on a machine shared with other jobs (load average {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} cores at the start): single epochs' ratios are noisy; the whole-run ratio is "
               f"the steadier figure."] if args.device == "cpu" else []))

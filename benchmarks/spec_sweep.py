@@ -180,7 +180,7 @@ def sweep_shape(name: str, model, records, batches, cuts, max_tokens: int, devic
                          speedup_vs_plain=1.0, identical_share=1.0))
         log(rows[-1])
         runs = [("history", history_engine, history_drafter)] + [
-            (f"oracle {k:g}", oracle_engine, lambda k=k: CutOracleDrafter(continuations, k)) for k in cuts]
+            (f"oracle {k:g}", oracle_engine, lambda k=k, c=continuations: CutOracleDrafter(c, k)) for k in cuts]
         for label, engine, make in runs:
             outputs, stats = timed(engine, make(), reqs)
             same = sum(outputs[k].token_ids == plain[k].token_ids for k in plain) / len(plain)

@@ -155,7 +155,9 @@ def widen_state(state: Mapping[str, Tensor], source: ModelConfig, shape: Shape, 
     def src(name: str) -> Tensor:
         return state[name].to(device=device, dtype=torch.float32)
 
-    ar = lambda n: torch.arange(n, device=device)  # noqa: E731
+    def ar(n: int) -> Tensor:
+        return torch.arange(n, device=device)
+
     dims = torch.cat([ar(d // 2) * r, ar(d // 2) * r + dn // 2])  # source dim -> target dim, within a head
     q_heads = [(h // G) * Gn + h % G for h in range(H)]
     q_rows = torch.cat([qh * dn + dims for qh in q_heads])  # [H * d]

@@ -74,11 +74,16 @@ def bundle(tmp_path_factory) -> Path:
     return out
 
 
-def offline(command: list[str]) -> list[str]:
+def offline(command: list[str], loopback: bool = False) -> list[str]:
     """The command in a namespace with no network when this machine allows it (pip runs
-    with --no-index either way)."""
+    with --no-index either way); with `loopback`, the namespace's loopback is up (the GPU
+    machine has one: the services talk over it)."""
     if shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
-        return ["unshare", "-n", *command]
+        if not loopback:
+            return ["unshare", "-n", *command]
+        if shutil.which("ip") and subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"],
+                                                 capture_output=True).returncode == 0:
+            return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
     return command
 
 
@@ -153,12 +158,13 @@ def test_the_campaign_rehearses_every_part_on_the_cpu(bundle, tmp_path):
     done = subprocess.run(offline([str(python), str(GPU / "launch.py"), "campaign", "--dry-run", "--budget-s", "1500",
                                    "--bundle", str(bundle), "--site", str(tmp_path / "site"), "--model-dir",
                                    str(tmp_path / "micro"), "--out", str(tmp_path / "out"), "--copy-to",
-                                   str(tmp_path / "copy")]), capture_output=True, text=True, timeout=1600, cwd=ROOT)
+                                   str(tmp_path / "copy")], loopback=True), capture_output=True, text=True,
+                          timeout=1600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((tmp_path / "copy" / "campaign.json").read_text())
     assert [(p["name"], p["status"]) for p in record["parts"]] == [
         ("engine_steps", "done"), ("cost_probe", "done"), ("spec_sweep", "done"), ("e2e", "done"),
-        ("gpu_tests", "done")]
+        ("gpu_tests", "done")], done.stdout[-4000:]
     for name in ("engine_steps", "cost_probe", "spec_sweep"):
         assert json.loads((tmp_path / "copy" / f"{name}.json").read_text())["dry_run"] is True
     sweep = json.loads((tmp_path / "copy" / "spec_sweep.json").read_text())

@@ -48,6 +48,10 @@ from services.rollout.models.widen import SHAPES, Shape, named_shape, widen_mode
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ORACLE_CUTS = (1.5, 2.5, 4.0)
+# issue 26's targets at the 1.5B shape: speedup vs plain, by drafter and batch
+TARGETS = {"history": {1: 1.0, 16: 1.0, 128: 1.0}, "oracle 1.5": {1: 2.2, 16: 2.0, 128: 1.3},
+           "oracle 2.5": {1: 3.0, 16: 2.8, 128: 1.5}}
+TARGET_SHAPE = "Qwen2.5-1.5B"
 COLUMNS = [("shape", "shape", "{}"), ("batch", "batch", "{}"), ("drafter", "drafter", "{}"),
            ("accepted/verify", "accepted_per_verify", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.0f}"),
            ("speedup", "speedup_vs_plain", "{:.2f}"), ("steps", "steps", "{}"), ("identical", "identical_share", "{:.2f}")]
@@ -204,6 +208,10 @@ def markdown(result: dict) -> str:
     if result.get("dry_run"):
         lines.append("**A dry run (tiny shapes, CPU): checks the sweep runs; not a measurement.**\n")
     lines.append(markdown_table(result["rows"], COLUMNS) + "\n")
+    lines.append("Targets (issue 26, 1.5B shape): " + "; ".join(
+        f"{t['drafter']} at batch {t['batch']}: {'>' if t['drafter'] == 'history' else '>='} {t['target']}x, "
+        + ("not measured" if t["measured"] is None else f"{t['measured']:.2f}x ({'met' if t['met'] else 'not met'})")
+        for t in result.get("targets", [])) + "\n")
     for name, check in result["forward_check"].items():
         lines.append(f"- {name}: forward ms widened / random weights: "
                      + ", ".join(f"batch {b}: {v['widened_ms']:.3f} / {v['random_ms']:.3f}"
@@ -241,7 +249,22 @@ def run(model_dir: str, shapes: dict[str, Shape], device: str, out: Path, batche
     return result
 
 
+def targets(rows: list[dict]) -> list[dict]:
+    """Each target of issue 26 beside its measured speedup (None with the reason when this run has no such row)."""
+    found = {(r["shape"], r["drafter"], r["batch"]): r["speedup_vs_plain"] for r in rows}
+    out = []
+    for drafter, by_batch in TARGETS.items():
+        for batch, target in by_batch.items():
+            measured = found.get((TARGET_SHAPE, drafter, batch))
+            out.append(dict(shape=TARGET_SHAPE, drafter=drafter, batch=batch, target=target, measured=measured,
+                            met=None if measured is None else measured > target if drafter == "history"
+                            else measured >= target,
+                            reason=None if measured is not None else "not measured in this run"))
+    return out
+
+
 def write(out: Path, result: dict) -> None:
+    result["targets"] = targets(result["rows"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "spec_sweep.md").write_text(markdown(result))

@@ -42,6 +42,26 @@ def is_namespace(path: Path) -> bool:
     return path.is_dir() and "." not in path.name and not (path / "__init__.py").exists()
 
 
+def with_dependencies(names: set[str], site: Path) -> set[str]:
+    """`names` and, recursively, what their copies here require (the image's packages come
+    with their own dependencies, whose names can differ between versions: this machine's
+    huggingface-hub needs httpx2, the image's httpx)."""
+    from packaging.requirements import Requirement
+
+    dists = {canonical(d.metadata["Name"]): d for d in importlib.metadata.distributions(path=[str(site)])}
+    wanted, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in wanted:
+            continue
+        wanted.add(name)
+        for line in (dists[name].requires or []) if name in dists else []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(canonical(req.name))
+    return wanted
+
+
 def gpu_like_python(root: Path) -> Path:
     """A venv whose site-packages holds links to this environment's copies of exactly the
     GPU image's packages (torch, triton, transformers, grpcio, protobuf, pytest, ...):
@@ -50,7 +70,7 @@ def gpu_like_python(root: Path) -> Path:
                    check=True)
     site = Path(sysconfig.get_paths(vars={"base": str(root), "platbase": str(root)})["purelib"])
     ours = Path(sysconfig.get_paths()["purelib"])
-    wanted = image_packages()
+    wanted = with_dependencies(image_packages(), ours)
     for dist in importlib.metadata.distributions(path=[str(ours)]):
         if canonical(dist.metadata["Name"]) not in wanted:
             continue

@@ -142,3 +142,20 @@ def test_results_record_the_bundles_commit_and_repository_relative_commands(tmp_
     assert launch.shown([sys.executable, "-m", "benchmarks.e2e_bench", "--out",
                          str(ROOT / "benchmarks/results/test-gpu"), "--junitxml", "/tmp/x.xml"]) == \
         "python3 -m benchmarks.e2e_bench --out benchmarks/results/test-gpu"
+
+
+@no_cuda
+def test_every_campaign_part_parses_its_arguments_and_without_cuda_says_so(tmp_path, capsys):
+    """The campaign's commands, exactly as the GPU window runs them: each parses and, with no
+    CUDA device, ends with one line and writes nothing (a typo in an argument would otherwise
+    cost a part of the window)."""
+    from benchmarks import cost_probe, e2e_bench, engine_steps, spec_sweep
+
+    mains = {"benchmarks.engine_steps": engine_steps.main, "benchmarks.cost_probe": cost_probe.main,
+             "benchmarks.spec_sweep": spec_sweep.main, "benchmarks.e2e_bench": e2e_bench.main}
+    for part in launch.CAMPAIGN[:-1]:
+        argv = part.args[2:] + ["--out", str(tmp_path)] + (["--budget-s", "60"] if part.name == "e2e" else [])
+        assert mains[part.args[1]](argv) == 2, part.name
+    assert not list(tmp_path.iterdir())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 4 and all("no CUDA device" in line and "nothing measured" in line for line in err)

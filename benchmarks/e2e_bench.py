@@ -2,6 +2,11 @@
 
     python -m benchmarks.e2e_bench                                 # CPU: 2 workers, the tiny policy
     python -m benchmarks.e2e_bench --device cuda --workers 4       # GPU (make e2e-gpu): workers share it
+    python -m benchmarks.e2e_bench --device cuda --workers 1 --widen Qwen2.5-1.5B   # at a real shape
+
+With --widen, the workers serve the policy widened to a real shape (services/rollout/models/
+widen.py: the same function at that shape's cost); the trainer keeps training the small
+checkpoint and every update it pushes is widened again before it reaches the workers.
 
 Two real systems side by side in one run, each as separate processes (services/local.py's
 LocalCluster: history with its redis-server, the scheduler, W rollout workers):
@@ -62,6 +67,42 @@ def epoch_row(epoch: int, base: TimedStep, ours: TimedStep) -> dict:
         aborted=base.num_aborted + ours.num_aborted, reward=None)  # the trainer's, once it has scored
 
 
+class WidenedPushes:
+    """The trainer's client, with every weight push widened to the workers' shape: the
+    trainer updates the small policy, the workers serve it at the real shape."""
+
+    def __init__(self, client, source, shape, device: str, dtype: str):
+        self.client, self.source, self.shape, self.device, self.dtype = client, source, shape, device, dtype
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def push_weights(self, version: int, data: bytes) -> int:
+        import safetensors.torch
+        import torch
+
+        from services.rollout.loader import read_safetensors
+        from services.rollout.models.widen import widen_state
+
+        wide = widen_state(read_safetensors(data), self.source, self.shape, seed=0, device=self.device,
+                           dtype=getattr(torch, self.dtype))
+        return self.client.push_weights(version, safetensors.torch.save({k: v.cpu() for k, v in wide.items()}))
+
+
+def model_shape(model_dir: str, widen: str | None) -> dict:
+    """The workers' model shape as e2e.json records it."""
+    from services.rollout.loader import read_config
+
+    c = read_config(model_dir)
+    layer = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim * c.hidden_size \
+        + c.num_attention_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    params = c.num_hidden_layers * layer + c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return dict(name=widen or Path(model_dir).name, widened=widen is not None, hidden_size=c.hidden_size,
+                intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                head_dim=c.head_dim, vocab_size=c.vocab_size, matrix_params=params)
+
+
 def cluster_env(args) -> dict[str, str]:
     """Worker settings beyond LocalCluster's CPU defaults (they win over its own)."""
     return {"RHYMERL_WORKER_DEVICE": args.device, "RHYMERL_WORKER_DTYPE": args.dtype,
@@ -118,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV-cache blocks of 16 tokens per worker")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no epoch after this many seconds (0: none)")
+    p.add_argument("--widen", help="serve the policy widened to this shape (Qwen2.5-0.5B, Qwen2.5-1.5B, or "
+                                    "NAME=hidden,intermediate,layers,heads,kv_heads,head_dim,vocab)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -140,14 +183,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"e2e_bench: no checkpoint at {model_dir}", file=sys.stderr)
         return 2
     recorded = {r.prompt_id: [int(t) for t in r.prompt_token_ids] for r in read_traces(RECORDED)}
+    tmp = tempfile.TemporaryDirectory(prefix="e2e-")
+    worker_dir, shape = model_dir, None
+    if args.widen:
+        import torch
+
+        from benchmarks.spec_sweep import parse_shape
+        from services.rollout.models.widen import widen_checkpoint
+
+        _, shape = parse_shape(args.widen)
+        worker_dir = str(Path(tmp.name, "widened"))
+        started = time.monotonic()
+        widen_checkpoint(model_dir, worker_dir, shape, seed=0, device=args.device, dtype=getattr(torch, args.dtype))
+        print(f"{model_dir} widened to {args.widen} in {time.monotonic() - started:.0f} s", flush=True)
     meta = dict(
         device=device_name, workers=args.workers, commit=git_commit(),
         command=" ".join(["python -m benchmarks.e2e_bench", *argv]),
         ratio_kind=f"a CPU ratio: both systems' workers and the trainer share {os.cpu_count()} CPU cores"
         if args.device == "cpu" else "GPU ratio: the workers share one GPU",
-        model=Path(model_dir).name, dtype=args.dtype,
+        model=Path(model_dir).name, dtype=args.dtype, model_shape=model_shape(worker_dir, args.widen),
         setting=f"{args.prompts} recorded prompts x {args.n} samples, max {args.max_tokens} tokens, T=1, "
-                f"{args.workers} workers per system, model {Path(model_dir).name} ({args.dtype}), "
+                f"{args.workers} workers per system, model {Path(model_dir).name}"
+                f"{f' widened to {args.widen}' if args.widen else ''} ({args.dtype}), "
                 f"GRPO updates between epochs (lr 2e-4, 2 updates, partial credit 0.5)",
         baseline="static placement, workers without speculation", rhymerl="rhymerl placement, history drafts",
         notes=[
@@ -167,12 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer = load_example("grpo_trainer")
     from rhymerl import RolloutClient
 
-    with tempfile.TemporaryDirectory(prefix="e2e-") as tmp:
+    with tmp:
         env = cluster_env(args)
-        base = LocalCluster(model_dir=model_dir, num_workers=args.workers, policy="static", log_dir=Path(tmp, "b"),
-                            extra_env={**env, "RHYMERL_WORKER_SPECULATIVE": "false"})
-        ours = LocalCluster(model_dir=model_dir, num_workers=args.workers, policy="rhymerl", log_dir=Path(tmp, "r"),
-                            extra_env=env)
+        base = LocalCluster(model_dir=worker_dir, num_workers=args.workers, policy="static",
+                            log_dir=Path(tmp.name, "b"), extra_env={**env, "RHYMERL_WORKER_SPECULATIVE": "false"})
+        ours = LocalCluster(model_dir=worker_dir, num_workers=args.workers, policy="rhymerl",
+                            log_dir=Path(tmp.name, "r"), extra_env=env)
         with base, ours, RolloutClient(base.scheduler_address) as b, RolloutClient(ours.scheduler_address) as r:
             print(f"both systems up after {time.monotonic() - start:.0f} s; {args.epochs} epochs", flush=True)
 
@@ -185,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                     raise TimeoutError(f"--budget-s {args.budget_s:.0f} reached after epoch {epoch}")
 
             client = PairedClient(b, r, recorded_prompts=recorded, on_epoch=on_epoch)
+            if shape is not None:
+                from services.rollout.loader import read_config
+
+                client = WidenedPushes(client, read_config(model_dir), shape, args.device, args.dtype)
             try:
                 stats = trainer.run(client, model_dir, steps=args.epochs, num_prompts=args.prompts, n=args.n,
                                     max_tokens=args.max_tokens, partial_credit=0.5, device=args.device,

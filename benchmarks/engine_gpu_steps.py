@@ -13,6 +13,7 @@ import torch
 from benchmarks.engine_run import request
 from services.common.cost_curve import H100_CURVES
 from services.rollout.engine import CostModel, LLMEngine
+from services.rollout.loader import init_random_model
 from services.rollout.models.config import ModelConfig
 from services.rollout.models.transformer import CausalLM
 
@@ -57,83 +58,72 @@ def random_model_cuda(config: ModelConfig) -> CausalLM:
     return model
 
 
-def gpu_part(context_len: int, num_steps: int) -> list[dict]:
+CASES = [(b, 0) for b in (1, 16, 64, 256)] + [(1, 16), (4, 16), (16, 8), (16, 15), (32, 7), (64, 3)]
+
+
+def gpu_part(context_len: int, num_steps: int, shapes: dict[str, ModelConfig] | None = None,
+             cases: list[tuple[int, int]] = CASES, device: str = "cuda", on_row=None) -> list[dict]:
+    """Per shape (default: Qwen2.5-0.5B and 1.5B) and (batch, draft) case: the engine step,
+    its CUDA-graph forward and the measured floor. `device="cpu"` (tiny shapes) only checks
+    that it runs; `on_row` sees each row as it is measured."""
     rows = []
-    cases = [(b, 0) for b in (1, 16, 64, 256)] + [(1, 16), (4, 16), (16, 8), (16, 15), (32, 7), (64, 3)]
-    for name in ("0.5B", "1.5B"):
-        model = random_model_cuda(qwen_shape(name))
-        floor = dict(H100_CURVES[name])
+    shapes = shapes or {name: qwen_shape(name) for name in ("0.5B", "1.5B")}
+    cuda = device == "cuda"
+    for name, config in shapes.items():
+        model = random_model_cuda(config) if cuda else init_random_model(config, seed=0)
+        floor = dict(H100_CURVES.get(name, {1: None}))
         for batch, draft in cases:
             max_tokens = 10 * num_steps
             blocks_per_seq = -(-(context_len + max_tokens + draft + 1) // 16)
-            engine = LLMEngine(model, device="cuda", max_num_seqs=batch, max_num_batched_tokens=8192,
+            engine = LLMEngine(model, device=device, max_num_seqs=batch, max_num_batched_tokens=8192,
                                num_kv_blocks=batch * blocks_per_seq + 1, block_size=16,
                                drafter=FixedDrafter(draft) if draft else None, speculative=bool(draft),
                                max_draft_len=max(draft, 1), cost_model=CostModel(tolerance=100.0))
             gen = torch.Generator().manual_seed(batch)
             for i in range(batch):
-                prompt = torch.randint(1, 150000, (context_len,), generator=gen).tolist()
+                prompt = torch.randint(1, config.vocab_size, (context_len,), generator=gen).tolist()
                 engine.add_request(request(i, prompt, i, 1.0, max_tokens))
             while any(s.num_uncomputed > 1 for s in engine.seqs.values()) or engine.num_waiting():
                 engine.step()  # prefill
             for _ in range(3):
                 engine.step()  # capture graphs, warm up
-            torch.cuda.synchronize()
+            _sync(device)
             start = time.perf_counter()
             for _ in range(num_steps):
                 engine.step()
-            torch.cuda.synchronize()
+            _sync(device)
             step_ms = (time.perf_counter() - start) / num_steps * 1e3
-            forward_ms = _graph_forward_ms(engine, batch, batch * (1 + draft), draft)
+            forward_ms = _graph_forward_ms(engine, batch, batch * (1 + draft), draft) if cuda else None
             tokens = batch * (1 + draft)
             floor_ms = _weight_chain_ms(model, batch) if draft == 0 else None
             rows.append(dict(part="gpu", model=name, batch=batch, draft=draft, tokens_per_forward=tokens,
                              forward_ms=forward_ms, step_ms=step_ms, measured_floor_ms=floor_ms,
-                             design_ms=CostModel(H100_CURVES[name]).step_ms(tokens),
-                             floor_ms={"0.5B": 0.34, "1.5B": 1.06}[name], design_m1_ms=floor[1]))
+                             design_ms=CostModel(H100_CURVES[name]).step_ms(tokens) if name in H100_CURVES else None,
+                             floor_ms={"0.5B": 0.34, "1.5B": 1.06}.get(name), design_m1_ms=floor[1]))
             print(rows[-1], flush=True)
+            if on_row is not None:
+                on_row(rows[-1])
             del engine
             gc.collect()  # the engine's CUDA graphs hold references back to it
-            torch.cuda.empty_cache()
+            if cuda:
+                torch.cuda.empty_cache()
         del model
         gc.collect()
     return rows
 
 
-@torch.inference_mode()
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _weight_chain_ms(model: CausalLM, batch: int, repeats: int = 20) -> float:
     """The measured floor of a decode step at this batch: every weight matrix of the model
     (all layers' projections and the LM head) multiplied by a [batch, in_features] input,
-    one after another, captured as one CUDA graph; the replay time in ms."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype) for w in weights}
-    outputs = [torch.empty(batch, w.shape[0], device=w.device, dtype=w.dtype) for w in weights]
+    one after another, captured as one CUDA graph (benchmarks/cost_probe.py); ms."""
+    from benchmarks.cost_probe import chain_ms
 
-    def chain() -> None:
-        for w, y in zip(weights, outputs):
-            torch.matmul(inputs[w.shape[1]], w.t(), out=y)
-
-    if not torch.device(weights[0].device).type == "cuda":  # only to check shapes off the GPU
-        start = time.perf_counter()
-        chain()
-        return (time.perf_counter() - start) * 1e3
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        chain()  # warm-up (cuBLAS handles, workspaces) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return chain_ms([m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)], batch, repeats)
 
 
 def _graph_forward_ms(engine: LLMEngine, batch: int, tokens: int, draft: int) -> float | None:

@@ -99,9 +99,10 @@ class GPURuntime:
         env["PYTHONUNBUFFERED"] = "1"
         # The bundle's commit names what was measured: a copy of the tree may carry a .git
         # whose HEAD is older than its files (seen on the lent H100: results said the
-        # session's first commit, "-dirty").
+        # session's first commit, "-dirty"). Recorded as it is (a short hash, "-dirty" when
+        # the bundle was built from a changed tree), so result files need no editing.
         if "RHYMERL_COMMIT" not in env and self.manifest.get("commit"):
-            env["RHYMERL_COMMIT"] = f"{self.manifest['commit']} (the bundle's; build it at the commit you run)"
+            env["RHYMERL_COMMIT"] = self.manifest["commit"]
         return env
 
     def python(self, code: str, timeout_s: float = 300) -> str:

@@ -5,6 +5,7 @@
     python3 deploy/gpu/launch.py bench           # make bench-gpu: every GPU figure of engine.json
     python3 deploy/gpu/launch.py e2e -- --workers 4 --epochs 4   # the end-to-end benchmark
     python3 deploy/gpu/launch.py train           # the `small` policy preset on the GPU
+    python3 deploy/gpu/launch.py campaign --budget-s 480 --copy-to $OUT   # one GPU window, in one call
 
 No apt, no pip index, no network: the bundle (`make gpu-bundle`, carried with the working
 tree) brings what the machine's `python3` lacks. Each mode prints what it does, writes its
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import signal
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_runtime import ROOT, GPURuntime, NotReady
@@ -38,6 +41,47 @@ MODES = {
     "e2e": PY + ["-m", "benchmarks.e2e_bench", "--device", "cuda"],
     "train": PY + ["-m", "benchmarks.tiny_llm.train_sft", "--preset", "small", "--device", "cuda",
                    "--out", "models/small", "--seed", "0"],
+    "campaign": None,
+}
+
+
+@dataclass
+class Part:
+    """One measurement of the campaign: its command (run from the repository root, with
+    `--out` added), the share of the budget by which it must have ended, and the signal
+    that makes it stop and keep what it has (the benchmarks write as they go and unwind on
+    SIGTERM; pytest writes its report on SIGINT)."""
+
+    name: str
+    args: list[str]
+    ends_at: float  # share of the budget
+    stop: int = signal.SIGTERM
+    out_flag: bool = True
+    min_s: float = 10.0  # not started with less time than this left
+
+
+TINY_SHAPE = "tiny=64,96,3,4,2,32,64"  # a dry run's target for the 32-wide micro policy of the rehearsal
+# Priority order: each part may run until its share of the budget has passed (an early
+# finish leaves the time to the next); the last 3% are for writing and copying.
+CAMPAIGN = [
+    Part("engine_steps", ["-m", "benchmarks.engine_steps", "--device", "cuda"], 0.27),
+    Part("cost_probe", ["-m", "benchmarks.cost_probe"], 0.34),
+    Part("spec_sweep", ["-m", "benchmarks.spec_sweep", "--device", "cuda", "--model-dir", "models/tiny"], 0.68),
+    Part("e2e", ["-m", "benchmarks.e2e_bench", "--device", "cuda", "--workers", "1", "--widen", "Qwen2.5-1.5B",
+                 "--model-dir", "models/tiny", "--epochs", "6", "--prompts", "16", "--n", "8", "--max-tokens", "384",
+                 "--max-num-seqs", "128", "--kv-blocks", "4096"], 0.91),
+    Part("gpu_tests", ["-m", "pytest", "-q", "-ra", "-m", "gpu", "-p", "no:cacheprovider", "tests"], 0.97,
+         stop=signal.SIGINT, out_flag=False),
+]
+# --dry-run (the CPU rehearsal): the same parts, tiny shapes, a checkpoint given by --model-dir.
+DRY_RUN = {
+    "engine_steps": ["-m", "benchmarks.engine_steps", "--dry-run"],
+    "cost_probe": ["-m", "benchmarks.cost_probe", "--dry-run"],
+    "spec_sweep": ["-m", "benchmarks.spec_sweep", "--device", "cpu", "--dry-run", "--shape", TINY_SHAPE,
+                   "--batches", "1,4", "--max-tokens", "16"],
+    "e2e": ["-m", "benchmarks.e2e_bench", "--device", "cpu", "--workers", "1", "--widen", TINY_SHAPE, "--epochs", "1",
+            "--prompts", "2", "--n", "2", "--max-tokens", "8"],
+    "gpu_tests": ["-m", "pytest", "-q", "-ra", "-m", "gpu", "-p", "no:cacheprovider", "tests/gpu"],
 }
 
 
@@ -52,8 +96,8 @@ def run(mode: str, runtime: GPURuntime, out: Path, extra: list[str]) -> None:
     if mode == "test":
         command += ["--junitxml", str(out / "gpu_tests.xml")]
     elif mode in ("bench", "e2e"):
-        command += ["--out", str(out)]
-    print(f"$ {' '.join(command)}", flush=True)
+        command += ["--out", relative(out)]
+    print(f"$ {shown(command)}", flush=True)
     start = time.monotonic()
     child = subprocess.Popen(command, cwd=ROOT, env=runtime.env())
     try:
@@ -66,7 +110,7 @@ def run(mode: str, runtime: GPURuntime, out: Path, extra: list[str]) -> None:
             except subprocess.TimeoutExpired:
                 child.kill()
     print(f"({mode}: exit {code} after {time.monotonic() - start:.0f} s)", flush=True)
-    summary = summarize_tests(out / "gpu_tests.xml", out, " ".join(command)) if mode == "test" else None
+    summary = summarize_tests(out / "gpu_tests.xml", out, shown(command)) if mode == "test" else None
     if mode == "train" and (ROOT / "models/small/train_log.json").exists():
         shutil.copy2(ROOT / "models/small/train_log.json", out / "train_small.json")
     if code != 0:
@@ -75,12 +119,36 @@ def run(mode: str, runtime: GPURuntime, out: Path, extra: list[str]) -> None:
         raise NotReady("the GPU test tier ran no test (all skipped or none collected)")
 
 
-def summarize_tests(xml: Path, out: Path, command: str) -> dict:
+def relative(path: Path) -> str:
+    """`path` relative to the repository root when it is inside it (what results record)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def shown(command: list[str]) -> str:
+    """The command as results record it: `python3` for this interpreter, paths inside the
+    repository relative to its root, a JUnit report (a temporary file) left out."""
+    words = []
+    for word in command:
+        if word == sys.executable:
+            word = "python3"
+        elif word.startswith("/"):
+            word = relative(Path(word))
+        words.append(word)
+    if "--junitxml" in words:
+        i = words.index("--junitxml")
+        del words[i:i + 2]
+    return " ".join(words)
+
+
+def summarize_tests(xml: Path, out: Path, command: str, interrupted: bool = False) -> dict:
     """gpu_tests.json / .md from pytest's JUnit XML: counts, and each test's outcome and time."""
     if not xml.exists():
         raise NotReady("pytest wrote no report (it did not start; its output is above)")
     tests = []
     for case in ET.parse(xml).getroot().iter("testcase"):
+        if case.get("name") is None:  # the test running when pytest was interrupted: no outcome
+            continue
         outcome, reason = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -90,11 +158,14 @@ def summarize_tests(xml: Path, out: Path, command: str) -> dict:
                           seconds=float(case.get("time") or 0), reason=reason))
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
     summary = dict(device=json.loads((out / "device.json").read_text())["device"], command=command,
-                   commit=_commit(), **counts, seconds=sum(t["seconds"] for t in tests), tests=tests)
+                   commit=_commit(), **counts, seconds=sum(t["seconds"] for t in tests), interrupted=interrupted,
+                   tests=tests)
     (out / "gpu_tests.json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = [f"# GPU test tier\n\n- device: {summary['device']}\n- commit: {summary['commit']}\n"
              f"- command: `{command}`\n- {', '.join(f'{v} {k}' for k, v in counts.items())} "
-             f"in {summary['seconds']:.0f} s\n", "| test | outcome | s | reason |", "|---|---|---|---|"]
+             f"in {summary['seconds']:.0f} s" + (" (stopped at the campaign's time limit: the tests not listed did "
+                                                  "not run)" if interrupted else "") + "\n",
+             "| test | outcome | s | reason |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} | {t['reason']} |" for t in tests]
     (out / "gpu_tests.md").write_text("\n".join(lines) + "\n")
     xml.unlink()
@@ -106,6 +177,93 @@ def _commit() -> str:
     from benchmarks.provenance import git_commit
 
     return git_commit()
+
+
+def run_part(command: list[str], env: dict, timeout_s: float, stop: int) -> tuple[int, bool]:
+    """Runs `command` for at most `timeout_s`; past it, `stop` asks it to end and keep what it
+    has (30 s), then its whole process group is killed. (exit code, whether it was cut)."""
+    child = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+    cut = False
+    try:
+        code = child.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        cut = True
+        code = None
+    finally:  # cut, or this launcher stopped (a time limit's SIGTERM): the part ends first
+        if child.poll() is None:
+            child.send_signal(stop)
+            try:
+                code = child.wait(30)
+            except subprocess.TimeoutExpired:
+                code = None
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # what it left running (servers of a killed benchmark)
+        except ProcessLookupError:
+            pass
+    return (child.wait() if code is None else code), cut
+
+
+def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path | None, dry_run: bool = False,
+             model_dir: str | None = None, parts: list[Part] = CAMPAIGN) -> dict:
+    """The parts in priority order, each until its share of the budget has passed;
+    campaign.json/.md and each part's results are written to `out` (and copied to
+    `copy_to`) the moment the part ends. Returns the campaign's record."""
+    env = runtime.env()
+    record = dict(device=json.loads((out / "device.json").read_text())["device"], commit=env.get("RHYMERL_COMMIT")
+                  or _commit(), command=f"python3 deploy/gpu/launch.py campaign --budget-s {budget_s:g}"
+                  + (" --dry-run" if dry_run else ""), budget_s=budget_s, dry_run=dry_run,
+                  environment_check_s=round(time.monotonic() - started, 1), parts=[])
+    print(f"environment checked in {record['environment_check_s']:.0f} s", flush=True)
+    for part in parts:
+        deadline = started + part.ends_at * budget_s
+        args = list(DRY_RUN[part.name] if dry_run else part.args)
+        if dry_run and part.name in ("spec_sweep", "e2e"):
+            args += ["--model-dir", model_dir]
+        if part.out_flag:
+            args += ["--out", relative(out)]
+        if part.name == "e2e":  # starts no epoch after this: the last one ends inside the slice
+            args += ["--budget-s", f"{max(1.0, (deadline - time.monotonic()) * 0.65):.0f}"]
+        if part.name == "gpu_tests":
+            args += ["--junitxml", str(out / "gpu_tests.xml")]
+        command = PY + args
+        entry = dict(name=part.name, command=shown(command), ends_by_s=round(deadline - started))
+        left = deadline - time.monotonic()
+        since = time.time()
+        if left < part.min_s:
+            entry.update(status="skipped", reason=f"{max(left, 0):.0f} s left of its slice")
+        else:
+            print(f"\n=== {part.name} (until {entry['ends_by_s']} s of {budget_s:g}) $ {entry['command']}", flush=True)
+            start = time.monotonic()
+            code, cut = run_part(command, env, left, part.stop)
+            entry.update(seconds=round(time.monotonic() - start, 1), exit=code,
+                         status="cut" if cut else "done" if code == 0 else "failed")
+            if part.name == "gpu_tests":
+                try:
+                    summary = summarize_tests(out / "gpu_tests.xml", out, entry["command"], interrupted=cut)
+                    entry["tests"] = {k: summary[k] for k in ("passed", "failed", "error", "skipped")}
+                    if summary["passed"] == 0:
+                        entry["reason"] = "no test ran (all skipped: no CUDA?)"
+                except NotReady as exc:
+                    entry["reason"] = str(exc)
+        entry["files"] = sorted(p.name for p in out.iterdir() if p.is_file() and p.stat().st_mtime >= since
+                                and not p.name.startswith("campaign."))
+        record["parts"].append(entry)
+        write_campaign(out, record)
+        print(f"=== {part.name}: {entry['status']} ({entry.get('seconds', 0):.0f} s): {' '.join(entry['files'])}",
+              flush=True)
+        if copy_to:
+            copy_results(out, since, copy_to)
+    return record
+
+
+def write_campaign(out: Path, record: dict) -> None:
+    (out / "campaign.json").write_text(json.dumps(record, indent=1) + "\n")
+    lines = [f"# GPU campaign\n\n- device: {record['device']}\n- commit: {record['commit']}\n"
+             f"- command: `{record['command']}`\n- environment check: {record['environment_check_s']} s\n",
+             "| part | status | s | until s | files |", "|---|---|---|---|---|"]
+    lines += [f"| {p['name']} | {p['status']}{' (' + p['reason'] + ')' if p.get('reason') else ''} | "
+              f"{p.get('seconds', '–')} | {p['ends_by_s']} | {' '.join(p['files'])} |" for p in record["parts"]]
+    (out / "campaign.md").write_text("\n".join(lines) + "\n")
 
 
 def copy_results(out: Path, since: float, dest: Path) -> None:
@@ -124,8 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundle", default=str(ROOT / ".gpu-bundle"))
     parser.add_argument("--site", help="where the bundle is installed (default: a folder in /tmp per bundle)")
     parser.add_argument("--copy-to", help="copy the result files this run wrote to this folder")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="campaign: end within this many seconds")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="campaign: the CPU rehearsal (tiny shapes, --model-dir, results to --out)")
+    parser.add_argument("--model-dir", help="campaign --dry-run: the checkpoint to widen")
+    parser.add_argument("--out", help="campaign --dry-run: the results folder")
     args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if args.dry_run and not (args.mode == "campaign" and args.model_dir and args.out):
+        parser.error("--dry-run is for `campaign`, with --model-dir and --out")
     start = time.time()
+    started = time.monotonic()
 
     def stopped(signum, frame):
         raise NotReady(f"stopped by signal {signum} (a time limit?); the results written so far are kept")
@@ -148,11 +314,23 @@ def main(argv: list[str] | None = None) -> int:
                 raise NotReady("the GPU test tier does not collect here (pytest's errors are above)")
             print("environment complete" + ("" if device["cuda_available"] else " (no CUDA device here)"))
             return 0
-        if not device["cuda_available"]:
+        if args.dry_run:
+            device["device"] = "CPU (campaign dry run)"
+            out = Path(args.out).resolve()
+        elif not device["cuda_available"]:
             raise NotReady(f"no CUDA device: torch {device['torch']} sees none (torch.cuda.is_available() is False)")
-        out = device_folder(device["device"])
+        else:
+            out = device_folder(device["device"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "device.json").write_text(json.dumps(device, indent=1) + "\n")
+        if args.copy_to:
+            copy_results(out, start, Path(args.copy_to))
+        if args.mode == "campaign":
+            record = campaign(runtime, out, args.budget_s, started, Path(args.copy_to) if args.copy_to else None,
+                              args.dry_run, args.model_dir)
+            if not any(p["status"] == "done" for p in record["parts"] if p["name"] != "gpu_tests"):
+                raise NotReady("the campaign measured nothing (campaign.md says why each part ended)")
+            return 0
         try:
             run(args.mode, runtime, out, extra)
         finally:

@@ -9,7 +9,9 @@ GPU window would be spent debugging the environment instead of measuring.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -40,6 +42,26 @@ def is_namespace(path: Path) -> bool:
     return path.is_dir() and "." not in path.name and not (path / "__init__.py").exists()
 
 
+def with_dependencies(names: set[str], site: Path) -> set[str]:
+    """`names` and, recursively, what their copies here require (the image's packages come
+    with their own dependencies, whose names can differ between versions: this machine's
+    huggingface-hub needs httpx2, the image's httpx)."""
+    from packaging.requirements import Requirement
+
+    dists = {canonical(d.metadata["Name"]): d for d in importlib.metadata.distributions(path=[str(site)])}
+    wanted, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in wanted:
+            continue
+        wanted.add(name)
+        for line in (dists[name].requires or []) if name in dists else []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(canonical(req.name))
+    return wanted
+
+
 def gpu_like_python(root: Path) -> Path:
     """A venv whose site-packages holds links to this environment's copies of exactly the
     GPU image's packages (torch, triton, transformers, grpcio, protobuf, pytest, ...):
@@ -48,7 +70,7 @@ def gpu_like_python(root: Path) -> Path:
                    check=True)
     site = Path(sysconfig.get_paths(vars={"base": str(root), "platbase": str(root)})["purelib"])
     ours = Path(sysconfig.get_paths()["purelib"])
-    wanted = image_packages()
+    wanted = with_dependencies(image_packages(), ours)
     for dist in importlib.metadata.distributions(path=[str(ours)]):
         if canonical(dist.metadata["Name"]) not in wanted:
             continue
@@ -72,11 +94,16 @@ def bundle(tmp_path_factory) -> Path:
     return out
 
 
-def offline(command: list[str]) -> list[str]:
+def offline(command: list[str], loopback: bool = False) -> list[str]:
     """The command in a namespace with no network when this machine allows it (pip runs
-    with --no-index either way)."""
+    with --no-index either way); with `loopback`, the namespace's loopback is up (the GPU
+    machine has one: the services talk over it)."""
     if shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
-        return ["unshare", "-n", *command]
+        if not loopback:
+            return ["unshare", "-n", *command]
+        if shutil.which("ip") and subprocess.run(["unshare", "-n", "ip", "link", "set", "lo", "up"],
+                                                 capture_output=True).returncode == 0:
+            return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
     return command
 
 
@@ -133,3 +160,35 @@ def test_the_bundled_redis_server_serves_the_history_store(bundle, monkeypatch):
         assert client.zrange("epochs", 0, -1, desc=True) == [b"b", b"a"]
         assert client.info("server")["redis_version"] == "6.2.14"
         client.close()
+
+
+def test_the_campaign_rehearses_every_part_on_the_cpu(bundle, tmp_path):
+    """`launch.py campaign --dry-run` in the GPU-like Python, offline: the environment
+    check, then each part of the GPU window (engine steps, the cost probe, the speedup
+    sweep over a policy widened to a tiny shape, e2e with widened pushes, the GPU tier)
+    on the CPU with tiny shapes; every part's results reach --copy-to, marked dry runs.
+    If this fails, the one call of the next GPU window would fail the same way."""
+    from benchmarks.tiny_llm import train_sft
+    from services.rollout.loader import init_random_model
+
+    micro = dataclasses.replace(train_sft.PRESETS["tiny"], hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    train_sft.save_checkpoint(init_random_model(train_sft.model_config(micro), seed=0), tmp_path / "micro")
+    python = gpu_like_python(tmp_path / "gpu-python")
+    done = subprocess.run(offline([str(python), str(GPU / "launch.py"), "campaign", "--dry-run", "--budget-s", "1500",
+                                   "--bundle", str(bundle), "--site", str(tmp_path / "site"), "--model-dir",
+                                   str(tmp_path / "micro"), "--out", str(tmp_path / "out"), "--copy-to",
+                                   str(tmp_path / "copy")], loopback=True), capture_output=True, text=True,
+                          timeout=1600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((tmp_path / "copy" / "campaign.json").read_text())
+    assert [(p["name"], p["status"]) for p in record["parts"]] == [
+        ("engine_steps", "done"), ("cost_probe", "done"), ("spec_sweep", "done"), ("e2e", "done"),
+        ("gpu_tests", "done")], done.stdout[-4000:]
+    for name in ("engine_steps", "cost_probe", "spec_sweep"):
+        assert json.loads((tmp_path / "copy" / f"{name}.json").read_text())["dry_run"] is True
+    sweep = json.loads((tmp_path / "copy" / "spec_sweep.json").read_text())
+    assert {r["drafter"] for r in sweep["rows"]} == {"plain", "history", "oracle 1.5", "oracle 2.5", "oracle 4"}
+    assert all(r["identical_share"] == 1.0 for r in sweep["rows"])  # speculation and widening are lossless
+    e2e = json.loads((tmp_path / "copy" / "e2e.json").read_text())
+    assert e2e["model_shape"]["widened"] and e2e["model_shape"]["hidden_size"] == 64 and e2e["aborted"] == 0

@@ -1,0 +1,323 @@
+"""How much faster does speculation make the engine at real model shapes?
+
+    python -m benchmarks.spec_sweep --device cuda          # the GPU campaign's sweep (docs/gpu.md)
+    python -m benchmarks.spec_sweep --dry-run ...          # the CPU rehearsal (tests/deploy): tiny shapes
+
+The tiny trained policy (models/tiny) widened to each shape (services/rollout/models/widen.py:
+the same function, a real shape's cost), on the recorded GRPO prompts of
+benchmarks/data/tiny_grpo_cpu.npz, T=1, stop at EOS, at batch 1, 16 and 128 (1 prompt x 1,
+4 x 4, 32 x 4 samples), each against plain decoding with the same seeds:
+
+- `history`: the HistoDrafter fed the recorded earlier epochs' responses (the policy's
+  rhyme), with the worker's default draft budget;
+- `oracle k`: the plain run's own tokens (the same seeds give the exact future) cut so that
+  k tokens (1.5, 2.5, 4 on average) are drafted, and accepted, per verify; the draft budget
+  is off. This measures the engine's conversion of acceptance into speed apart from the
+  policy's rhyme.
+
+Every configuration runs once untimed first (compiles, graph captures). Per row: tokens/s,
+speedup vs plain at that batch, accepted tokens per verify, steps, and the share of samples
+identical to plain. Per shape: the widened model's forward time beside a random-weight
+model's of the same shape (the widened one is partly exact zeros). Writes
+benchmarks/results/<device>/spec_sweep.{md,json} after each shape (a cut-short run keeps
+what it measured); --dry-run writes only to --out and marks the file as not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine_grpo import TRACES, grpo_requests
+from benchmarks.engine_run import ContinuationDrafter, run_engine
+from benchmarks.provenance import cpu_name, git_commit
+from benchmarks.report import markdown_table
+from services.rollout.drafter import HistoDrafter
+from services.rollout.engine import CostModel, LLMEngine
+from services.rollout.loader import init_random_model, load_model
+from services.rollout.models.base import DenseCausalAttention
+from services.rollout.models.widen import SHAPES, Shape, named_shape, widen_model, zero_share
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ORACLE_CUTS = (1.5, 2.5, 4.0)
+# issue 26's targets at the 1.5B shape: speedup vs plain, by drafter and batch
+TARGETS = {"history": {1: 1.0, 16: 1.0, 128: 1.0}, "oracle 1.5": {1: 2.2, 16: 2.0, 128: 1.3},
+           "oracle 2.5": {1: 3.0, 16: 2.8, 128: 1.5}}
+TARGET_SHAPE = "Qwen2.5-1.5B"
+COLUMNS = [("shape", "shape", "{}"), ("batch", "batch", "{}"), ("drafter", "drafter", "{}"),
+           ("accepted/verify", "accepted_per_verify", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.0f}"),
+           ("speedup", "speedup_vs_plain", "{:.2f}"), ("steps", "steps", "{}"), ("identical", "identical_share", "{:.2f}")]
+
+
+class SwitchDrafter:
+    """Delegates to `inner`, which the sweep swaps between runs (one engine, one set of
+    CUDA graphs, several drafters)."""
+
+    def __init__(self):
+        self.inner = None
+
+    def start_request(self, *a, **k):
+        return self.inner.start_request(*a, **k)
+
+    def add_tokens(self, *a, **k):
+        return self.inner.add_tokens(*a, **k)
+
+    def record_acceptance(self, *a, **k):
+        return self.inner.record_acceptance(*a, **k)
+
+    def stop_request(self, *a, **k):
+        return self.inner.stop_request(*a, **k)
+
+    def propose(self, *a, **k):
+        return self.inner.propose(*a, **k)
+
+
+class CutOracleDrafter(ContinuationDrafter):
+    """The known continuation, `per_verify` tokens per proposal on average (1.5: 1, 2, 1, 2, ...)."""
+
+    def __init__(self, continuations: dict[str, list[int]], per_verify: float):
+        super().__init__(continuations)
+        self.per_verify, self.proposals = per_verify, {}
+
+    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
+        drafts = []
+        for r, n in zip(request_ids, max_lens):
+            i = self.proposals.get(r, 0)
+            self.proposals[r] = i + 1
+            cut = math.floor((i + 1) * self.per_verify) - math.floor(i * self.per_verify)
+            drafts.append(self.continuations[r][self.done[r]:self.done[r] + min(n, cut)])
+        return drafts
+
+
+def widened(model_dir: str, shape: Shape, device: str, dtype: torch.dtype):
+    return widen_model(load_model(model_dir, "cpu", torch.float32), shape, seed=0, device=device, dtype=dtype)
+
+
+def random_like(config, device: str, dtype: torch.dtype):
+    if device == "cuda":
+        from benchmarks.engine_gpu_steps import random_model_cuda
+
+        return random_model_cuda(dataclasses.replace(config, dtype=str(dtype).removeprefix("torch.")))
+    return init_random_model(dataclasses.replace(config, dtype=str(dtype).removeprefix("torch.")), seed=1)
+
+
+@torch.inference_mode()
+def forward_ms(model, batch: int, repeats: int) -> float:
+    """One eager forward of `batch` one-token sequences plus the LM head, mean ms."""
+    device = model.lm_head.weight.device
+    ids = torch.randint(1, 40, (batch,), device=device)
+    attn = DenseCausalAttention(torch.arange(batch + 1, device=device))
+    positions = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def once():
+        model.compute_logits(model(ids, positions, attn))
+
+    once()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def history_of(records) -> dict[str, list[list[int]]]:
+    last = max(r.epoch for r in records)
+    history: dict[str, list[list[int]]] = {}
+    for r in records:
+        if r.epoch < last:
+            history.setdefault(r.prompt_id, []).append([int(t) for t in r.token_ids])
+    return history
+
+
+def sweep_shape(name: str, model, records, batches, cuts, max_tokens: int, device: str, log=print) -> list[dict]:
+    """Plain, history and oracle runs of `model` at each batch (T=1); one row per run."""
+    eos = tuple(model.config.eos_token_ids)
+    history = history_of(records)
+    switch = SwitchDrafter()
+    kw = dict(device=device, max_num_seqs=max(batches), max_num_batched_tokens=2048, block_size=16,
+              num_kv_blocks=max(batches) * (-(-(max_tokens + 600) // 16)) + 16, max_draft_len=16)
+    plain_engine = LLMEngine(model, speculative=False, **kw)
+    history_engine = LLMEngine(model, drafter=switch, speculative=True, **kw)
+    oracle_engine = LLMEngine(model, drafter=switch, speculative=True, cost_model=CostModel(tolerance=100.0), **kw)
+
+    def history_drafter():
+        d = HistoDrafter()
+        for prompt_id, responses in history.items():
+            d.load_history(prompt_id, responses)
+        return d
+
+    def timed(engine, inner, reqs):
+        switch.inner = inner
+        before = dataclasses.replace(engine.metrics.counters)
+        outputs, seconds = run_engine(engine, reqs)
+        c = engine.metrics.counters
+        drafts, accepted = c.num_drafts - before.num_drafts, c.num_accepted_tokens - before.num_accepted_tokens
+        return outputs, dict(seconds=seconds, steps=c.num_steps - before.num_steps, drafts=drafts,
+                             draft_tokens=c.num_draft_tokens - before.num_draft_tokens, accepted_tokens=accepted,
+                             accepted_per_verify=accepted / drafts if drafts else 0.0)
+
+    rows = []
+    for batch in batches:
+        samples = 4 if batch % 4 == 0 else 1  # 16: 4 prompts x 4 samples, 128: 32 x 4
+        prompts = batch // samples
+        reqs = grpo_requests(records, prompts, samples, 1.0, max_tokens, eos)
+        warm = grpo_requests(records, prompts, samples, 1.0, min(16, max_tokens), eos)
+        timed(plain_engine, None, warm)  # untimed first runs: compiles and captures out of the timings
+        plain, stats = timed(plain_engine, None, reqs)
+        continuations = {k: o.token_ids for k, o in plain.items()}
+        timed(history_engine, history_drafter(), warm)
+        timed(oracle_engine, CutOracleDrafter(continuations, cuts[0]), warm)
+        tokens = sum(len(o.token_ids) for o in plain.values())
+        base = dict(shape=name, batch=batch, tokens=tokens)
+        rows.append(dict(base, drafter="plain", **stats, tokens_per_s=tokens / stats["seconds"],
+                         speedup_vs_plain=1.0, identical_share=1.0))
+        log(rows[-1])
+        runs = [("history", history_engine, history_drafter)] + [
+            (f"oracle {k:g}", oracle_engine, lambda k=k, c=continuations: CutOracleDrafter(c, k)) for k in cuts]
+        for label, engine, make in runs:
+            outputs, stats = timed(engine, make(), reqs)
+            same = sum(outputs[k].token_ids == plain[k].token_ids for k in plain) / len(plain)
+            n = sum(len(o.token_ids) for o in outputs.values())
+            rows.append(dict(base, drafter=label, **stats, tokens_per_s=n / stats["seconds"],
+                             speedup_vs_plain=_plain(rows, name, batch)["seconds"] / stats["seconds"],
+                             identical_share=same))
+            log(rows[-1])
+    del plain_engine, history_engine, oracle_engine
+    return rows
+
+
+def _plain(rows: list[dict], shape: str, batch: int) -> dict:
+    return next(r for r in rows if r["shape"] == shape and r["batch"] == batch and r["drafter"] == "plain")
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Speculation at real model shapes (spec_sweep)\n",
+             f"- device: {result['device']}", f"- commit: {result['commit']}", f"- command: `{result['command']}`",
+             f"- setting: {result['setting']}\n"]
+    if result.get("dry_run"):
+        lines.append("**A dry run (tiny shapes, CPU): checks the sweep runs; not a measurement.**\n")
+    lines.append(markdown_table(result["rows"], COLUMNS) + "\n")
+    lines.append("Targets (issue 26, 1.5B shape): " + "; ".join(
+        f"{t['drafter']} at batch {t['batch']}: {'>' if t['drafter'] == 'history' else '>='} {t['target']}x, "
+        + ("not measured" if t["measured"] is None else f"{t['measured']:.2f}x ({'met' if t['met'] else 'not met'})")
+        for t in result.get("targets", [])) + "\n")
+    for name, check in result["forward_check"].items():
+        lines.append(f"- {name}: forward ms widened / random weights: "
+                     + ", ".join(f"batch {b}: {v['widened_ms']:.3f} / {v['random_ms']:.3f}"
+                                 for b, v in check["by_batch"].items())
+                     + f" ({check['zero_share']:.1%} of the widened weights are exact zeros)")
+    return "\n".join(lines) + "\n"
+
+
+def run(model_dir: str, shapes: dict[str, Shape], device: str, out: Path, batches=(1, 16, 128),
+        cuts=ORACLE_CUTS, max_tokens: int = 256, dry_run: bool = False, command: str = "") -> dict:
+    from services.common.traces import read_traces
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    records = read_traces(TRACES)
+    result = dict(
+        device=torch.cuda.get_device_name() if device == "cuda" else f"{cpu_name()} CPU", commit=git_commit(),
+        command=command, torch=torch.__version__, dry_run=dry_run, model_dir=Path(model_dir).name,
+        setting=f"T=1, stop at EOS, max {max_tokens} tokens, recorded prompts of {TRACES.name}, "
+                f"{str(dtype).removeprefix('torch.')}, the policy widened to each shape",
+        shapes={name: dataclasses.asdict(s) for name, s in shapes.items()}, rows=[], forward_check={})
+    for name, shape in shapes.items():
+        model = widened(model_dir, shape, device, dtype)
+        check = {"zero_share": zero_share(model), "by_batch": {}}
+        rand = random_like(model.config, device, dtype)
+        for b in (1, max(batches)):
+            check["by_batch"][b] = dict(widened_ms=forward_ms(model, b, 3 if dry_run else 20),
+                                        random_ms=forward_ms(rand, b, 3 if dry_run else 20))
+        del rand
+        result["forward_check"][name] = check
+        result["rows"] += sweep_shape(name, model, records, batches, cuts, max_tokens, device)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        write(out, result)
+    return result
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Each target of issue 26 beside its measured speedup (None with the reason when this run has no such row)."""
+    found = {(r["shape"], r["drafter"], r["batch"]): r["speedup_vs_plain"] for r in rows}
+    out = []
+    for drafter, by_batch in TARGETS.items():
+        for batch, target in by_batch.items():
+            measured = found.get((TARGET_SHAPE, drafter, batch))
+            out.append(dict(shape=TARGET_SHAPE, drafter=drafter, batch=batch, target=target, measured=measured,
+                            met=None if measured is None else measured > target if drafter == "history"
+                            else measured >= target,
+                            reason=None if measured is not None else "not measured in this run"))
+    return out
+
+
+def write(out: Path, result: dict) -> None:
+    result["targets"] = targets(result["rows"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "spec_sweep.md").write_text(markdown(result))
+
+
+def parse_shape(text: str) -> tuple[str, Shape]:
+    """A name of SHAPES, or NAME=hidden,intermediate,layers,heads,kv_heads,head_dim,vocab (tiny dry-run shapes)."""
+    if "=" in text:
+        name, dims = text.split("=", 1)
+        return name, Shape(*(int(x) for x in dims.split(",")))
+    return text, named_shape(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--model-dir", default="models/tiny")
+    p.add_argument("--shape", action="append", help=f"{sorted(SHAPES)} or NAME=7 dims (default: both)")
+    p.add_argument("--batches", default="1,16,128")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--dry-run", action="store_true", help="the CPU rehearsal: written to --out only, marked so")
+    p.add_argument("--out", help="results folder (default benchmarks/results/<device>/)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("spec_sweep --device cuda: no CUDA device (torch.cuda.is_available() is False); nothing measured",
+              file=sys.stderr)
+        return 2
+    if args.device == "cpu" and not args.dry_run:
+        print("spec_sweep: on a CPU only --dry-run (its timings say nothing about GPUs)", file=sys.stderr)
+        return 2
+    if args.dry_run and not args.out:
+        print("spec_sweep --dry-run: give --out (a dry run is never written into benchmarks/results)", file=sys.stderr)
+        return 2
+    from benchmarks.tiny_llm.checkpoint import ensure_model
+
+    ensure_model(args.model_dir)
+    out = Path(args.out) if args.out else RESULTS / _device_folder(torch.cuda.get_device_name())
+    shapes = dict(parse_shape(s) for s in (args.shape or sorted(SHAPES, reverse=True)))  # 1.5B first
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # a dry run on a shared machine
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: unwind
+    run(args.model_dir, shapes, args.device, out, tuple(int(b) for b in args.batches.split(",")),
+        max_tokens=args.max_tokens, dry_run=args.dry_run, command=" ".join(["python -m benchmarks.spec_sweep", *argv]))
+    print((out / "spec_sweep.md").read_text())
+    return 0
+
+
+def _device_folder(name: str) -> str:
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,7 +27,7 @@ SANITIZED = HERE / "libhisto_asan.so"
 COMMON = ["-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off", "-fno-exceptions", "-fno-rtti",
           "-fno-threadsafe-statics", "-Wall", "-Wextra"]
 RELEASE = ["-O2", "-static-libstdc++", "-static-libgcc", "-Wl,--as-needed", "-Wl,-z,defs", "-s"]
-SANITIZE = ["-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+SANITIZE = ["-DRHD_SANITIZE", "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 
 
 def compiler() -> str:

@@ -45,7 +45,9 @@ __thread Guard *current = nullptr;
 }  // namespace
 
 // Global allocation inside this library only (hidden, like every symbol not exported):
-// malloc, and out_of_memory() instead of throwing std::bad_alloc.
+// malloc, and out_of_memory() instead of throwing std::bad_alloc. Not in the sanitized
+// build (RHD_SANITIZE), where the sanitizer's own operators must pair every new and delete.
+#ifndef RHD_SANITIZE
 void *operator new(size_t n) {
   void *p = malloc(n ? n : 1);
   if (p == nullptr) out_of_memory();
@@ -57,6 +59,7 @@ void operator delete(void *p) noexcept { free(p); }
 void operator delete[](void *p) noexcept { free(p); }
 void operator delete(void *p, size_t) noexcept { free(p); }
 void operator delete[](void *p, size_t) noexcept { free(p); }
+#endif
 
 // What the standard containers call where they would throw: the same.
 namespace std {
@@ -1319,7 +1322,11 @@ static void *create_drafter(const Config &c, double *stats_arg) {
   return d;
 }
 
-RHD_EXPORT void rhd_destroy(void *h) { delete static_cast<Drafter *>(h); }
+RHD_EXPORT void rhd_destroy(void *h) {  // made by malloc + placement new in create_drafter
+  if (h == nullptr) return;
+  static_cast<Drafter *>(h)->~Drafter();
+  free(h);
+}
 
 RHD_EXPORT const char *rhd_last_error(void *h) {
   return h == nullptr ? "no drafter" : static_cast<Drafter *>(h)->error;

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
+import json
 import os
 import sys
 from array import array
@@ -38,6 +40,7 @@ from services.rollout.drafter.prompt_index import reward_factors
 from services.rollout.drafter.request_state import DrafterStats
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
+BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
 ABI_VERSION = 1
 MAX_TOKEN = 2**31 - 2  # token ids the core takes: [0, MAX_TOKEN]
@@ -80,8 +83,38 @@ class DrafterError(RuntimeError):
     """The core refused a call (its message says why) or ran out of memory."""
 
 
+DRAFTERS = ("compiled", "python")  # RHYMERL_WORKER_DRAFTER
+
+
+def make_drafter(kind: str, config: DrafterConfig | None = None, max_slots: int = 16384):
+    """The worker's drafter: "compiled" (CompiledDrafter; DrafterLibraryError if its library
+    is missing, never a silent fallback) or "python" (the reference HistoDrafter)."""
+    if kind == "compiled":
+        return CompiledDrafter(config, max_slots=max_slots)
+    if kind == "python":
+        from services.rollout.drafter.drafter import HistoDrafter
+
+        return HistoDrafter(config)
+    raise ValueError(f"drafter must be one of {DRAFTERS}, not {kind!r}")
+
+
 def library_path() -> Path:
-    return Path(os.environ.get(LIBRARY_ENV) or LIBRARY)
+    """$RHYMERL_DRAFTER_LIBRARY, else the build of `make install`, else the GPU bundle's
+    copy (`make gpu-bundle`: lib/libhisto.so, checked against its manifest on load)."""
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    if not LIBRARY.exists() and BUNDLED.exists():
+        return BUNDLED
+    return LIBRARY
+
+
+def _check_bundled(path: Path) -> None:
+    """The bundle's copy must be the one its manifest lists (size and SHA-256)."""
+    manifest = json.loads((path.parent.parent / "manifest.json").read_text())
+    entry = manifest.get("files", {}).get("lib/libhisto.so")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if entry is None or entry.get("sha256") != digest:
+        raise DrafterLibraryError(f"{path} does not match its bundle's manifest: rebuild it (`make gpu-bundle`)")
 
 
 def load_library(path: str | Path | None = None) -> ctypes.CDLL:
@@ -99,11 +132,13 @@ def load_library(path: str | Path | None = None) -> ctypes.CDLL:
         raise DrafterLibraryError(f"the compiled drafter library {path} is missing: run `make install` "
                                   "(or set RHYMERL_WORKER_DRAFTER=python)")
     try:
+        if path == BUNDLED:
+            _check_bundled(path)
         lib = ctypes.CDLL(key)
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes
-    except (OSError, AttributeError) as exc:
+    except (OSError, AttributeError, ValueError) as exc:
         raise DrafterLibraryError(f"the compiled drafter library {path} does not load ({exc}): "
                                   "run `make install`") from None
     if lib.rhd_abi_version() != ABI_VERSION:

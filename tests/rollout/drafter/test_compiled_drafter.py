@@ -220,3 +220,37 @@ def test_sanitized_build_runs_the_property_tests_clean():
               "[fuzz_ops.fuzz(s) for s in range(4)]; print('clean')")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0 and "clean" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_the_bundled_copy_is_checked_against_its_manifest(tmp_path):
+    from services.rollout.drafter.compiled import _check_bundled
+
+    lib = tmp_path / "lib" / "libhisto.so"
+    lib.parent.mkdir()
+    shutil.copy(LIBRARY, lib)
+    digest = __import__("hashlib").sha256(lib.read_bytes()).hexdigest()
+    (tmp_path / "manifest.json").write_text(f'{{"files": {{"lib/libhisto.so": {{"sha256": "{digest}"}}}}}}')
+    _check_bundled(lib)
+    (tmp_path / "manifest.json").write_text('{"files": {"lib/libhisto.so": {"sha256": "0"}}}')
+    with pytest.raises(DrafterLibraryError, match="gpu-bundle"):
+        _check_bundled(lib)
+
+
+@pytest.mark.parametrize("drafter, refused", [("compiled", True), ("python", False)])
+def test_a_worker_without_its_library_refuses_to_start_in_one_line(tmp_path, drafter, refused):
+    """RHYMERL_WORKER_DRAFTER=compiled (the default) and no library: the worker exits at
+    once with one line naming `make install`, before loading a model; never a silent
+    fallback. With the Python drafter it goes on (and fails later, on the missing model)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RHYMERL_DRAFTER_LIBRARY=str(tmp_path / "missing.so"),
+               RHYMERL_WORKER_DRAFTER=drafter, RHYMERL_WORKER_MODEL_PATH=str(tmp_path / "no-model"),
+               RHYMERL_WORKER_PORT="0", RHYMERL_WORKER_METRICS_PORT="0")
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "worker"], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "make install" in line]
+    if refused:
+        assert len(lines) == 1 and lines[0].startswith("rhymerl worker: ") and "Traceback" not in proc.stderr, \
+            proc.stderr
+        assert "loading" not in proc.stderr.split("make install")[0].split("\n")[-1]
+    else:
+        assert not lines, proc.stderr

@@ -28,8 +28,12 @@ import json
 import os
 import sys
 from array import array
+from itertools import accumulate, chain, repeat
+from operator import is_not
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from struct import Struct
+from struct import error as StructError
 
 import numpy as np
 
@@ -43,7 +47,7 @@ LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
 BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
 ABI_VERSION = 1
-MAX_TOKEN = 2**31 - 2  # token ids the core takes: [0, MAX_TOKEN]
+MAX_TOKEN = 2**31 - 1  # token ids the core takes: [0, MAX_TOKEN] (an int32's)
 _INT31 = 2**31 - 1
 _STATS = 6  # RHD_STAT_COUNT
 _NO_STOPS: frozenset[int] = frozenset()
@@ -209,6 +213,7 @@ class CompiledDrafter:
         self._out_tokens = np.zeros(max_slots * k, dtype=np.int32)
         self._out_gains = np.zeros(max_slots * k, dtype=np.float64)
         self._out_lens = np.zeros(max_slots, dtype=np.int32)
+        self._packs: dict[int, tuple[Struct, Struct]] = {}  # per batch size: the inputs' packers
         addrs = (self._in_slots.ctypes.data, self._in_lens.ctypes.data, self._out_tokens.ctypes.data,
                  self._out_gains.ctypes.data, self._out_lens.ctypes.data)
         propose, commit = lib.rhd_propose, lib.rhd_commit
@@ -341,22 +346,20 @@ class CompiledDrafter:
         toks = self._toks
         before = len(toks)
         try:
-            toks.extend(token_ids)
+            toks.extend(token_ids)  # an int32 array: OverflowError past 2^31 - 1
+            if len(toks) > before and min(toks[before:]) < 0:
+                raise OverflowError("a token id is negative")
         except (TypeError, OverflowError) as exc:
             del toks[before:]
-            raise ValueError(f"token_ids: {exc}") from None
-        n = len(toks) - before
-        if n and (min(toks[before:]) < 0 or max(toks[before:]) > MAX_TOKEN):
-            del toks[before:]
-            raise ValueError(f"token_ids: a token id is out of range [0, {MAX_TOKEN}]")
-        self._ops.extend((1, slot, n, 0))
+            raise ValueError(f"token_ids: {exc} (token ids are in [0, {MAX_TOKEN}])") from None
+        self._ops.extend((1, slot, len(toks) - before, 0))
 
     def record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """Stages how much of the request's last draft was accepted (applied at `flush`)."""
         slot = self._slots.get(request_id)
         if slot is None:
             raise UnknownRequestError(request_id)
-        if not (0 <= num_draft <= _INT31 and 0 <= num_accepted <= _INT31):
+        if num_draft < 0 or num_accepted < 0 or num_draft > _INT31 or num_accepted > _INT31:
             raise ValueError("num_draft and num_accepted must be in [0, 2^31)")
         self._ops.extend((0, slot, num_draft, num_accepted))
 
@@ -399,25 +402,24 @@ class CompiledDrafter:
             raise ValueError("max_lens and stop_token_ids must have one entry per request")
         if n > self.max_slots:
             raise ValueError(f"{n} requests in one propose, more than the {self.max_slots} slots")
-        slots = self._slots
         try:
-            ids = [slots[r] for r in request_ids]
+            ids = list(map(self._slots.__getitem__, request_ids))
         except KeyError as exc:
             raise UnknownRequestError(exc.args[0]) from None
         self.flush()
         cached = self._slot_stops
         if stop_token_ids is None:
-            for slot in ids:
-                if cached[slot] is not _NO_STOPS:
-                    self._set_stops(slot, _NO_STOPS)
-        else:
-            for slot, stops in zip(ids, stop_token_ids):
+            stop_token_ids = repeat(_NO_STOPS, n)
+        if any(map(is_not, map(cached.__getitem__, ids), stop_token_ids)):  # the stop sets changed
+            for slot, stops in zip(ids, stop_token_ids if not isinstance(stop_token_ids, repeat)
+                                   else repeat(_NO_STOPS, n)):
                 if cached[slot] is not stops:
                     self._set_stops(slot, stops)
-        self._in_slots[:n] = ids
+        packs = self._packs.get(n) or self._packs.setdefault(n, (Struct(f"{n}i"), Struct(f"{n}q")))
+        packs[0].pack_into(self._in_slots, 0, *ids)  # a few times faster than numpy's from a list
         try:
-            self._in_lens[:n] = max_lens
-        except (OverflowError, TypeError, ValueError) as exc:
+            packs[1].pack_into(self._in_lens, 0, *max_lens)
+        except (StructError, TypeError) as exc:
             raise ValueError(f"max_lens: {exc}") from None
         cfg = self._config
         min_gain = cfg.min_gain
@@ -428,12 +430,9 @@ class CompiledDrafter:
         if rc < 0:
             self._check(rc)
         lens = self._out_lens[:n].tolist()
-        flat = self._out_tokens[:sum(lens)].tolist()
-        drafts, pos = [], 0
-        for length in lens:
-            drafts.append(flat[pos:pos + length])
-            pos += length
-        return drafts
+        ends = list(accumulate(lens))
+        flat = self._out_tokens[:ends[-1] if ends else 0].tolist()
+        return list(map(flat.__getitem__, map(slice, chain((0,), ends), ends)))
 
     def _set_stops(self, slot: int, stops) -> None:
         values = np.fromiter((t for t in stops if 0 <= t <= MAX_TOKEN), dtype=np.int32)

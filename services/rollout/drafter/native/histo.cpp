@@ -558,6 +558,18 @@ struct Walk {
     n = kept;
     return true;
   }
+  void reset() {  // as new, keeping the buffers' memory
+    n = 0;
+    gain = 0.0;
+    calibration = 1.0;
+    cap = num = 0;
+    stops = nullptr;
+    done = true;
+    toks.clear();
+    gains.clear();
+    replay = 0;
+    materialized = false;
+  }
   void materialize(const Params &pp) {
     int32_t t;
     double g;
@@ -1090,8 +1102,8 @@ struct Drafter {
     }
   }
 
-  bool make_walk(Slot &s, int64_t cap, double min_gain, const Params &pp, Walk &w) {  // HistoDrafter._walk
-    w = Walk();
+  bool make_walk(Slot &s, int64_t cap, Walk &w) {  // HistoDrafter._walk
+    w.reset();
     if (cap <= 0) return false;
     PromptIndex &entry = *prompts.find(s.prompt)->second;
     int64_t num_tokens = (int64_t)s.seq.tokens.size();
@@ -1115,10 +1127,13 @@ struct Drafter {
     w.cap = cap;
     w.stops = &s.stops;
     w.done = false;
-    (void)min_gain;
-    (void)pp;
     return true;
   }
+
+  // Scratch of propose, reused from call to call: row i holds request i's draft.
+  std::vector<int32_t> sc_tok, sc_len, sc_keep;
+  std::vector<double> sc_gain, sc_bound, sc_ranked;
+  std::vector<char> sc_has, sc_pending;
 
   void propose(int32_t n, const int32_t *slot_ids, const int64_t *max_lens, int64_t budget, double min_gain,
                int32_t *out_tokens, double *out_gains, int32_t *out_lens) {
@@ -1127,6 +1142,7 @@ struct Drafter {
       invalid("bad propose arrays");
     if (!(min_gain == min_gain)) invalid("min_gain is NaN");
     for (int32_t i = 0; i < n; ++i) live_slot(slot_ids[i]);
+    const size_t K = (size_t)std::max<int64_t>(1, cfg.max_draft_len), N = (size_t)n;
     Params pp{cfg.smoothing, cfg.backoff, min_gain, cfg.min_match_len, cfg.neumaier};
     bool lazy = true;
     if (global)
@@ -1134,72 +1150,78 @@ struct Drafter {
         const Slot &s = slots[(size_t)slot_ids[i]];
         if (s.has_glob && s.glob.flips != global->flips) lazy = false;
       }
-    if ((int32_t)walks.size() < n) walks.resize((size_t)n);
-    std::vector<char> has((size_t)n, 0);
-    std::vector<double> bounds((size_t)n, 0.0);
-    for (int32_t i = 0; i < n; ++i) {
+    if (walks.size() < N) walks.resize(N);
+    sc_tok.resize(N * K);
+    sc_gain.resize(N * K);
+    sc_len.assign(N, 0);
+    sc_bound.assign(N, 0.0);
+    sc_has.assign(N, 0);
+    for (size_t i = 0; i < N; ++i) {
       Slot &s = slots[(size_t)slot_ids[i]];
       int64_t cap = std::min(max_lens[i], cfg.max_draft_len);
-      has[(size_t)i] = make_walk(s, cap, min_gain, pp, walks[(size_t)i]);
-      if (has[(size_t)i]) {
-        bounds[(size_t)i] = walks[(size_t)i].gain * 0.99;
-        if (!lazy) walks[(size_t)i].materialize(pp);
+      sc_has[i] = make_walk(s, cap, walks[i]);
+      if (sc_has[i]) {
+        sc_bound[i] = walks[i].gain * 0.99;
+        if (!lazy) walks[i].materialize(pp);
       }
     }
     // budget.draft_within_budget
-    std::vector<std::vector<int32_t>> drafts((size_t)n);
-    std::vector<std::vector<double>> gains((size_t)n);
     int32_t t;
     double g;
     if (budget < 0) {
-      for (int32_t i = 0; i < n; ++i)
-        if (has[(size_t)i])
-          while (walks[(size_t)i].step(pp, t, g)) { drafts[(size_t)i].push_back(t); gains[(size_t)i].push_back(g); }
+      for (size_t i = 0; i < N; ++i)
+        if (sc_has[i])
+          while (walks[i].step(pp, t, g)) {
+            sc_tok[i * K + (size_t)sc_len[i]] = t;
+            sc_gain[i * K + (size_t)sc_len[i]++] = g;
+          }
     } else if (budget > 0) {
       typedef std::pair<double, int32_t> Key;
       std::priority_queue<Key, std::vector<Key>, std::greater<Key>> heap;
-      for (int32_t i = 0; i < n; ++i)
-        if (has[(size_t)i]) heap.push(Key(-bounds[(size_t)i], i));
-      std::vector<char> pending((size_t)n, 0);
+      for (size_t i = 0; i < N; ++i)
+        if (sc_has[i]) heap.push(Key(-sc_bound[i], (int32_t)i));
+      sc_pending.assign(N, 0);
       int64_t taken = 0;
       bool have_cut = false;
       double cut = 0.0;
       while (!heap.empty() && (!have_cut || -heap.top().first >= cut)) {
         Key key = heap.top();
         heap.pop();
-        int32_t i = key.second;
-        if (pending[(size_t)i]) {
-          pending[(size_t)i] = 0;
+        size_t i = (size_t)key.second;
+        if (sc_pending[i]) {
+          sc_pending[i] = 0;
           taken += 1;
           if (taken == budget) { have_cut = true; cut = -key.first; }
         }
-        if (walks[(size_t)i].step(pp, t, g)) {
-          drafts[(size_t)i].push_back(t);
-          gains[(size_t)i].push_back(g);
-          pending[(size_t)i] = 1;
-          heap.push(Key(-g, i));
+        if (walks[i].step(pp, t, g)) {
+          sc_tok[i * K + (size_t)sc_len[i]] = t;
+          sc_gain[i * K + (size_t)sc_len[i]++] = g;
+          sc_pending[i] = 1;
+          heap.push(Key(-g, (int32_t)i));
         }
       }
-      for (int32_t i = 0; i < n; ++i)
-        if (pending[(size_t)i]) { drafts[(size_t)i].pop_back(); gains[(size_t)i].pop_back(); }
-      trim_to_budget(drafts, gains, budget);
+      for (size_t i = 0; i < N; ++i)
+        if (sc_pending[i]) --sc_len[i];
+      trim_to_budget(N, K, budget);
     }
     // HistoDrafter._account, and the output
     int64_t num_tokens = 0, pos = 0;
     PySum total(cfg.neumaier);
-    for (int32_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < N; ++i) {
       Slot &s = slots[(size_t)slot_ids[i]];
-      s.last_gains = gains[(size_t)i];
-      int32_t len = (int32_t)drafts[(size_t)i].size();
+      const int32_t len = sc_len[i];
+      const double *gains = sc_gain.data() + i * K;
+      s.last_gains.assign(gains, gains + len);
       out_lens[i] = len;
-      std::copy(drafts[(size_t)i].begin(), drafts[(size_t)i].end(), out_tokens + pos);
-      std::copy(gains[(size_t)i].begin(), gains[(size_t)i].end(), out_gains + pos);
+      std::copy(sc_tok.data() + i * K, sc_tok.data() + i * K + len, out_tokens + pos);
+      std::copy(gains, gains + len, out_gains + pos);
       pos += len;
       num_tokens += len;
-      if (len == 0) num_empty += 1;
-      else {
+      if (len == 0) {
+        num_empty += 1;
+      } else {
         PySum inner(cfg.neumaier);
-        for (double x : gains[(size_t)i]) inner.add(x);
+        for (int32_t k = 0; k < len; ++k) inner.add(gains[k]);
         total.add(inner.get());
       }
     }
@@ -1211,30 +1233,28 @@ struct Drafter {
     num_draft_tokens += num_tokens;
   }
 
-  static void trim_to_budget(std::vector<std::vector<int32_t>> &drafts, std::vector<std::vector<double>> &gains,
-                             int64_t budget) {  // budget.trim_to_budget
+  void trim_to_budget(size_t N, size_t K, int64_t budget) {  // budget.trim_to_budget, over the rows
     int64_t total = 0;
-    for (auto &d : drafts) total += (int64_t)d.size();
+    for (size_t i = 0; i < N; ++i) total += sc_len[i];
     if (total <= budget) return;
-    std::vector<double> ranked;
-    ranked.reserve((size_t)total);
-    for (auto &gs : gains) ranked.insert(ranked.end(), gs.begin(), gs.end());
-    std::sort(ranked.begin(), ranked.end(), std::greater<double>());
-    double threshold = ranked[(size_t)budget - 1];
-    std::vector<size_t> keeps(gains.size());
+    sc_ranked.clear();
+    for (size_t i = 0; i < N; ++i) sc_ranked.insert(sc_ranked.end(), &sc_gain[i * K], &sc_gain[i * K] + sc_len[i]);
+    // the budget-th highest gain (what sorted(..., reverse=True)[budget - 1] reads)
+    std::nth_element(sc_ranked.begin(), sc_ranked.begin() + (budget - 1), sc_ranked.end(), std::greater<double>());
+    const double threshold = sc_ranked[(size_t)budget - 1];
+    sc_keep.resize(N);
     int64_t kept = 0;
-    for (size_t i = 0; i < gains.size(); ++i) {
-      size_t keep = 0;
-      while (keep < gains[i].size() && gains[i][keep] > threshold) ++keep;
-      keeps[i] = keep;
-      kept += (int64_t)keep;
+    for (size_t i = 0; i < N; ++i) {
+      int32_t keep = 0;
+      while (keep < sc_len[i] && sc_gain[i * K + (size_t)keep] > threshold) ++keep;
+      kept += keep;
+      sc_keep[i] = keep;
     }
     int64_t left = budget - kept;
-    for (size_t i = 0; i < gains.size(); ++i) {
-      size_t keep = keeps[i];
-      while (left > 0 && keep < gains[i].size() && gains[i][keep] >= threshold) { ++keep; --left; }
-      drafts[i].resize(keep);
-      gains[i].resize(keep);
+    for (size_t i = 0; i < N; ++i) {
+      int32_t keep = sc_keep[i];
+      while (left > 0 && keep < sc_len[i] && sc_gain[i * K + (size_t)keep] >= threshold) { ++keep; --left; }
+      sc_len[i] = keep;
     }
   }
 };

@@ -165,10 +165,11 @@ def modeled_speedup(batch_size: int, draft_per_verify: float, accepted_per_verif
 
 
 def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | None, name: str = "",
-           num_seqs: int | None = None) -> dict:
+           num_seqs: int | None = None, drafts_log: list | None = None) -> dict:
     """Replays every epoch in order through a fresh drafter from `make_drafter` and
     returns the row of measurements (`name` labels it). With `num_seqs`, rhymerl's drafter
-    prices its drafts as if every step's forward held that many sequences."""
+    prices its drafts as if every step's forward held that many sequences. `drafts_log`
+    gets every propose's drafts (to compare two drafters draft for draft)."""
     by_epoch: dict[int, list[Trace]] = defaultdict(list)
     for t in traces:
         by_epoch[t.epoch].append(t)
@@ -213,6 +214,8 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
             start = time.thread_time_ns()
             drafts = drafter.propose(active, max_lens, [stops] * len(active), **at_batch)
             elapsed = time.thread_time_ns() - start
+            if drafts_log is not None:
+                drafts_log.append(drafts)
             propose_ns.append(elapsed / len(active))
             num_draft_tokens = sum(map(len, drafts))
             calls.append((elapsed, len(active), num_draft_tokens))

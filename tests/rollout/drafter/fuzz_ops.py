@@ -45,7 +45,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
     lib = load_library()
     assert lib.rhd_abi_version() == ABI_VERSION
     rng = random.Random(seed)
-    h, stats = make(lib)
+    h, _stats = make(lib)  # (_stats: kept alive, the core writes into it)
     running: set[int] = set()
     codes: dict[int, int] = {}
     bad_tokens = [-1, -2**31, 2**31 - 1, -7]

@@ -205,6 +205,7 @@ def _asan_runtime() -> str | None:
     return path if os.path.isabs(path) and os.path.exists(path) else None
 
 
+@pytest.mark.slow  # ~15 s, plus the sanitized build when `make test` has not made it
 @pytest.mark.skipif(_asan_runtime() is None, reason="no AddressSanitizer runtime for the C++ compiler")
 def test_sanitized_build_runs_the_property_tests_clean():
     """The core built with -fsanitize=address,undefined (any finding aborts) runs the
@@ -237,6 +238,7 @@ def test_the_bundled_copy_is_checked_against_its_manifest(tmp_path):
         _check_bundled(lib)
 
 
+@pytest.mark.slow  # a worker process each (~10 s: its imports)
 @pytest.mark.parametrize("drafter, refused", [("compiled", True), ("python", False)])
 def test_a_worker_without_its_library_refuses_to_start_in_one_line(tmp_path, drafter, refused):
     """RHYMERL_WORKER_DRAFTER=compiled (the default) and no library: the worker exits at

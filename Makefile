@@ -14,7 +14,21 @@ export PYTHONUNBUFFERED := 1
 PROTOS    := $(wildcard protos/rhymerl/v1/*.proto)
 GENERATED := clients/python/src/rhymerl/v1/__init__.py
 
-install: $(STAMP) $(GENERATED)
+# The compiled drafter core (RHYMERL_WORKER_DRAFTER=compiled, the default): one shared
+# library for every Python, needing glibc >= 2.17 only (native/build.py says how), and its
+# AddressSanitizer + UBSan build, which `make test` runs the drafter's property tests on.
+DRAFTER_DIR  := services/rollout/drafter/native
+DRAFTER_SRC  := $(DRAFTER_DIR)/histo.cpp $(DRAFTER_DIR)/histo.h $(DRAFTER_DIR)/build.py
+DRAFTER_LIB  := $(DRAFTER_DIR)/libhisto.so
+DRAFTER_ASAN := $(DRAFTER_DIR)/libhisto_asan.so
+
+install: $(STAMP) $(GENERATED) $(DRAFTER_LIB)
+
+$(DRAFTER_LIB): $(DRAFTER_SRC)
+	$(PY) $(DRAFTER_DIR)/build.py --force --out $@
+
+$(DRAFTER_ASAN): $(DRAFTER_SRC)
+	$(PY) $(DRAFTER_DIR)/build.py --force --sanitize --out $@
 
 # The editable SDK imports the generated code from the source tree: regenerate it when a
 # .proto changes (e.g. after a pull), not only on a fresh install.
@@ -41,12 +55,14 @@ $(VLLM_STAMP): $(STAMP)
 	$(PYTHON) -m services.rollout.vllm_engine.install --device $(VLLM_DEVICE) $(if $(VLLM_WHEEL),--wheel $(VLLM_WHEEL))
 	touch $@
 
-# Debian packages the tests and the local system use: a real redis-server, and
-# Prometheus for the observability test. (Helm comes from PyPI: helm-python-sdk.)
+# Debian packages the tests and the local system use: a real redis-server, Prometheus
+# for the observability test, and g++ for the compiled drafter. (Helm comes from PyPI:
+# helm-python-sdk.)
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v prometheus >/dev/null || missing="$$missing prometheus"; \
+	command -v $${CXX:-g++} >/dev/null || missing="$$missing g++"; \
 	if [ -n "$$missing" ]; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
@@ -59,7 +75,7 @@ proto:
 run: install
 	$(PYTHON) -m devtools.local_run
 
-test: install install-vllm peer
+test: install install-vllm peer $(DRAFTER_ASAN)
 	RHYMERL_REQUIRE_PEER=1 $(PYTHON) -m pytest -q -ra
 
 # vLLM's suffix-decoding peer (ArcticInference's C++ suffix tree), which the drafter tests
@@ -104,4 +120,4 @@ lint: install
 	$(BIN)/ruff check --select F,E9 .
 
 clean:
-	rm -rf $(VENV) clients/python/src/rhymerl/v1 build dist *.egg-info
+	rm -rf $(VENV) clients/python/src/rhymerl/v1 build dist *.egg-info $(DRAFTER_LIB) $(DRAFTER_ASAN)

@@ -40,18 +40,31 @@ from benchmarks.peers.suffix_decoding import (
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
 from services.rollout.drafter import DrafterConfig, HistoDrafter
+from services.rollout.drafter.compiled import CompiledDrafter
 from services.rollout.engine.cost_model import CostModel
 
 BATCH_SIZES = (1, 16, 64, 256)
-RHYMERL = "rhymerl"  # the product configuration, as a worker runs it
+RHYMERL = "rhymerl"  # the product configuration, as a worker runs it (the compiled core)
+RHYMERL_PYTHON = "rhymerl/python"  # the same on the Python reference (HistoDrafter): same drafts, its speed
 PEER, PEER_PER_PROMPT = "vllm-suffix", "vllm-suffix/per-prompt"
 ORACLE, ORACLE_LONGEST = "oracle/any-context", "oracle/longest-context"
 COMMITTED = ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz"]
 
 
-def _ours(**kw):
+def _ours(backend: str = "compiled", **kw):
+    """rhymerl's drafter with these settings: the compiled core (the worker's default; the
+    same drafts as the reference, tested) or the Python reference."""
     config = DrafterConfig(**kw)
-    return lambda: HistoDrafter(config)
+    return (lambda: CompiledDrafter(config)) if backend == "compiled" else (lambda: HistoDrafter(config))
+
+
+def backend(config: str) -> str:
+    """What implements a row: compiled / python (rhymerl's), peer, ngram or oracle."""
+    if config.startswith(("vllm-suffix",)):
+        return "peer"
+    if config.startswith(("ngram", "oracle")):
+        return config.split("/")[0]
+    return "python" if config == RHYMERL_PYTHON else "compiled"
 
 
 def configs(peer) -> dict[str, object]:
@@ -67,6 +80,7 @@ def configs(peer) -> dict[str, object]:
         "all/16": _ours(**fixed),
         "all+reward/adaptive": _ours(reward_weighting=True, cost_model=CostModel()),
         RHYMERL: _ours(cost_model=CostModel()),
+        RHYMERL_PYTHON: _ours("python", cost_model=CostModel()),
     }
     if peer is not None:
         cache = lambda: peer(MAX_TREE_DEPTH, MAX_CACHED_REQUESTS)  # noqa: E731
@@ -78,15 +92,16 @@ def configs(peer) -> dict[str, object]:
 def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
     """Every config replayed on one trace set, the modeled speedups, and its summary."""
     stop = R.stop_token(traces)
-    rows = []
+    rows, drafts = [], {}
     for config, make in configs(peer).items():
-        rows.append(R.replay(traces, make, stop, config))
+        drafts[config] = []
+        rows.append({**R.replay(traces, make, stop, config, drafts_log=drafts[config]), "backend": backend(config)})
         print(f"  {name} {config}: {rows[-1]['mean_accepted_drafts_per_step']:.3f} accepted / "
               f"{rows[-1]['draft_tokens_per_step']:.2f} drafted per verify", file=sys.stderr, flush=True)
     truth = {f"{t.prompt_id}/{t.epoch}/{t.sample_index}": t.token_ids for t in traces}
     for config, longest in ((ORACLE, False), (ORACLE_LONGEST, True)):  # the ceilings of our sources
-        rows.append(R.replay(traces, lambda longest=longest: OracleDrafter(truth, DrafterConfig(), 16, longest),
-                             stop, config))
+        rows.append({**R.replay(traces, lambda longest=longest: OracleDrafter(truth, DrafterConfig(), 16, longest),
+                                stop, config), "backend": "oracle"})
     by_name = {r["config"]: r for r in rows}
     ours, theirs = by_name[RHYMERL], by_name.get(PEER)
     ceiling, ceiling_longest = by_name[ORACLE], by_name[ORACLE_LONGEST]
@@ -101,6 +116,8 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
             "rhymerl_draft_per_verify": row["draft_tokens_per_step"],
         }
     peer_pp = by_name.get(PEER_PER_PROMPT)
+    python = by_name[RHYMERL_PYTHON]
+    same = [a == b for x, y in zip(drafts[RHYMERL], drafts[RHYMERL_PYTHON]) for a, b in zip(x, y)]
     return {
         "name": name,
         "num_traces": len(traces),
@@ -125,6 +142,13 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
                                                          / theirs["mean_accepted_drafts_per_step"]) if theirs else None,
         "drafting_us_p50": ours["propose_us_p50"],
         "drafting_us_p99": ours["propose_us_p99"],
+        # issue 24: the drafter's host time per engine step, side by side in this one run
+        "drafter_step_us": {"compiled": ours["drafter_step_us"], "python": python["drafter_step_us"],
+                            "peer": theirs["drafter_step_us"] if theirs else None},
+        "compiled_vs_python_identical_drafts": (sum(same) / len(same)) if same else None,
+        "compiled_vs_python_num_drafts": len(same),
+        "compiled_vs_python_accepted": (ours["mean_accepted_drafts_per_step"]
+                                        / max(1e-12, python["mean_accepted_drafts_per_step"])),
         "memory_tokens_per_prompt_max": ours["memory_tokens_max"],
         "global_tokens_max": ours["global_tokens_max"],
         "rows": rows,
@@ -161,6 +185,7 @@ def _legacy_keys(main: dict) -> dict:
 
 COLUMNS = [  # (header, result key, format)
     ("config", "config", "{}"),
+    ("backend", "backend", "{}"),
     ("accepted/verify", "mean_accepted_drafts_per_step", "{:.3f}"),
     ("drafted/verify", "draft_tokens_per_step", "{:.2f}"),
     ("acc rate", "acceptance_rate", "{:.2f}"),
@@ -192,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     trace_sets = [{**run_trace_set(name, traces, peer), "command": command} for name, traces in sets]
     summary = {
         **_legacy_keys(trace_sets[0]),
+        "drafter_step_us": trace_sets[0]["drafter_step_us"],  # the first trace set's; each set has its own
         "trace_sets": trace_sets,
         "peer": {"name": "vLLM method=suffix (arctic-inference SuffixDecodingCache)", "available": peer is not None,
                  "note": peer_note, "max_tree_depth": MAX_TREE_DEPTH, "max_cached_requests": MAX_CACHED_REQUESTS,
@@ -223,12 +249,22 @@ def _section(s: dict) -> str:
                       + [f"| {r['batch']} | {r['rhymerl_accepted_per_verify']:.3f} | {r['rhymerl_draft_per_verify']:.2f} "
                          f"| {fmt(r['rhymerl'])} | {fmt(r['peer'])} |" for r in rows])
     ratio = s["rhymerl_vs_peer_mean_accepted"]
+    steps = "\n".join(["| backend | propose p50 | propose p99 | commit p50 | commit p99 | step ms (>= 100 seqs) "
+                       "| one-seq step p99 |", "|---|---|---|---|---|---|---|"]
+                      + [f"| {k} | {fmt(v['propose_p50'])} | {fmt(v['propose_p99'])} | {fmt(v['commit_p50'])} "
+                         f"| {fmt(v['commit_p99'])} | {fmt(v['step_ms_100plus'])} | {fmt(v['one_seq_p99'])} |"
+                         for k, v in s["drafter_step_us"].items() if v])
+    same = s["compiled_vs_python_identical_drafts"]
     return (f"### {s['name']}\n\n{s['num_prompts']} prompts x {s['num_epochs']} epochs, {s['num_traces']} "
             f"responses, mean {s['mean_response_tokens']:.0f} tokens. rhymerl vs vLLM suffix (global tree), "
             f"accepted per verify: **{fmt(ratio)}x**; the oracle ceiling of our sources vs the peer: "
             f"{fmt(s['oracle_vs_peer_mean_accepted'])}x (any context), "
             f"{fmt(s['oracle_longest_context_vs_peer_mean_accepted'])}x (longest context only).\n\n{markdown_table(s['rows'], COLUMNS)}\n\n"
-            f"Modeled rollout speedup at a steady batch (engine cost curve):\n\n{speed}")
+            f"Modeled rollout speedup at a steady batch (engine cost curve):\n\n{speed}\n\n"
+            f"The drafter's host time per engine step (thread CPU time; µs per sequence per step over the "
+            f"steps with >= 16 sequences, the whole step's ms with >= 100): the compiled core and the Python "
+            f"reference (identical drafts: {fmt(100 * same if same is not None else None)}% of "
+            f"{s['compiled_vs_python_num_drafts']}) beside vLLM's suffix tree, in this one run:\n\n{steps}")
 
 
 def _markdown(summary: dict, text: str) -> str:

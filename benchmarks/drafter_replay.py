@@ -165,10 +165,11 @@ def modeled_speedup(batch_size: int, draft_per_verify: float, accepted_per_verif
 
 
 def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | None, name: str = "",
-           num_seqs: int | None = None) -> dict:
+           num_seqs: int | None = None, drafts_log: list | None = None) -> dict:
     """Replays every epoch in order through a fresh drafter from `make_drafter` and
     returns the row of measurements (`name` labels it). With `num_seqs`, rhymerl's drafter
-    prices its drafts as if every step's forward held that many sequences."""
+    prices its drafts as if every step's forward held that many sequences. `drafts_log`
+    gets every propose's drafts (to compare two drafters draft for draft)."""
     by_epoch: dict[int, list[Trace]] = defaultdict(list)
     for t in traces:
         by_epoch[t.epoch].append(t)
@@ -178,6 +179,8 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
     load_history = getattr(drafter, "load_history", None)
     # As the worker does: each response that finishes feeds the drafter's global index.
     add_global = getattr(drafter, "add_global_responses", None)
+    # The compiled drafter stages commits and applies them in one call (flush): timed as commits.
+    flush = getattr(drafter, "flush", None)
     stops = frozenset([stop]) if stop is not None else frozenset()
     num_steps = num_committed = num_drafted = num_accepted = 0
     propose_ns: list[float] = []
@@ -188,6 +191,7 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
     global_tokens = 0
     load_ns = load_tokens = 0
     calls: list[tuple[int, int, int]] = []  # (ns, sequences, draft tokens) per propose call
+    steps: list[tuple[int, int, int]] = []  # (sequences, propose ns, commit ns) per step
     for epoch in sorted(by_epoch):
         records = by_epoch[epoch]
         prompt_ids = sorted({t.prompt_id for t in records})
@@ -210,6 +214,8 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
             start = time.thread_time_ns()
             drafts = drafter.propose(active, max_lens, [stops] * len(active), **at_batch)
             elapsed = time.thread_time_ns() - start
+            if drafts_log is not None:
+                drafts_log.append(drafts)
             propose_ns.append(elapsed / len(active))
             num_draft_tokens = sum(map(len, drafts))
             calls.append((elapsed, len(active), num_draft_tokens))
@@ -236,7 +242,12 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
                     drafter.stop_request(rid)
                     if add_global is not None:
                         add_global([seq])
+            if flush is not None:
+                start = time.thread_time_ns()
+                flush()
+                add_time += time.thread_time_ns() - start
             add_ns.append(add_time / len(active))
+            steps.append((len(active), elapsed, add_time))
             active = still
         no_spec_ms += plain_ms([len(s) for s in truth.values()])
         if load_history is not None:
@@ -277,4 +288,30 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
         "memory_bytes_per_token": float(sum(memory_bytes) / sum(memory)) if memory and sum(memory) else 0.0,
         "global_tokens_max": global_tokens,
         "cost_model_speedup": no_spec_ms / spec_ms if spec_ms else 0.0,
+        "drafter_step_us": step_summary(steps),
+    }
+
+
+def step_summary(steps: list[tuple[int, int, int]]) -> dict:
+    """The drafter's host time per engine step (thread CPU time), as issue 24 states its
+    targets: per sequence per step over the steps with >= 16 sequences (propose, and the
+    commits after the verify: add_tokens + record_acceptance), the drafter's whole time per
+    step with >= 100 sequences, and a one-sequence step's."""
+    big = [(n, p, c) for n, p, c in steps if n >= 16]
+    huge = [(p + c) / 1e6 for n, p, c in steps if n >= 100]
+    one = [(p + c) / 1e3 for n, p, c in steps if n == 1]
+
+    def pct(values: list[float], q: float) -> float | None:
+        return float(np.percentile(values, q)) if values else None
+
+    return {
+        "num_steps_16plus": len(big),
+        "propose_p50": pct([p / n / 1e3 for n, p, _ in big], 50),
+        "propose_p99": pct([p / n / 1e3 for n, p, _ in big], 99),
+        "commit_p50": pct([c / n / 1e3 for n, _, c in big], 50),
+        "commit_p99": pct([c / n / 1e3 for n, _, c in big], 99),
+        "num_steps_100plus": len(huge),
+        "step_ms_100plus": float(np.mean(huge)) if huge else None,
+        "num_one_seq_steps": len(one),
+        "one_seq_p99": pct(one, 99),
     }

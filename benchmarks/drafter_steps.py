@@ -2,11 +2,13 @@
 
 Recording (once, minutes on CPU): the engine runs `engine_grpo`'s T=1 GRPO batch with
 the recorded earlier epochs as history (as its speculative row does) through a drafter
-that logs every call the engine makes, and each draft it got. Replaying: a fresh
-HistoDrafter gets the same calls, timed per engine step (one `propose` and the
-`record_acceptance`/`add_tokens`/`stop_request`/`start_request` calls after it), and
-every draft is compared with the recorded one, so the log doubles as a check that a
-change to the drafter left its drafts as they were.
+that logs every call the engine makes, and each draft it got. Replaying: a fresh drafter
+of each backend (the compiled core, the Python HistoDrafter, vLLM's suffix tree behind its
+Python wrapper) gets the same calls, timed per engine step in thread CPU time (`propose`,
+and the commits after the verify: `record_acceptance` + `add_tokens`, with the compiled
+drafter's one flush of them), and every draft of ours is compared with the recorded one,
+so the log doubles as a check that a change to the drafter left its drafts as they were.
+Writes benchmarks/results/drafter_steps.json (the issue's `drafter_step_us` per backend).
 
     python -m benchmarks.drafter_steps [--log /tmp/drafter_steps.pkl] [--record] [--rounds 3]
 
@@ -18,15 +20,28 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import pickle
-import statistics
+import platform
+import sys
 import time
 from pathlib import Path
 
 from benchmarks import engine_grpo as g
+from benchmarks.drafter_replay import step_summary
 from benchmarks.engine_run import run_engine
+from benchmarks.peers.suffix_decoding import (
+    MAX_CACHED_REQUESTS,
+    MAX_TREE_DEPTH,
+    PeerSuffixDrafter,
+    PeerUnavailable,
+    load_peer,
+)
+from benchmarks.provenance import cpu_name, git_commit
 from services.common.traces import read_traces
 from services.rollout.drafter import HistoDrafter
+from services.rollout.drafter.compiled import CompiledDrafter
 from services.rollout.engine import LLMEngine
 
 _CALLS = ("start_request", "add_tokens", "propose", "record_acceptance", "stop_request")
@@ -42,8 +57,12 @@ def _history() -> tuple[list, dict[str, list[list[int]]]]:
     return records, history
 
 
-def _drafter(history: dict[str, list[list[int]]]) -> HistoDrafter:
-    d = HistoDrafter()
+def _drafter(history: dict[str, list[list[int]]], backend: str = "python", peer=None):
+    """A fresh drafter of `backend` (python: HistoDrafter; compiled: the C++ core; peer:
+    vLLM's suffix tree behind its Python wrapper) with the recorded history loaded."""
+    if backend == "peer":
+        return PeerSuffixDrafter(lambda: peer(MAX_TREE_DEPTH, MAX_CACHED_REQUESTS))
+    d = HistoDrafter() if backend == "python" else CompiledDrafter()
     for prompt_id, responses in history.items():
         d.load_history(prompt_id, responses)
     return d
@@ -81,30 +100,39 @@ def record(path: Path, model_dir: str, num_prompts: int, samples: int, max_token
     print(f"recorded {len(recorder.log)} calls in {seconds:.0f} s -> {path}")
 
 
-def replay(log: list[tuple]) -> tuple[list[tuple[int, float]], dict[str, float], int]:
-    """(batch size, seconds) per engine step, seconds per method, and the number of
-    drafts that differ from the recorded ones."""
-    drafter = _drafter(_history()[1])
-    steps: list[tuple[int, float]] = []
-    per_method = dict.fromkeys(_CALLS, 0.0)
-    mismatches, batch, spent = 0, 0, 0.0
-    clock = time.perf_counter
+def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[tuple[int, int, int]], dict, int]:
+    """(sequences, propose ns, commit ns) per engine step (thread CPU time; commit =
+    record_acceptance + add_tokens, and the compiled drafter's flush of them), ns per
+    method, and the number of drafts that differ from the recorded ones."""
+    drafter = _drafter(_history()[1], backend, peer)
+    flush = getattr(drafter, "flush", None)
+    steps: list[tuple[int, int, int]] = []
+    per_method = dict.fromkeys(_CALLS, 0)
+    mismatches, batch, propose_ns, commit_ns = 0, 0, 0, 0
+    clock = time.thread_time_ns
     gc.collect()
     for name, args, kwargs, expected in log:
         method = getattr(drafter, name)
         if name == "propose":
+            if flush is not None:  # the previous step's staged commits, applied in one call
+                t0 = clock()
+                flush()
+                commit_ns += clock() - t0
             if batch:
-                steps.append((batch, spent))
-            batch, spent = len(args[0]), 0.0
+                steps.append((batch, propose_ns, commit_ns))
+            batch, propose_ns, commit_ns = len(args[0]), 0, 0
         t0 = clock()
         out = method(*args, **kwargs)
         elapsed = clock() - t0
-        spent += elapsed
         per_method[name] += elapsed
         if name == "propose":
-            mismatches += sum(a != b for a, b in zip(out, expected)) + abs(len(out) - len(expected))
+            propose_ns += elapsed
+            if backend != "peer":
+                mismatches += sum(a != b for a, b in zip(out, expected)) + abs(len(out) - len(expected))
+        elif name in ("add_tokens", "record_acceptance"):
+            commit_ns += elapsed
     if batch:
-        steps.append((batch, spent))
+        steps.append((batch, propose_ns, commit_ns))
     return steps, per_method, mismatches
 
 
@@ -117,26 +145,59 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3, help="replays; the fastest is reported")
+    parser.add_argument("--out", default="benchmarks/results", help="where drafter_steps.json goes")
     args = parser.parse_args()
     path = Path(args.log)
     if args.record or not path.exists():
         record(path, args.model, args.prompts, args.samples, args.max_tokens)
     log = pickle.loads(path.read_bytes())
-    best = None
-    for _ in range(args.rounds):
-        steps, per_method, mismatches = replay(log)
-        total = sum(s for _, s in steps)
-        if best is None or total < best[0]:
-            best = (total, steps, per_method, mismatches)
-    total, steps, per_method, mismatches = best
-    big = [s for n, s in steps if n >= 100]
-    print(f"{len(steps)} steps, {sum(n for n, _ in steps)} sequence-steps, drafter total {total * 1e3:.0f} ms")
-    print(f"per step: mean {total / len(steps) * 1e3:.3f} ms; steps with >= 100 sequences ({len(big)}): "
-          f"mean {statistics.fmean(big) * 1e3 if big else 0:.3f} ms, "
-          f"median {statistics.median(big) * 1e3 if big else 0:.3f} ms")
-    print(f"per sequence-step: {total / sum(n for n, _ in steps) * 1e6:.1f} us")
-    print("per method (ms): " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in per_method.items()))
-    print(f"drafts different from the recorded ones: {mismatches}")
+    try:
+        peer, peer_note = load_peer(), "built from the arctic-inference sdist"
+    except PeerUnavailable as exc:
+        peer, peer_note = None, str(exc)
+    load_before = os.getloadavg()[0]
+    results = {}
+    for backend in ("compiled", "python", "peer"):
+        if backend == "peer" and peer is None:
+            results[backend] = None
+            continue
+        best = None
+        for _ in range(args.rounds):
+            steps, per_method, mismatches = replay(log, backend, peer)
+            total = sum(p + c for _, p, c in steps)
+            if best is None or total < best[0]:
+                best = (total, steps, per_method, mismatches)
+        total, steps, per_method, mismatches = best
+        num_seq_steps = sum(n for n, _, _ in steps)
+        results[backend] = {
+            **step_summary(steps),
+            "num_steps": len(steps),
+            "num_sequence_steps": num_seq_steps,
+            "total_ms": total / 1e6,
+            "us_per_sequence_step": total / num_seq_steps / 1e3,
+            "ms_per_method": {k: v / 1e6 for k, v in per_method.items()},
+            "drafts_different_from_recorded": mismatches if backend != "peer" else None,
+        }
+        r = results[backend]
+        print(f"{backend}: {len(steps)} steps, {num_seq_steps} sequence-steps; per sequence per step (>= 16 seqs): "
+              f"propose p50 {r['propose_p50']:.2f} / p99 {r['propose_p99']:.2f} us, commit p50 "
+              f"{r['commit_p50']:.2f} / p99 {r['commit_p99']:.2f} us; step with >= 100 seqs "
+              f"{r['step_ms_100plus'] or 0:.3f} ms; one-sequence step p99 {r['one_seq_p99'] or 0:.1f} us; "
+              f"drafts different from the recorded ones: {r['drafts_different_from_recorded']}")
+    command = "python -m benchmarks.drafter_steps " + " ".join(sys.argv[1:])
+    summary = {
+        "drafter_step_us": results,
+        "log": str(path), "prompts": args.prompts, "samples": args.samples, "max_tokens": args.max_tokens,
+        "rounds": args.rounds, "peer_note": peer_note,
+        "timing_clock": "time.thread_time_ns (CPU time of the replay thread); the fastest of --rounds replays",
+        "cpu": cpu_name(), "python": platform.python_version(),
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+        "git_commit": git_commit("services/rollout/drafter", "benchmarks/drafter_steps.py"),
+        "command": command,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "drafter_steps.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -39,9 +39,15 @@ def scheduler(settings: SchedulerSettings) -> None:
 def worker(settings: WorkerSettings) -> None:
     log.info("loading %s on device %s (torch, model weights, KV cache)...", settings.model_path or "(no model)",
              settings.device)
+    from services.rollout.drafter.compiled import DrafterLibraryError
+    from services.rollout.engine_choice import check_drafter
     from services.rollout.server import serve
 
-    asyncio.run(serve(settings))
+    try:
+        check_drafter(settings)  # before the model loads: one line, no traceback
+        asyncio.run(serve(settings))
+    except DrafterLibraryError as exc:
+        raise SystemExit(f"rhymerl worker: {exc}") from None
 
 
 if __name__ == "__main__":

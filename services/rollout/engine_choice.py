@@ -9,17 +9,27 @@ from __future__ import annotations
 from services.rollout.settings import WorkerSettings
 
 
+def check_drafter(settings: WorkerSettings) -> None:
+    """Refuses a worker whose drafter cannot load (DrafterLibraryError names `make install`)."""
+    if settings.speculative and settings.drafter == "compiled":
+        from services.rollout.drafter.compiled import load_library
+
+        load_library()
+
+
 def build_engine(settings: WorkerSettings, worker_id: str):
+    check_drafter(settings)
     if settings.engine == "vllm":
         from services.rollout.vllm_engine.builder import build_vllm_engine
 
         return build_vllm_engine(settings, worker_id=worker_id)
     import dataclasses
 
-    from services.rollout.drafter import DrafterConfig, HistoDrafter
+    from services.rollout.drafter import DrafterConfig
+    from services.rollout.drafter.compiled import make_drafter
     from services.rollout.engine import LLMEngine
 
-    drafter = HistoDrafter(DrafterConfig(max_draft_len=settings.max_draft_len))
+    drafter = make_drafter(settings.drafter, DrafterConfig(max_draft_len=settings.max_draft_len))
     engine = LLMEngine.from_path(
         settings.model_path, device=settings.device, dtype=None if settings.dtype == "auto" else settings.dtype, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,

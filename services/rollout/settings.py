@@ -38,6 +38,10 @@ class WorkerSettings(TLSSettings):
     block_size: int = Field(16, description="Tokens per KV-cache block.")
     speculative: bool = Field(True, description="Draft from history and siblings, verified by the policy (lossless).")
     max_draft_len: int = Field(16, description="Most draft tokens per sequence and verify step.")
+    drafter: Literal["compiled", "python"] = Field(
+        "compiled", description="compiled: the history drafter's C++ core (built by `make install`; a worker "
+                                "without it refuses to start); python: the reference HistoDrafter, the same "
+                                "drafts ~20x slower (docs/drafter.md).")
     batch_invariant: bool = Field(
         False, description="Batch-invariant kernels: a sample's logits, tokens and logprobs are bitwise the same "
                            "whatever it is batched with, verified with, or where it resumes, and equal to the "

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from services.rollout.drafter import HistoDrafter
+from services.rollout.drafter.compiled import CompiledDrafter
 from services.rollout.engine import LLMEngine
 from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
 from services.rollout.loader import init_random_model, save_model
@@ -63,15 +64,17 @@ def graph_replays(e: LLMEngine, device: str) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_speculation_equals_plain_decoding(device, dtype):
     """Drafts verified in one forward (an oracle corrupted every 3rd token, and the real
-    HistoDrafter on last epoch's responses) give the samples plain decoding gives."""
+    history drafter, Python and compiled, on last epoch's responses) give the samples plain
+    decoding gives."""
     model, cpu_model = models(dtype)
     reqs = requests(truncation=dtype == torch.float32)
     plain = run_to_end(engine(model, device, reqs, speculative=False))
     oracle = OracleDrafter({rid: o.token_ids for rid, o in plain.items()}, wrong_every=3)
-    history = HistoDrafter()
+    history, compiled = HistoDrafter(), CompiledDrafter()
     for r in reqs:  # each prompt's "last epoch": its own plain sample
         history.load_history(r.prompt_id, [plain[r.request_id].token_ids])
-    for drafter in (oracle, history):
+        compiled.load_history(r.prompt_id, [plain[r.request_id].token_ids])
+    for drafter in (oracle, history, compiled):
         e = engine(model, device, reqs, drafter=drafter)
         spec = run_to_end(e)
         assert_agree(outputs(spec), outputs(plain), reqs, cpu_model, dtype)

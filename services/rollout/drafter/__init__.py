@@ -2,6 +2,10 @@
 
 - `HistoDrafter` (drafter.py): the engine-facing lifecycle; drafts from earlier epochs'
   responses, live siblings, the prompt and the worker's recent responses to all prompts.
+  The Python reference of:
+- `CompiledDrafter` (compiled.py): the same drafts from the C++ core in native/ (histo.cpp,
+  a flat C ABI loaded with ctypes, built by `make install`), batched: the worker's default
+  (RHYMERL_WORKER_DRAFTER=compiled).
 - `DrafterConfig` (config.py): its settings, one frozen dataclass.
 - walk.py: one draft from several indexes scored together (pure functions).
 - budget.py: draft length from the engine's cost curve.

@@ -78,6 +78,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
 
 def build_vllm_engine(settings, proposer: str | None = None, worker_id: str = "vllm"):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process only (settings.py)
+    os.environ["RHYMERL_WORKER_DRAFTER"] = settings.drafter  # what HistoryProposer builds, inside vLLM
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.vllm_kv_cache_gib))
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine

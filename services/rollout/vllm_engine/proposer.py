@@ -48,10 +48,15 @@ class _Live:
 
 class HistoryProposer:
     def __init__(self, vllm_config, drafter=None):
-        from services.rollout.drafter import DrafterConfig, HistoDrafter
+        import os
+
+        from services.rollout.drafter import DrafterConfig
+        from services.rollout.drafter.compiled import make_drafter
 
         self.k = vllm_config.speculative_config.num_speculative_tokens
-        self.drafter = drafter or HistoDrafter(DrafterConfig(max_draft_len=self.k))
+        # RHYMERL_WORKER_DRAFTER (the worker's setting, exported by builder.py): compiled by default
+        self.drafter = drafter or make_drafter(os.environ.get("RHYMERL_WORKER_DRAFTER", "compiled"),
+                                               DrafterConfig(max_draft_len=self.k))
         self.runner = None
         self._registered: dict[str, Registration] = {}
         self._live: dict[str, _Live] = {}

@@ -115,6 +115,18 @@ def test_main_writes_the_trace_sets_results(tmp_path, monkeypatch):
     assert set(entry["modeled_speedup"]) == {"1", "16", "64", "256"}
     assert all(v["rhymerl"] > 0 and v["peer"] is None for v in entry["modeled_speedup"].values())
     assert summary["rhymerl_mean_accepted"] == entry["rhymerl_mean_accepted"]  # the old keys stay
+    # issue 24: a backend per row, the drafter's time per step side by side, same drafts
+    by_name = {r["config"]: r for r in entry["rows"]}
+    assert by_name["rhymerl"]["backend"] == "compiled" and by_name["rhymerl/python"]["backend"] == "python"
+    assert all(r["backend"] in ("compiled", "python", "peer", "ngram", "oracle") for r in entry["rows"])
+    steps = summary["drafter_step_us"]
+    assert set(steps) == {"compiled", "python", "peer"} and steps["peer"] is None
+    for name in ("compiled", "python"):
+        assert set(steps[name]) >= {"propose_p50", "propose_p99", "commit_p50", "commit_p99", "step_ms_100plus",
+                                    "one_seq_p99"}
+        assert steps[name]["one_seq_p99"] is not None
+    assert entry["compiled_vs_python_identical_drafts"] == 1.0 and entry["compiled_vs_python_num_drafts"] > 0
+    assert "load_average_1min" in summary and summary["git_commit"] and summary["command"]
 
 
 def test_oracle_is_a_ceiling_every_token_accepted_and_at_least_ours():

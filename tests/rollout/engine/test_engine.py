@@ -378,16 +378,20 @@ def test_load_weights_drops_the_prefix_cache(model):
     assert engine.metrics.counters.num_prompt_tokens - before == 20
 
 
-def test_history_drafter_is_lossless(model):
-    """The real HistoDrafter fed last epoch's responses: same output as no speculation,
-    and it gets drafts accepted."""
-    from services.rollout.drafter import HistoDrafter
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("kind", ["compiled", "python"])
+def test_history_drafter_is_lossless(model, kind, temperature):
+    """The real history drafter (the compiled core, the Python reference) fed last epoch's
+    responses: same output as no speculation (greedy, and seeded sampling at T=0.7 and
+    T=1), and it gets drafts accepted."""
+    from services.rollout.drafter import DrafterConfig
+    from services.rollout.drafter.compiled import make_drafter
 
     prompt = prompt_of(10)
-    reqs = [make_request(i, prompt, prompt_id="p", temperature=0.7, max_tokens=24, max_new_tokens=24)
+    reqs = [make_request(i, prompt, prompt_id="p", temperature=temperature, max_tokens=24, max_new_tokens=24)
             for i in range(4)]
     plain = run_to_end(_engine_with(model, reqs, speculative=False))
-    drafter = HistoDrafter()
+    drafter = make_drafter(kind, DrafterConfig())
     drafter.load_history("p", [plain[f"r{i}"].token_ids for i in range(4)])
     engine = _engine_with(model, reqs, drafter=drafter)
     spec = run_to_end(engine)

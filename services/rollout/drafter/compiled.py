@@ -1,0 +1,477 @@
+"""CompiledDrafter: HistoDrafter's drafts from the C++ core (native/histo.cpp), batched.
+
+The same lifecycle and the same drafts as the Python `HistoDrafter` (the reference the
+tests hold it to, draft for draft), at a few microseconds per sequence per step:
+
+- One C call per engine step drafts for the whole batch (`propose`): requests are integer
+  slots, the inputs go through preallocated buffers whose addresses are computed once
+  (no `ctypes.data_as` per call), and the drafts come back in one flat buffer.
+- Commits are deferred: `add_tokens` and `record_acceptance` only stage the request's slot
+  and tokens in two int32 arrays (validated as they are staged); the staged commits reach
+  the core in one call (`flush`), which every other call runs first, so the index inserts
+  of a step happen in one C call right before the next step's drafts (or when the engine
+  calls `flush` itself, e.g. while a forward runs: ctypes releases the GIL).
+- Bad input raises a Python exception naming the field (checked here and again in C++),
+  never a crash: token ids outside [0, 2^31 - 1), unknown or stopped requests, more
+  requests than slots (`DrafterFullError`).
+
+The library is built by `make install` (native/build.py). A missing or unloadable library
+raises `DrafterLibraryError` naming `make install`; nothing falls back to Python silently.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from array import array
+from itertools import accumulate, chain, repeat
+from operator import is_not
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from struct import Struct
+from struct import error as StructError
+
+import numpy as np
+
+from services.rollout.drafter.budget import gain_threshold
+from services.rollout.drafter.config import DrafterConfig
+from services.rollout.drafter.drafter import UnknownRequestError
+from services.rollout.drafter.prompt_index import reward_factors
+from services.rollout.drafter.request_state import DrafterStats
+
+LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
+BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
+LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
+ABI_VERSION = 1
+MAX_TOKEN = 2**31 - 1  # token ids the core takes: [0, MAX_TOKEN] (an int32's)
+_INT31 = 2**31 - 1
+_STATS = 6  # RHD_STAT_COUNT
+_NO_STOPS: frozenset[int] = frozenset()
+_P, _I32, _I64, _D = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_double
+_SIGNATURES = {
+    "rhd_abi_version": (ctypes.c_int, []),
+    "rhd_create": (_P, [_P, _I32, _P, _I32, _P]),
+    "rhd_destroy": (None, [_P]),
+    "rhd_last_error": (ctypes.c_char_p, [_P]),
+    "rhd_load_history": (ctypes.c_int, [_P, _I64, _P, _P, _I32, _P, _P]),
+    "rhd_add_global": (ctypes.c_int, [_P, _P, _P, _I32]),
+    "rhd_has_prompt": (ctypes.c_int, [_P, _I64]),
+    "rhd_release_prompt": (ctypes.c_int, [_P, _I64]),
+    "rhd_start": (ctypes.c_int, [_P, _I32, _I64, _P, _I64, _P, _I64]),
+    "rhd_stop": (ctypes.c_int, [_P, _I32]),
+    "rhd_set_stops": (ctypes.c_int, [_P, _I32, _P, _I32]),
+    "rhd_commit": (ctypes.c_int, [_P, _I32, _P, _P, _I64]),
+    "rhd_propose": (ctypes.c_int, [_P, _I32, _P, _P, _I64, _D, _P, _P, _P]),
+    "rhd_memory_tokens": (ctypes.c_int64, [_P, _I64]),
+    "rhd_memory_bytes": (ctypes.c_int64, [_P, _I64]),
+    "rhd_global_tokens": (ctypes.c_int64, [_P]),
+    "rhd_global_bytes": (ctypes.c_int64, [_P]),
+    "rhd_prompt_totals": (ctypes.c_int, [_P, _P]),
+}
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
+class DrafterLibraryError(RuntimeError):
+    """The compiled drafter's library is missing or does not load."""
+
+
+class DrafterFullError(ValueError):
+    """More running requests than the drafter has slots."""
+
+
+class DrafterError(RuntimeError):
+    """The core refused a call (its message says why) or ran out of memory."""
+
+
+DRAFTERS = ("compiled", "python")  # RHYMERL_WORKER_DRAFTER
+
+
+def make_drafter(kind: str, config: DrafterConfig | None = None, max_slots: int = 16384):
+    """The worker's drafter: "compiled" (CompiledDrafter; DrafterLibraryError if its library
+    is missing, never a silent fallback) or "python" (the reference HistoDrafter)."""
+    if kind == "compiled":
+        return CompiledDrafter(config, max_slots=max_slots)
+    if kind == "python":
+        from services.rollout.drafter.drafter import HistoDrafter
+
+        return HistoDrafter(config)
+    raise ValueError(f"drafter must be one of {DRAFTERS}, not {kind!r}")
+
+
+def library_path() -> Path:
+    """$RHYMERL_DRAFTER_LIBRARY, else the build of `make install`, else the GPU bundle's
+    copy (`make gpu-bundle`: lib/libhisto.so, checked against its manifest on load)."""
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    if not LIBRARY.exists() and BUNDLED.exists():
+        return BUNDLED
+    return LIBRARY
+
+
+def _check_bundled(path: Path) -> None:
+    """The bundle's copy must be the one its manifest lists (size and SHA-256)."""
+    manifest = json.loads((path.parent.parent / "manifest.json").read_text())
+    entry = manifest.get("files", {}).get("lib/libhisto.so")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if entry is None or entry.get("sha256") != digest:
+        raise DrafterLibraryError(f"{path} does not match its bundle's manifest: rebuild it (`make gpu-bundle`)")
+
+
+def load_library(path: str | Path | None = None) -> ctypes.CDLL:
+    """The core's library (cached per path), its functions typed.
+
+    Raises:
+        DrafterLibraryError: missing, not loadable, or of another ABI version; the message
+            names `make install`, which builds it.
+    """
+    path = Path(path) if path is not None else library_path()
+    key = str(path)
+    if key in _LOADED:
+        return _LOADED[key]
+    if not path.is_file():
+        raise DrafterLibraryError(f"the compiled drafter library {path} is missing: run `make install` "
+                                  "(or set RHYMERL_WORKER_DRAFTER=python)")
+    try:
+        if path == BUNDLED:
+            _check_bundled(path)
+        lib = ctypes.CDLL(key)
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+    except (OSError, AttributeError, ValueError) as exc:
+        raise DrafterLibraryError(f"the compiled drafter library {path} does not load ({exc}): "
+                                  "run `make install`") from None
+    if lib.rhd_abi_version() != ABI_VERSION:
+        raise DrafterLibraryError(f"the compiled drafter library {path} is of another version: run `make install`")
+    _LOADED[key] = lib
+    return lib
+
+
+def _tokens(values, field: str) -> np.ndarray:
+    """Token ids as a contiguous int32 array; ValueError naming the field if one is out of range."""
+    try:
+        arr = np.asarray(values, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{field}: token ids must be integers ({exc})") from None
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise ValueError(f"{field}: token id {bad} is out of range [0, {MAX_TOKEN}]")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _flatten(responses, field: str) -> tuple[np.ndarray, np.ndarray]:
+    arrays = [_tokens(r, field) for r in responses]
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    if arrays:
+        np.cumsum([a.size for a in arrays], out=offsets[1:])
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
+    return np.ascontiguousarray(flat, dtype=np.int32), offsets
+
+
+def _addr(arr: np.ndarray) -> int:
+    return arr.ctypes.data if arr.size else 0
+
+
+class CompiledDrafter:
+    """HistoDrafter's lifecycle on the compiled core (see the module docstring). Not
+    thread-safe: one engine loop drives it.
+
+    Args:
+        config: the drafter's settings (as HistoDrafter's).
+        max_slots: the most requests started at once (running or queued in the engine).
+        library: the shared library's path (None: `library_path()`).
+    """
+
+    def __init__(self, config: DrafterConfig | None = None, max_slots: int = 16384,
+                 library: str | Path | None = None) -> None:
+        if not 1 <= max_slots <= 1 << 24:
+            raise ValueError("max_slots must be in [1, 2^24]")
+        self._lib = lib = load_library(library)
+        self._config = config = config or DrafterConfig()
+        self.max_slots = max_slots
+        self._stats = (ctypes.c_double * _STATS)()
+        self._handle = None
+        self._handle = self._create(config)
+        h = self._handle
+        self._slots: dict[str, int] = {}
+        self._free = list(range(max_slots - 1, -1, -1))  # slot 0 first
+        self._slot_prompt: list[str | None] = [None] * max_slots
+        self._slot_stops: list[object] = [_NO_STOPS] * max_slots
+        self._prompts: dict[str, int] = {}  # prompt id -> the core's handle
+        self._next_prompt = 1
+        # Staged commits: 4 int32 per operation (kind, slot, a, b), and their tokens.
+        self._ops = array("i")
+        self._toks = array("i")
+        # Propose's buffers, allocated once; their addresses computed once.
+        k = max(1, config.max_draft_len)
+        self._in_slots = np.zeros(max_slots, dtype=np.int32)
+        self._in_lens = np.zeros(max_slots, dtype=np.int64)
+        self._out_tokens = np.zeros(max_slots * k, dtype=np.int32)
+        self._out_gains = np.zeros(max_slots * k, dtype=np.float64)
+        self._out_lens = np.zeros(max_slots, dtype=np.int32)
+        self._packs: dict[int, tuple[Struct, Struct]] = {}  # per batch size: the inputs' packers
+        addrs = (self._in_slots.ctypes.data, self._in_lens.ctypes.data, self._out_tokens.ctypes.data,
+                 self._out_gains.ctypes.data, self._out_lens.ctypes.data)
+        propose, commit = lib.rhd_propose, lib.rhd_commit
+        in_slots, in_lens, out_tokens, out_gains, out_lens = addrs
+        self._propose_call = lambda n, budget, min_gain: propose(h, n, in_slots, in_lens, budget, min_gain,
+                                                                 out_tokens, out_gains, out_lens)
+        self._commit_call = lambda ops, n_ops, toks, n_toks: commit(h, n_ops, ops, toks, n_toks)
+
+    def _create(self, config: DrafterConfig):
+        ci = (ctypes.c_int64 * 11)(
+            config.use_history, config.use_siblings, config.use_prompt, config.use_global,
+            config.max_tokens_per_prompt, int(config.max_tokens_per_prompt * config.history_fraction),
+            config.global_max_tokens, config.min_match_len, config.max_draft_len, sys.version_info >= (3, 12),
+            self.max_slots)
+        cd = (ctypes.c_double * 6)(config.sibling_weight, config.prompt_weight, config.smoothing,
+                                   config.backoff_weight, config.match_len_prior, config.global_match_len_prior)
+        handle = self._lib.rhd_create(ci, 11, cd, 6, self._stats)
+        if not handle:
+            raise ValueError("the compiled drafter refused the config (a bound out of range, a negative or "
+                             "non-finite weight, max_draft_len > 4096, max_tokens > 2^30) or memory is short")
+        return handle
+
+    def __del__(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.rhd_destroy(handle)
+
+    @property
+    def config(self) -> DrafterConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: DrafterConfig) -> None:
+        """Only the cost model may change on a drafter in use (the worker sets it once the
+        engine has sized its cost curve); other fields need a fresh drafter."""
+        if dataclasses.replace(config, cost_model=None) != dataclasses.replace(self._config, cost_model=None):
+            raise ValueError("a CompiledDrafter's settings other than cost_model are fixed; make a new drafter")
+        self._config = config
+
+    def _check(self, rc: int) -> int:
+        if rc < 0:
+            message = self._lib.rhd_last_error(self._handle).decode(errors="replace")
+            if rc == -1:
+                raise ValueError(message)
+            raise DrafterError(message)
+        return rc
+
+    # -- sources ---------------------------------------------------------------------
+
+    def load_history(self, prompt_id: str, responses: Sequence[np.ndarray | list[int]],
+                     epoch_ages: Sequence[int] | None = None, rewards: Sequence[float] | None = None) -> None:
+        """As HistoDrafter.load_history."""
+        cfg = self._config
+        ages = list(epoch_ages) if epoch_ages is not None else [0] * len(responses)
+        if len(ages) != len(responses) or (rewards is not None and len(rewards) != len(responses)):
+            raise ValueError("epoch_ages and rewards must have one entry per response")
+        self.flush()
+        factors = (reward_factors(rewards, cfg.reward_temperature) if cfg.reward_weighting and rewards is not None
+                   else [1.0] * len(responses))
+        weights = np.array([cfg.history_weight * cfg.recency_decay ** age * factor
+                            for age, factor in zip(ages, factors)], dtype=np.float64)
+        if any(not 0 <= int(a) <= _INT31 for a in ages):
+            raise ValueError("epoch_ages must be in [0, 2^31)")
+        flat, offsets = _flatten(responses, "responses")
+        ages_arr = np.asarray(ages, dtype=np.int32)
+        handle = self._prompts.get(prompt_id) or self._next_prompt
+        self._check(self._lib.rhd_load_history(self._handle, handle, _addr(flat), _addr(offsets), len(responses),
+                                               _addr(ages_arr), _addr(weights)))
+        self._adopt(prompt_id, handle)
+
+    def add_global_responses(self, responses: Iterable[np.ndarray | Sequence[int]]) -> None:
+        """As HistoDrafter.add_global_responses."""
+        flat, offsets = _flatten(list(responses), "responses")
+        self.flush()
+        self._check(self._lib.rhd_add_global(self._handle, _addr(flat), _addr(offsets), len(offsets) - 1))
+
+    def has_prompt(self, prompt_id: str) -> bool:
+        return prompt_id in self._prompts
+
+    def release_prompt(self, prompt_id: str) -> None:
+        handle = self._prompts.get(prompt_id)
+        if handle is None:
+            return
+        self.flush()
+        if self._check(self._lib.rhd_release_prompt(self._handle, handle)) == 1:
+            del self._prompts[prompt_id]
+
+    def _adopt(self, prompt_id: str, handle: int) -> None:
+        if handle == self._next_prompt:
+            self._next_prompt += 1
+        self._prompts[prompt_id] = handle
+
+    # -- requests --------------------------------------------------------------------
+
+    def start_request(self, request_id: str, prompt_id: str, prompt_token_ids: Sequence[int],
+                      generated_token_ids: Sequence[int] = ()) -> None:
+        """As HistoDrafter.start_request.
+
+        Raises:
+            ValueError: the request is already running, or a token id is out of range.
+            DrafterFullError: all `max_slots` slots are taken.
+        """
+        if request_id in self._slots:
+            raise ValueError(f"request {request_id!r} already started")
+        if not self._free:
+            raise DrafterFullError(f"all {self.max_slots} drafter slots are taken (request {request_id!r})")
+        prompt = _tokens(prompt_token_ids, "prompt_token_ids")
+        generated = _tokens(generated_token_ids, "generated_token_ids")
+        self.flush()
+        slot = self._free[-1]
+        handle = self._prompts.get(prompt_id) or self._next_prompt
+        self._check(self._lib.rhd_start(self._handle, slot, handle, _addr(prompt), prompt.size, _addr(generated),
+                                        generated.size))
+        self._free.pop()
+        self._adopt(prompt_id, handle)
+        self._slots[request_id] = slot
+        self._slot_prompt[slot] = prompt_id
+        self._slot_stops[slot] = _NO_STOPS
+
+    def add_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Stages the request's committed tokens (applied at the next `flush`).
+
+        Raises:
+            UnknownRequestError: the request was not started or was stopped.
+            ValueError: a token id is out of range (nothing is staged).
+        """
+        slot = self._slots.get(request_id)
+        if slot is None:
+            raise UnknownRequestError(request_id)
+        toks = self._toks
+        before = len(toks)
+        try:
+            toks.extend(token_ids)  # an int32 array: OverflowError past 2^31 - 1
+            if len(toks) > before and min(toks[before:]) < 0:
+                raise OverflowError("a token id is negative")
+        except (TypeError, OverflowError) as exc:
+            del toks[before:]
+            raise ValueError(f"token_ids: {exc} (token ids are in [0, {MAX_TOKEN}])") from None
+        self._ops.extend((1, slot, len(toks) - before, 0))
+
+    def record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        """Stages how much of the request's last draft was accepted (applied at `flush`)."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            raise UnknownRequestError(request_id)
+        if num_draft < 0 or num_accepted < 0 or num_draft > _INT31 or num_accepted > _INT31:
+            raise ValueError("num_draft and num_accepted must be in [0, 2^31)")
+        self._ops.extend((0, slot, num_draft, num_accepted))
+
+    def flush(self) -> None:
+        """Applies the staged commits in one call (in the order they were staged)."""
+        ops = self._ops
+        if not ops:
+            return
+        toks = self._toks
+        try:
+            rc = self._commit_call(ops.buffer_info()[0], len(ops) // 4, toks.buffer_info()[0] if toks else 0,
+                                   len(toks))
+        finally:
+            del ops[:]
+            del toks[:]
+        self._check(rc)
+
+    def stop_request(self, request_id: str) -> None:
+        """As HistoDrafter.stop_request (staged commits are applied first)."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            raise UnknownRequestError(request_id)
+        try:
+            self.flush()
+        finally:
+            del self._slots[request_id]
+            self._free.append(slot)
+            prompt_id, self._slot_prompt[slot] = self._slot_prompt[slot], None
+            if self._check(self._lib.rhd_stop(self._handle, slot)) == 1:
+                self._prompts.pop(prompt_id, None)
+
+    # -- drafting ----------------------------------------------------------------------
+
+    def propose(self, request_ids: Sequence[str], max_lens: Sequence[int],
+                stop_token_ids: Sequence[frozenset[int]] | None = None,
+                budget: int | None = None, num_seqs: int | None = None) -> list[list[int]]:
+        """As HistoDrafter.propose: one C call for the whole batch (after the staged commits)."""
+        n = len(request_ids)
+        if len(max_lens) != n or (stop_token_ids is not None and len(stop_token_ids) != n):
+            raise ValueError("max_lens and stop_token_ids must have one entry per request")
+        if n > self.max_slots:
+            raise ValueError(f"{n} requests in one propose, more than the {self.max_slots} slots")
+        try:
+            ids = list(map(self._slots.__getitem__, request_ids))
+        except KeyError as exc:
+            raise UnknownRequestError(exc.args[0]) from None
+        self.flush()
+        cached = self._slot_stops
+        if stop_token_ids is None:
+            stop_token_ids = repeat(_NO_STOPS, n)
+        if any(map(is_not, map(cached.__getitem__, ids), stop_token_ids)):  # the stop sets changed
+            for slot, stops in zip(ids, stop_token_ids if not isinstance(stop_token_ids, repeat)
+                                   else repeat(_NO_STOPS, n)):
+                if cached[slot] is not stops:
+                    self._set_stops(slot, stops)
+        packs = self._packs.get(n) or self._packs.setdefault(n, (Struct(f"{n}i"), Struct(f"{n}q")))
+        packs[0].pack_into(self._in_slots, 0, *ids)  # a few times faster than numpy's from a list
+        try:
+            packs[1].pack_into(self._in_lens, 0, *max_lens)
+        except (StructError, TypeError) as exc:
+            raise ValueError(f"max_lens: {exc}") from None
+        cfg = self._config
+        min_gain = cfg.min_gain
+        if cfg.cost_model is not None:
+            stats = self._stats
+            min_gain = max(min_gain, gain_threshold(cfg.cost_model, num_seqs or n, stats[0], stats[1]))
+        rc = self._propose_call(n, -1 if budget is None else min(max(0, int(budget)), 1 << 62), min_gain)
+        if rc < 0:
+            self._check(rc)
+        lens = self._out_lens[:n].tolist()
+        ends = list(accumulate(lens))
+        flat = self._out_tokens[:ends[-1] if ends else 0].tolist()
+        return list(map(flat.__getitem__, map(slice, chain((0,), ends), ends)))
+
+    def _set_stops(self, slot: int, stops) -> None:
+        values = np.fromiter((t for t in stops if 0 <= t <= MAX_TOKEN), dtype=np.int32)
+        self._check(self._lib.rhd_set_stops(self._handle, slot, _addr(values), values.size))
+        self._slot_stops[slot] = stops
+
+    # -- accounting --------------------------------------------------------------------
+
+    def memory_tokens(self, prompt_id: str) -> int:
+        """Tokens indexed for the prompt (bounded by max_tokens_per_prompt)."""
+        self.flush()
+        handle = self._prompts.get(prompt_id)
+        return self._check(self._lib.rhd_memory_tokens(self._handle, handle)) if handle else 0
+
+    def memory_bytes(self, prompt_id: str) -> int:
+        """Bytes the core holds for the prompt's index (capacity of its arrays)."""
+        self.flush()
+        handle = self._prompts.get(prompt_id)
+        return self._check(self._lib.rhd_memory_bytes(self._handle, handle)) if handle else 0
+
+    def global_tokens(self) -> int:
+        self.flush()
+        return self._check(self._lib.rhd_global_tokens(self._handle))
+
+    def global_bytes(self) -> int:
+        self.flush()
+        return self._check(self._lib.rhd_global_bytes(self._handle))
+
+    def stats(self) -> DrafterStats:
+        self.flush()
+        totals = (ctypes.c_int64 * 2)()
+        self._check(self._lib.rhd_prompt_totals(self._handle, totals))
+        s = self._stats
+        return DrafterStats(int(s[2]), int(s[3]), int(s[4]), int(s[5]), int(totals[0]), int(totals[1]),
+                            self.global_tokens())
+
+    def slot_of(self, request_id: str) -> int:
+        """The request's slot (its index in the core's arrays)."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            raise UnknownRequestError(request_id)
+        return slot

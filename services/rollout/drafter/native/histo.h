@@ -1,0 +1,82 @@
+/* The compiled history drafter's flat C interface (loaded with ctypes by
+ * services/rollout/drafter/compiled.py). C++17 inside; nothing but C types here, so one
+ * shared library serves every Python version.
+ *
+ * Conventions: every function that can fail returns 0 on success and a negative code
+ * otherwise (RHD_EINVAL: bad argument, RHD_ENOMEM: out of memory, RHD_EINTERNAL: a bug);
+ * rhd_last_error() then says why. Requests are integer slots in [0, max_slots); prompts
+ * are integer handles chosen by the caller. Token ids are int32 in [0, 2^31 - 1).
+ */
+#ifndef RHYMERL_HISTO_H
+#define RHYMERL_HISTO_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RHD_ABI_VERSION 1
+#define RHD_EINVAL (-1)
+#define RHD_ENOMEM (-2)
+#define RHD_EINTERNAL (-3)
+
+/* Integer settings, in this order (RHD_CFG_I_COUNT of them). */
+enum {
+  RHD_USE_HISTORY, RHD_USE_SIBLINGS, RHD_USE_PROMPT, RHD_USE_GLOBAL,
+  RHD_MAX_TOKENS_PER_PROMPT, RHD_HISTORY_BUDGET, RHD_GLOBAL_MAX_TOKENS, RHD_MIN_MATCH_LEN,
+  RHD_MAX_DRAFT_LEN, RHD_NEUMAIER_SUM, RHD_MAX_SLOTS, RHD_CFG_I_COUNT
+};
+/* Float settings, in this order (RHD_CFG_D_COUNT of them). */
+enum {
+  RHD_SIBLING_WEIGHT, RHD_PROMPT_WEIGHT, RHD_SMOOTHING, RHD_BACKOFF_WEIGHT, RHD_MATCH_LEN_PRIOR,
+  RHD_GLOBAL_MATCH_LEN_PRIOR, RHD_CFG_D_COUNT
+};
+/* The live statistics block the drafter keeps up to date (doubles). */
+enum {
+  RHD_STAT_DRAFT_PER_SEQ, RHD_STAT_GAIN_PER_SEQ, RHD_STAT_NUM_ASKED, RHD_STAT_NUM_EMPTY,
+  RHD_STAT_NUM_DRAFT_TOKENS, RHD_STAT_NUM_ACCEPTED, RHD_STAT_COUNT
+};
+/* Commit operations: 4 int32 each (kind, slot, a, b). */
+enum { RHD_OP_ACCEPT = 0, /* a = num_draft, b = num_accepted */
+       RHD_OP_TOKENS = 1  /* a = how many tokens, read in order from the tokens array */ };
+
+int rhd_abi_version(void);
+/* A new drafter; NULL if the settings are invalid or memory is short. `stats` (RHD_STAT_COUNT
+ * doubles, owned by the caller, kept alive as long as the drafter) is written after each call. */
+void *rhd_create(const int64_t *cfg_i, int32_t num_i, const double *cfg_d, int32_t num_d, double *stats);
+void rhd_destroy(void *h);
+const char *rhd_last_error(void *h);
+
+/* One prompt's responses from earlier epochs: tokens[offsets[r]:offsets[r+1]] per response,
+ * its epoch age and its weight (history_weight * decay^age * reward factor). */
+int rhd_load_history(void *h, int64_t prompt, const int32_t *tokens, const int64_t *offsets, int32_t num,
+                     const int32_t *ages, const double *weights);
+int rhd_add_global(void *h, const int32_t *tokens, const int64_t *offsets, int32_t num);
+int rhd_has_prompt(void *h, int64_t prompt); /* 1, 0, or < 0 */
+/* 1 when the prompt's index was freed, 0 when it will be with its last request. */
+int rhd_release_prompt(void *h, int64_t prompt);
+
+int rhd_start(void *h, int32_t slot, int64_t prompt, const int32_t *prompt_tokens, int64_t num_prompt,
+              const int32_t *generated, int64_t num_generated);
+/* 1 when the request's prompt index was freed with it (released and no request left). */
+int rhd_stop(void *h, int32_t slot);
+int rhd_set_stops(void *h, int32_t slot, const int32_t *stops, int32_t num);
+/* Applies commit operations in order (all validated before any is applied). */
+int rhd_commit(void *h, int32_t num_ops, const int32_t *ops, const int32_t *tokens, int64_t num_tokens);
+/* Drafts for `n` slots: out_tokens gets the drafts back to back (capacity n * max_draft_len),
+ * out_gains their gains, out_lens each draft's length. budget < 0: no limit. */
+int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64_t *max_lens, int64_t budget, double min_gain,
+                int32_t *out_tokens, double *out_gains, int32_t *out_lens);
+
+int64_t rhd_memory_tokens(void *h, int64_t prompt);
+int64_t rhd_memory_bytes(void *h, int64_t prompt);
+int64_t rhd_global_tokens(void *h);
+int64_t rhd_global_bytes(void *h);
+/* num_prompts, memory_tokens over all prompts. */
+int rhd_prompt_totals(void *h, int64_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,162 @@
+"""Hostile calls straight into the compiled drafter's C interface (no Python wrapper in
+between). Arrays and their lengths agree (a C interface cannot check a pointer); the
+values are hostile: slots out of range or not running, negative counts, null arrays with counts,
+token ids outside [0, 2^31 - 1), decreasing offsets, unknown commit operations, NaN gains,
+absurd budgets, a prompt of 100k tokens. Every call must return 0 or an error code (never
+crash, never corrupt: legal calls in between keep working and ASan stays quiet).
+
+    python -m tests.rollout.drafter.fuzz_ops SEED_FROM SEED_TO   (the sanitizer test runs it)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import sys
+
+import numpy as np
+
+from services.rollout.drafter.compiled import ABI_VERSION, load_library
+
+SLOTS = 8
+K = 16  # max_draft_len
+RC_OK, RC_INVAL = 0, -1
+
+
+def _i32(values) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int64).astype(np.int32))
+
+
+def _ptr(arr: np.ndarray | None) -> int:
+    return 0 if arr is None else arr.ctypes.data
+
+
+def make(lib) -> tuple[int, ctypes.Array]:
+    stats = (ctypes.c_double * 6)()
+    ci = (ctypes.c_int64 * 11)(1, 1, 1, 1, 256, 192, 256, 1, K, 0, SLOTS)
+    cd = (ctypes.c_double * 6)(1.5, 0.5, 0.3, 2.0, 1.0, 1.0)
+    handle = lib.rhd_create(ci, 11, cd, 6, stats)
+    assert handle
+    return handle, stats
+
+
+def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
+    """Runs random hostile and legal calls; returns how often each return code came back."""
+    lib = load_library()
+    assert lib.rhd_abi_version() == ABI_VERSION
+    rng = random.Random(seed)
+    h, _stats = make(lib)  # (_stats: kept alive, the core writes into it)
+    running: set[int] = set()
+    codes: dict[int, int] = {}
+    bad_tokens = [-1, -2**31, 2**31 - 1, -7]
+    out_tokens = np.zeros(SLOTS * 4 * K, dtype=np.int32)
+    out_gains = np.zeros(SLOTS * 4 * K, dtype=np.float64)
+    out_lens = np.zeros(SLOTS * 4, dtype=np.int32)
+
+    def tokens(n: int, hostile: bool) -> np.ndarray:
+        vals = [rng.randrange(6) for _ in range(n)]
+        if hostile and n:
+            vals[rng.randrange(n)] = rng.choice(bad_tokens)
+        return _i32(vals)
+
+    def slot(hostile: bool) -> int:
+        if hostile:
+            return rng.choice([-1, SLOTS, 2**31 - 1, -2**31, rng.randrange(SLOTS)])
+        return rng.choice(sorted(running)) if running else 0
+
+    for _ in range(num_calls):
+        hostile = rng.random() < 0.5
+        op = rng.randrange(9)
+        if op == 0:  # start
+            s = slot(hostile) if hostile else rng.randrange(SLOTS)
+            n = rng.choice([0, 3, 100_000]) if hostile else rng.randrange(8)
+            p = tokens(n, hostile and rng.random() < 0.5)
+            g = tokens(rng.randrange(5), hostile and rng.random() < 0.5)
+            rc = lib.rhd_start(h, s, rng.choice([1, 2, -5, 2**62]), _ptr(p), p.size, _ptr(g), g.size)
+            if rc == RC_OK:
+                running.add(s)
+        elif op == 1:  # stop
+            s = slot(hostile)
+            rc = lib.rhd_stop(h, s)
+            if rc >= 0:
+                running.discard(s)
+        elif op == 2:  # commit
+            ops, toks = [], []
+            for _ in range(rng.randint(0, 4)):
+                kind = rng.choice([0, 1, 7, -1]) if hostile else rng.choice([0, 1])
+                if kind == 1:
+                    t = tokens(rng.randrange(4), hostile and rng.random() < 0.3).tolist()
+                    ops.append([1, slot(hostile and rng.random() < 0.3), len(t) + (rng.choice([0, 5, -3])
+                                                                                  if hostile else 0), 0])
+                    toks += t
+                else:
+                    ops.append([kind, slot(hostile and rng.random() < 0.3), rng.randint(-2, 5), rng.randint(-2, 5)])
+            a, t = _i32(ops or [[0, 0, 0, 0]]), _i32(toks or [0])
+            rc = lib.rhd_commit(h, len(ops) if not hostile else rng.choice([len(ops), -1, len(ops)]), _ptr(a),
+                                _ptr(t), len(toks))
+        elif op == 3:  # propose
+            n = rng.randint(0, 2 * SLOTS if hostile else len(running))
+            ids = _i32([slot(hostile and rng.random() < 0.3) for _ in range(n)] or [0])
+            lens = np.asarray([rng.choice([0, 3, 16, -5, 2**62]) for _ in range(max(n, 1))], dtype=np.int64)
+            budget = rng.choice([-1, 0, 3, 2**62, -2**62])
+            gain = rng.choice([0.1, 0.0, float("nan"), float("inf"), -1.0]) if hostile else 0.1
+            rc = lib.rhd_propose(h, n, _ptr(ids), _ptr(lens), budget, gain, _ptr(out_tokens), _ptr(out_gains),
+                                 _ptr(out_lens))
+            if rc == RC_OK:
+                assert all(0 <= x <= K for x in out_lens[:n].tolist())
+        elif op == 4:  # history
+            num = rng.randint(0, 3)
+            resp = [tokens(rng.randrange(10), hostile and rng.random() < 0.3) for _ in range(num)]
+            flat = _i32(np.concatenate(resp).tolist() if resp else [0])
+            offsets = np.asarray([0] + np.cumsum([r.size for r in resp]).tolist(), dtype=np.int64)
+            if hostile and num:
+                offsets[rng.randrange(1, num + 1)] = rng.choice([-1, 0])  # decreasing (within the array)
+            ages = _i32([rng.choice([0, 1, -1]) if hostile else rng.randint(0, 3) for _ in range(max(num, 1))])
+            weights = np.asarray([rng.choice([1.0, float("nan"), -1.0]) if hostile else 1.0
+                                  for _ in range(max(num, 1))])
+            rc = lib.rhd_load_history(h, rng.choice([1, 2]), _ptr(flat), _ptr(offsets), num, _ptr(ages), _ptr(weights))
+        elif op == 5:  # global
+            num = rng.randint(0, 3)
+            resp = [tokens(rng.randrange(12), hostile and rng.random() < 0.3) for _ in range(num)]
+            flat = _i32(np.concatenate(resp).tolist() if resp else [0])
+            offsets = np.asarray([0] + np.cumsum([r.size for r in resp]).tolist(), dtype=np.int64)
+            if hostile and num:
+                offsets[0] = rng.choice([0, 1, -1])
+            rc = lib.rhd_add_global(h, _ptr(flat), _ptr(offsets), num)
+        elif op == 6:  # stop tokens
+            st = _i32([rng.randrange(6) for _ in range(rng.randrange(3))] or [0])
+            rc = lib.rhd_set_stops(h, slot(hostile), _ptr(st), rng.choice([0, 1, -1]) if hostile else 1)
+        elif op == 7:  # release / queries
+            rc = lib.rhd_release_prompt(h, rng.choice([1, 2, 3, -1]))
+            lib.rhd_memory_tokens(h, rng.choice([1, 2, 99]))
+            lib.rhd_memory_bytes(h, rng.choice([1, 2, 99]))
+            lib.rhd_global_tokens(h)
+        else:  # null arrays with counts
+            rc = rng.choice([
+                lambda: lib.rhd_commit(h, 3, None, None, 5),
+                lambda: lib.rhd_propose(h, 2, None, None, 3, 0.1, None, None, None),
+                lambda: lib.rhd_load_history(h, 1, None, None, 2, None, None),
+                lambda: lib.rhd_add_global(h, None, None, 1),
+                lambda: lib.rhd_start(h, 0, 1, None, 4, None, 0),
+            ])()
+            assert rc == RC_INVAL
+        assert rc in (0, 1, RC_INVAL), (op, rc, lib.rhd_last_error(h))
+        codes[rc] = codes.get(rc, 0) + 1
+        assert lib.rhd_global_tokens(h) <= 256  # the bound holds whatever came in
+        for p in (1, 2):
+            assert lib.rhd_memory_tokens(h, p) <= 256
+    # still a working drafter: a legal lifecycle goes through
+    for s in sorted(running):
+        assert lib.rhd_stop(h, s) >= 0
+    p = _i32([1, 2, 3, 1, 2, 3])
+    assert lib.rhd_start(h, 0, 1, _ptr(p), p.size, 0, 0) == RC_OK
+    assert lib.rhd_stop(h, 0) >= 0
+    lib.rhd_destroy(h)
+    return codes
+
+
+if __name__ == "__main__":
+    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    for s in range(lo, hi):
+        fuzz(s)
+    print(f"fuzz ok for seeds {lo}..{hi - 1}")

@@ -1,0 +1,126 @@
+"""Random drafter lifecycles, run on two drafters side by side (the compiled core and the
+Python reference): everything either one returns goes in a trace, and the traces must be
+equal. Small vocabularies and bounds, so that matches, ties, back-offs, evictions, global
+flips, aborts and resumed chunks all happen within a few dozen operations.
+
+Also runnable as a script (the sanitizer test runs it in a subprocess):
+    python -m tests.rollout.drafter.parity_ops SEED_FROM SEED_TO
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+from services.rollout.drafter import DrafterConfig, HistoDrafter
+from services.rollout.engine.cost_model import CostModel
+
+
+def random_config(rng: random.Random) -> DrafterConfig:
+    return DrafterConfig(
+        use_history=rng.random() < 0.9, use_siblings=rng.random() < 0.85, use_prompt=rng.random() < 0.85,
+        use_global=rng.random() < 0.85,
+        max_tokens_per_prompt=rng.choice([16, 40, 96, 65536]), history_fraction=rng.choice([0.5, 0.75, 1.0]),
+        global_max_tokens=rng.choice([16, 48, 128, 262144]),
+        recency_decay=rng.choice([0.7, 0.5]), reward_weighting=rng.random() < 0.3,
+        sibling_weight=rng.choice([1.5, 1.0]), prompt_weight=rng.choice([0.5, 1.0]),
+        smoothing=rng.choice([0.3, 0.0, 1.0]), backoff_weight=rng.choice([2.0, 0.5]),
+        match_len_prior=rng.choice([1.0, 3.0]), global_match_len_prior=rng.choice([1.0, 4.0]),
+        min_match_len=rng.choice([1, 1, 2, 3]), min_gain=rng.choice([0.1, 0.0, 0.3]),
+        max_draft_len=rng.choice([16, 4, 1]),
+        cost_model=CostModel() if rng.random() < 0.3 else None)
+
+
+def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
+    # repetitive text: copies of earlier spans, so contexts recur
+    out: list[int] = []
+    while len(out) < n:
+        if out and rng.random() < 0.5:
+            start = rng.randrange(len(out))
+            out.extend(out[start:start + rng.randint(1, 6)])
+        else:
+            out.append(rng.randrange(vocab))
+    return out[:n]
+
+
+def run(drafter, seed: int, num_ops: int = 60) -> list:
+    """Drives `drafter` through a random lifecycle; returns what it answered."""
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 12, 50])
+    prompts = [f"p{i}" for i in range(rng.randint(1, 3))]
+    prompt_text = {p: _tokens(rng, vocab, rng.randint(0, 12)) for p in prompts}
+    running: dict[str, list[int]] = {}  # request -> its last draft
+    trace: list = []
+    next_req = 0
+    for _ in range(num_ops):
+        op = rng.random()
+        if op < 0.08:
+            p = rng.choice(prompts)
+            responses = [_tokens(rng, vocab, rng.randint(0, 20)) for _ in range(rng.randint(0, 5))]
+            ages = [rng.randint(0, 3) for _ in responses]
+            rewards = [rng.choice([0.0, 1.0, 0.5]) for _ in responses]
+            drafter.load_history(p, responses, epoch_ages=ages, rewards=rewards)
+        elif op < 0.14:
+            drafter.add_global_responses([_tokens(rng, vocab, rng.randint(0, 25)) for _ in range(rng.randint(1, 3))])
+        elif op < 0.26 or not running:
+            p = rng.choice(prompts)
+            rid = f"r{next_req}"
+            next_req += 1
+            resumed = _tokens(rng, vocab, rng.randint(0, 15)) if rng.random() < 0.3 else []
+            drafter.start_request(rid, p, prompt_text[p], resumed)
+            running[rid] = []
+        elif op < 0.34:
+            rid = rng.choice(sorted(running))
+            drafter.stop_request(rid)  # a finished chunk or an abort
+            del running[rid]
+            if rng.random() < 0.5:  # its response reaches the global index, as the worker's feed does
+                drafter.add_global_responses([_tokens(rng, vocab, rng.randint(0, 10))])
+        elif op < 0.38:
+            drafter.release_prompt(rng.choice(prompts))
+        elif op < 0.70:
+            rids = rng.sample(sorted(running), rng.randint(1, len(running)))
+            max_lens = [rng.choice([0, 1, 3, 16, 30]) for _ in rids]
+            stops = [frozenset(rng.sample(range(vocab), rng.randint(0, 2))) for _ in rids] \
+                if rng.random() < 0.5 else None
+            budget = rng.choice([None, None, 0, 1, 3, 8, 40])
+            num_seqs = rng.choice([None, 1, 64, 256])
+            drafts = drafter.propose(rids, max_lens, stop_token_ids=stops, budget=budget, num_seqs=num_seqs)
+            trace.append(("propose", drafts))
+            for rid, draft in zip(rids, drafts):
+                running[rid] = draft
+        else:
+            rid = rng.choice(sorted(running))
+            draft = running[rid]
+            if draft:
+                accepted = rng.randint(0, len(draft))
+                drafter.record_acceptance(rid, len(draft), accepted)
+                committed = draft[:accepted] + [rng.randrange(vocab)]
+                running[rid] = []
+            else:
+                committed = _tokens(rng, vocab, rng.randint(1, 4))
+            drafter.add_tokens(rid, committed)
+        if rng.random() < 0.1:
+            stats = drafter.stats()
+            trace.append(("stats", stats, [drafter.memory_tokens(p) for p in prompts],
+                          [drafter.has_prompt(p) for p in prompts], drafter.global_tokens()))
+    trace.append(("end", drafter.stats()))
+    return trace
+
+
+def compare(seed: int, make_compiled, num_ops: int = 60) -> None:
+    """Asserts that the compiled drafter and the reference answer alike for one seed."""
+    config = random_config(random.Random(seed))
+    expected = run(HistoDrafter(config), seed, num_ops)
+    got = run(make_compiled(config), seed, num_ops)
+    assert len(got) == len(expected), f"seed {seed}: {len(got)} answers, expected {len(expected)}"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"seed {seed}, answer {i}: {g} != {e}"
+
+
+if __name__ == "__main__":
+    from services.rollout.drafter.compiled import CompiledDrafter
+
+    lo, hi = int(sys.argv[1]), int(sys.argv[2])
+    for s in range(lo, hi):
+        compare(s, lambda c: CompiledDrafter(c, max_slots=64))
+    print(f"parity ok for seeds {lo}..{hi - 1}")

@@ -1,0 +1,259 @@
+"""The compiled drafter (services/rollout/drafter/compiled.py over native/histo.cpp) against
+the Python HistoDrafter, its reference.
+
+If these fail: the compiled core drafts otherwise than the reference (a walk, a tie, a
+back-off, the budget's cut, an eviction, a global flip, a resumed chunk differs), bad input
+crashes or corrupts the process instead of raising, the library needs a newer glibc than
+the GPU machine's, or it has memory errors / undefined behaviour (the sanitizer run)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from benchmarks import drafter_replay as R
+from services.rollout.drafter import DrafterConfig, HistoDrafter, UnknownRequestError
+from services.rollout.drafter.compiled import (
+    LIBRARY,
+    CompiledDrafter,
+    DrafterFullError,
+    DrafterLibraryError,
+    load_library,
+)
+from services.rollout.drafter.native import build
+from tests.rollout.drafter import fuzz_ops, parity_ops
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library():
+    build.build()  # up to date after `make install`; else built here (seconds)
+
+
+# -- parity ---------------------------------------------------------------------------
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_lifecycles_draft_as_the_reference(seed):
+    """Random prompts, histories (ages, rewards), siblings, global responses, resumed
+    chunks, aborts, releases, evictions at tiny bounds and random settings: every draft,
+    counter and memory figure equals the reference's."""
+    parity_ops.compare(seed, lambda c: CompiledDrafter(c, max_slots=128))
+
+
+class _Logged:
+    """Passes calls through and keeps propose's answers."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.drafts = drafter, []
+
+    def __getattr__(self, name):
+        method = getattr(self.drafter, name)
+        if name != "propose":
+            return method
+
+        def propose(*args, **kwargs):
+            out = method(*args, **kwargs)
+            self.drafts.append(out)
+            return out
+        return propose
+
+
+@pytest.mark.parametrize("path", ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz"])
+def test_committed_traces_draft_as_the_reference(path):
+    """The lockstep replay of a committed trace set (its first epochs, a few prompts, the
+    product config with the cost threshold at a full batch): the same drafts, step by step."""
+    traces = R.load_traces(str(ROOT / path))
+    prompts = sorted({t.prompt_id for t in traces})[:6]
+    traces = [t for t in traces if t.prompt_id in prompts and t.epoch < 4]
+    stop = R.stop_token(traces)
+    config = DrafterConfig(cost_model=R.COST)
+    rows, logs = {}, {}
+    for name, cls in (("python", HistoDrafter), ("compiled", CompiledDrafter)):
+        logged = _Logged(cls(config))
+        rows[name] = R.replay(traces, lambda logged=logged: logged, stop, name, num_seqs=64)
+        logs[name] = logged.drafts
+    assert sum(len(d) for step in logs["python"] for d in step) > 100  # it did draft
+    assert logs["compiled"] == logs["python"]
+    for key in ("num_tokens", "num_verify_steps", "mean_accepted_drafts_per_step", "draft_tokens_per_step",
+                "memory_tokens_max", "global_tokens_max"):
+        assert rows["compiled"][key] == rows["python"][key], key
+
+
+# -- bad input ------------------------------------------------------------------------
+
+def _drafter(**kw) -> CompiledDrafter:
+    d = CompiledDrafter(DrafterConfig(max_tokens_per_prompt=1024, global_max_tokens=2048), **kw)
+    d.load_history("p", [[1, 2, 3, 4, 5], [1, 2, 3, 9]])
+    return d
+
+
+def test_bad_input_raises_and_the_drafter_keeps_working():
+    d = _drafter()
+    d.start_request("a", "p", [7, 8], [1, 2])
+    before = d.propose(["a"], [8])
+    for call, exc in [
+        (lambda: d.start_request("b", "p", [7, -1]), ValueError),  # a token id out of range
+        (lambda: d.start_request("b", "p", [7], [2**31]), ValueError),
+        (lambda: d.start_request("a", "p", [7]), ValueError),  # already running
+        (lambda: d.add_tokens("a", [3, -5]), ValueError),
+        (lambda: d.add_tokens("a", [2**40]), ValueError),
+        (lambda: d.add_tokens("a", ["x"]), ValueError),
+        (lambda: d.add_tokens("nobody", [1]), UnknownRequestError),
+        (lambda: d.record_acceptance("a", -1, 0), ValueError),
+        (lambda: d.record_acceptance("nobody", 1, 0), UnknownRequestError),
+        (lambda: d.propose(["a", "nobody"], [4, 4]), UnknownRequestError),
+        (lambda: d.propose(["a"], [4, 4]), ValueError),
+        (lambda: d.propose(["a"], [2**70]), ValueError),
+        (lambda: d.stop_request("nobody"), UnknownRequestError),
+        (lambda: d.load_history("p", [[1, 2], [3, -2]]), ValueError),
+        (lambda: d.load_history("p", [[1, 2]], epoch_ages=[0, 1]), ValueError),
+        (lambda: d.add_global_responses([[1], [2**31 + 3]]), ValueError),
+    ]:
+        with pytest.raises(exc):
+            call()
+    assert d.propose(["a"], [8]) == before  # nothing half-applied
+    d.stop_request("a")
+    with pytest.raises(UnknownRequestError):  # stopped
+        d.add_tokens("a", [1])
+    with pytest.raises(UnknownRequestError):
+        d.propose(["a"], [4])
+
+
+def test_empty_histories_prompts_and_huge_prompts_are_bounded():
+    d = CompiledDrafter(DrafterConfig(max_tokens_per_prompt=4096, global_max_tokens=8192))
+    d.load_history("e", [])
+    d.load_history("e", [[], []])
+    d.add_global_responses([])
+    d.add_global_responses([[]])
+    d.start_request("x", "e", [])
+    assert d.propose(["x"], [8]) == [[]]  # nothing indexed: no draft
+    d.add_tokens("x", [])
+    big = np.arange(100_000) % 50_000  # a 100k-token prompt and a 100k-token resumed chunk
+    d.start_request("y", "big", big, big)
+    d.add_tokens("y", [1, 2, 3])
+    d.propose(["x", "y"], [16, 16])
+    d.add_global_responses([big])
+    assert d.memory_tokens("big") <= 4096 and d.global_tokens() <= 8192
+    assert d.memory_bytes("big") > 0
+    d.stop_request("x")
+    d.stop_request("y")
+
+
+def test_more_requests_than_slots_is_refused_until_one_stops():
+    d = _drafter(max_slots=2)
+    d.start_request("a", "p", [1])
+    d.start_request("b", "p", [1])
+    with pytest.raises(DrafterFullError):
+        d.start_request("c", "p", [1])
+    with pytest.raises(ValueError):  # more requests in one call than slots
+        d.propose(["a", "b", "a"], [1, 1, 1])
+    d.stop_request("a")
+    d.start_request("c", "p", [1])
+    assert len(d.propose(["b", "c"], [4, 4])) == 2
+
+
+def test_fuzzing_the_c_interface_never_crashes():
+    """Hostile values straight into the C functions: error codes, never a crash."""
+    codes = {}
+    for seed in range(12):
+        for rc, n in fuzz_ops.fuzz(seed).items():
+            codes[rc] = codes.get(rc, 0) + n
+    assert codes.get(0, 0) > 100 and codes.get(-1, 0) > 100  # both legal and refused calls ran
+
+
+def test_a_missing_library_names_make_install(tmp_path):
+    with pytest.raises(DrafterLibraryError, match="make install"):
+        load_library(tmp_path / "libhisto.so")
+    (tmp_path / "broken.so").write_bytes(b"not a library")
+    with pytest.raises(DrafterLibraryError, match="make install"):
+        load_library(tmp_path / "broken.so")
+
+
+# -- the build --------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
+def test_library_needs_nothing_newer_than_glibc_2_17():
+    """The GPU machine's glibc may be older than this machine's: no symbol versioned above
+    GLIBC_2.17, and no libstdc++/libgcc_s to find there (linked in statically)."""
+    symbols = subprocess.run(["objdump", "-T", str(LIBRARY)], capture_output=True, text=True, check=True).stdout
+    versions = {tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_(\d+(?:\.\d+)+)", symbols)}
+    assert versions and max(versions) <= (2, 17), sorted(versions)
+    assert "GLIBCXX" not in symbols and "CXXABI" not in symbols
+    needed = subprocess.run(["objdump", "-p", str(LIBRARY)], capture_output=True, text=True, check=True).stdout
+    libs = re.findall(r"NEEDED\s+(\S+)", needed)
+    assert not any("stdc++" in lib or "gcc_s" in lib for lib in libs), libs
+    assert re.search(r"\brhd_propose\b", symbols) and "SuffixIndex" not in symbols  # only the C ABI exported
+
+
+def _asan_runtime() -> str | None:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return None
+    path = subprocess.run([cxx, "-print-file-name=libasan.so"], capture_output=True, text=True,
+                          check=False).stdout.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
+@pytest.mark.slow  # ~15 s, plus the sanitized build when `make test` has not made it
+@pytest.mark.skipif(_asan_runtime() is None, reason="no AddressSanitizer runtime for the C++ compiler")
+def test_sanitized_build_runs_the_property_tests_clean():
+    """The core built with -fsanitize=address,undefined (any finding aborts) runs the
+    random-lifecycle parity and the C-interface fuzz in a subprocess."""
+    lib = build.build(sanitize=True)
+    env = dict(os.environ, LD_PRELOAD=_asan_runtime(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", RHYMERL_DRAFTER_LIBRARY=str(lib),
+               PYTHONPATH=str(ROOT))
+    script = ("import sys; from tests.rollout.drafter import parity_ops, fuzz_ops; "
+              "from services.rollout.drafter.compiled import CompiledDrafter, library_path; "
+              "assert library_path().name == 'libhisto_asan.so'; "
+              "[parity_ops.compare(s, lambda c: CompiledDrafter(c, max_slots=64), 100) for s in range(30)]; "
+              "[fuzz_ops.fuzz(s) for s in range(4)]; print('clean')")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0 and "clean" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_the_bundled_copy_is_checked_against_its_manifest(tmp_path):
+    from services.rollout.drafter.compiled import _check_bundled
+
+    lib = tmp_path / "lib" / "libhisto.so"
+    lib.parent.mkdir()
+    shutil.copy(LIBRARY, lib)
+    digest = __import__("hashlib").sha256(lib.read_bytes()).hexdigest()
+    (tmp_path / "manifest.json").write_text(f'{{"files": {{"lib/libhisto.so": {{"sha256": "{digest}"}}}}}}')
+    _check_bundled(lib)
+    (tmp_path / "manifest.json").write_text('{"files": {"lib/libhisto.so": {"sha256": "0"}}}')
+    with pytest.raises(DrafterLibraryError, match="gpu-bundle"):
+        _check_bundled(lib)
+
+
+@pytest.mark.slow  # a worker process each (~10 s: its imports)
+@pytest.mark.parametrize("drafter, refused", [("compiled", True), ("python", False)])
+def test_a_worker_without_its_library_refuses_to_start_in_one_line(tmp_path, drafter, refused):
+    """RHYMERL_WORKER_DRAFTER=compiled (the default) and no library: the worker exits at
+    once with one line naming `make install`, before loading a model; never a silent
+    fallback. With the Python drafter it goes on (and fails later, on the missing model)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RHYMERL_DRAFTER_LIBRARY=str(tmp_path / "missing.so"),
+               RHYMERL_WORKER_DRAFTER=drafter, RHYMERL_WORKER_MODEL_PATH=str(tmp_path / "no-model"),
+               RHYMERL_WORKER_PORT="0", RHYMERL_WORKER_METRICS_PORT="0")
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "worker"], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "make install" in line]
+    if refused:
+        assert len(lines) == 1 and lines[0].startswith("rhymerl worker: ") and "Traceback" not in proc.stderr, \
+            proc.stderr
+        assert "loading" not in proc.stderr.split("make install")[0].split("\n")[-1]
+    else:
+        assert not lines, proc.stderr

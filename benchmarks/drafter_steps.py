@@ -10,7 +10,7 @@ drafter's one flush of them), and every draft of ours is compared with the recor
 so the log doubles as a check that a change to the drafter left its drafts as they were.
 Writes benchmarks/results/drafter_steps.json (the issue's `drafter_step_us` per backend).
 
-    python -m benchmarks.drafter_steps [--log /tmp/drafter_steps.pkl] [--record] [--rounds 3]
+    python -m benchmarks.drafter_steps [--log benchmarks/data/drafter_steps_grpo.pkl] [--record] [--rounds 3]
 
 The log is recorded with the drafter of the checkout that records it: record before a
 change, replay after it.
@@ -138,7 +138,8 @@ def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--log", default="/tmp/drafter_steps.pkl", help="the recorded calls")
+    parser.add_argument("--log", default="benchmarks/data/drafter_steps_grpo.pkl",
+                        help="the recorded calls (the committed log by default; --record makes it anew)")
     parser.add_argument("--record", action="store_true", help="record the log anew (else: if missing)")
     parser.add_argument("--model", default="models/tiny")
     parser.add_argument("--prompts", type=int, default=32)
@@ -190,7 +191,7 @@ def main() -> None:
         "log": str(path), "prompts": args.prompts, "samples": args.samples, "max_tokens": args.max_tokens,
         "rounds": args.rounds, "peer_note": peer_note,
         "timing_clock": "time.thread_time_ns (CPU time of the replay thread); the fastest of --rounds replays",
-        "cpu": cpu_name(), "python": platform.python_version(),
+        "device": "cpu", "cpu": cpu_name(), "python": platform.python_version(),
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "git_commit": git_commit("services/rollout/drafter", "benchmarks/drafter_steps.py"),
         "command": command,

@@ -91,6 +91,7 @@ class LLMEngine:
         """Queue one sample's chunk. Raises ValueError naming the offending field."""
         self._validate(req)
         seq = Sequence(req, self.model.config.eos_token_ids, self.max_model_len)
+        seq.slot = self.runner.params.assign(req)  # its sampling parameters, on the device
         self._drafter_call(self._drafter.start_request, req.request_id, req.prompt_id,
                            req.prompt_token_ids, req.generated_token_ids)
         self.seqs[req.request_id] = seq
@@ -142,7 +143,8 @@ class LLMEngine:
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
         sampling = batch.sampling_seqs()
-        verdicts = verify(logits, sampling)                                    # 4. verify
+        verdicts = verify(logits, sampling, self.runner.sampling, self.runner.params,
+                          self.runner.reader)                                  # 4. verify
         self.scheduler.postprocess(batch, time.perf_counter() - start)
         num_draft_tokens = sum(len(s.draft_token_ids) for s in sampling)
         num_prompt_tokens, num_generated = batch.num_prompt_tokens(), 0
@@ -219,6 +221,7 @@ class LLMEngine:
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        self.runner.params.release(seq.slot)
         del self.seqs[seq.request_id]
         self._drafter_call(self._drafter.stop_request, seq.request_id)
         self._undrafted.discard(seq.request_id)

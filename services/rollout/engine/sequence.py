@@ -33,6 +33,7 @@ class Sequence:
         self.stop_token_ids = frozenset(req.stop_token_ids) | (
             frozenset() if req.ignore_eos else frozenset(eos_token_ids))
         self.status = SequenceStatus.WAITING
+        self.slot = -1  # its row of the runner's SlotParams (the engine assigns it)
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (committed ones only)
         self.num_scheduled_tokens = 0  # this step: tokens of token_ids fed to the model

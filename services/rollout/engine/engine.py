@@ -209,12 +209,16 @@ class LLMEngine:
                                verdict.num_accepted)
             seq.draft_token_ids = []
         # KV is now valid for the fed tokens and the accepted drafts
-        seq.num_computed_tokens += seq.num_scheduled_tokens + verdict.num_accepted
+        computed = seq.num_computed_tokens
+        seq.num_computed_tokens = computed + seq.num_scheduled_tokens + verdict.num_accepted
         seq.num_scheduled_tokens = 0
         num_emitted, ended = seq.append_tokens(verdict.token_ids, verdict.logprobs)
         if not ended:
-            self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
-            self.block_manager.commit(seq)
+            if verdict.num_draft:  # (only a draft's KV slots can run past the tokens)
+                self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
+            bs = self.block_manager.block_size
+            if seq.num_computed_tokens // bs != computed // bs:  # a block filled up: hash it
+                self.block_manager.commit(seq)
             if self.speculative:  # (the NullDrafter's add_tokens does nothing)
                 self._drafter_call(self._drafter.add_tokens, seq.request_id, verdict.token_ids)
         return num_emitted

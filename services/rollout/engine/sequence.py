@@ -32,6 +32,8 @@ class Sequence:
         self.max_model_len = max_model_len
         self.stop_token_ids = frozenset(req.stop_token_ids) | (
             frozenset() if req.ignore_eos else frozenset(eos_token_ids))
+        # while shorter than this, stop tokens are masked out of its samples (min_tokens)
+        self.mask_stops_below = self.num_prompt_tokens + req.min_tokens if self.stop_token_ids else 0
         self.status = SequenceStatus.WAITING
         self.slot = -1  # its row of the runner's SlotParams (the engine assigns it)
         self.block_table: list[int] = []

@@ -51,6 +51,10 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
                  staging: tuple[Staging, Staging] | None = None) -> StepInputs:
     """The step's inputs, through ``staging`` (a fresh pair when None); ``vocab_size``
     places the masked stop tokens (any value when no row masks one)."""
+    staging = staging or new_staging(device)
+    decode = _decode_step(seqs, block_size, staging)
+    if decode is not None:
+        return decode
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -98,13 +102,13 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             num_tokens += end - start
             max_query_len = max(max_query_len, end - start)
             is_prefill |= n > 1
-        if num_rows and seq.req.min_tokens > length - seq.num_prompt_tokens and seq.stop_token_ids:
+        if num_rows and length < seq.mask_stops_below:
             _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, vocab_size, masked)
         cu_q.append(num_tokens)
         seq_lens.append(positions[-1] + 1)
         tables.extend(table)
         tables.extend(zeros[len(table):])
-    int64, int32 = staging or new_staging(device)
+    int64, int32 = staging
     ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t, masked_t = int64.stage(
         [input_ids, positions, slots, sample_rows, row_slots, row_positions, masked])
     tables_t, lens_t, cu_t = int32.stage([tables, seq_lens, cu_q])
@@ -116,6 +120,44 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
                                 row_slots_host=int64.host_part(4))
     return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
                       num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling)
+
+
+def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]) -> StepInputs | None:
+    """``prepare_step`` for the common step where every sequence is a plain decode (its
+    last token, no draft, no masked stop token): per sequence only what differs (its
+    token, position, KV slot, request slot and block table), the rest from numpy. None
+    when a sequence is anything else."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    row_slots: list[int] = []
+    tables: list[int] = []
+    width = max(len(s.block_table) for s in seqs)
+    zeros = [0] * width
+    for seq in seqs:
+        start, token_ids, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
+        if (seq.num_scheduled_tokens != 1 or start + 1 != len(token_ids) or seq.draft_token_ids
+                or start + 1 < seq.mask_stops_below):
+            return None
+        input_ids.append(token_ids[start])
+        positions.append(start)
+        slots.append(table[start // bs] * bs + start % bs)
+        row_slots.append(seq.slot)
+        tables.extend(table)
+        tables.extend(zeros[len(table):])
+    n = len(seqs)
+    lengths = [p + 1 for p in positions]  # each sequence's length = the position it samples
+    rows = list(range(n + 1))
+    int64, int32 = staging
+    ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t = int64.stage(
+        [input_ids, positions, slots, rows[:n], row_slots, lengths])
+    tables_t, lens_t, cu_t = int32.stage([tables, lengths, rows])
+    md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(n, width), seq_lens=lens_t,
+                           query_start_loc=cu_t, max_query_len=1)
+    sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=None,
+                            row_slots_host=int64.host_part(4))
+    return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=n,
+                      num_tokens=n, is_prefill=False, sampling=sampling)
 
 
 def _mask_stop_tokens(seq: Sequence, first_row: int, num_rows: int, vocab_size: int, masked: list[int]) -> None:

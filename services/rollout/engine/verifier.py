@@ -71,19 +71,16 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | 
         params = SlotParams(logits.shape[1], logits.device, capacity=len(seqs))
         sampling = sampling_of(seqs, params, logits.device)
     assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
-    dev = params.device_params()
-    slots = sampling.row_slots
-    need_sort, need_min_p, any_processed = params.flags[sampling.row_slots_host].any(axis=0).tolist()
+    temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
     if sampling.masked is not None:
         logits = logits.clone()
         logits.view(-1).index_fill_(0, sampling.masked, float("-inf"))
-    processed = dev["processed"].index_select(0, slots) if any_processed else None
-    tokens, logprobs = sample(logits, dev["temperature"].index_select(0, slots), dev["top_k"].index_select(0, slots),
-                              dev["top_p"].index_select(0, slots), dev["min_p"].index_select(0, slots),
-                              dev["seed"].index_select(0, slots), sampling.positions, processed,
-                              truncation=(need_sort, need_min_p))
+    tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
+                              truncation=truncation)
     host = (reader or HostReader()).read(torch.stack((tokens.double(), logprobs.double())))  # [2, num_rows]
     tokens_l, logprobs_l = host[0].astype(int).tolist(), host[1].tolist()
+    if len(tokens_l) == len(seqs):  # no drafts: each sequence's one sampled token
+        return [Verdict([t], [lp], 0, 0) for t, lp in zip(tokens_l, logprobs_l)]
     verdicts, row = [], 0
     for seq in seqs:
         draft = seq.draft_token_ids

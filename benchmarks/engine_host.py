@@ -15,7 +15,8 @@ the engine):
   draft     LLMEngine._propose_drafts (the drafter below is a dictionary lookup)
   prepare   ModelRunner.prepare (the step's flat inputs and attention metadata)
   forward   ModelRunner.run minus prepare (the model, the logits)
-  verify    verify() minus the sampler (kernels.sampling.sample, whose CPU reference
+  verify    verify() (or sample_rows(), on steps without drafts) minus the sampler
+            (kernels.sampling.sample, whose CPU reference
             computes Gumbel noise in PyTorch; on a GPU a Triton kernel does it), i.e.
             the sampling rows, the verdicts
   commit    the rest of step(): postprocess, commit each sequence's tokens, finish,
@@ -118,8 +119,10 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
     engine._propose_drafts = timed("draft", engine._propose_drafts)
     engine.runner.prepare = timed("prepare", engine.runner.prepare)
     engine.runner.run = timed("run", engine.runner.run)
-    saved = engine_module.verify, verifier_module.sample
+    saved = engine_module.verify, verifier_module.sample, getattr(engine_module, "sample_rows", None)
     engine_module.verify = timed("verify_all", engine_module.verify)
+    if saved[2] is not None:  # the engine samples draftless steps without verdicts
+        engine_module.sample_rows = timed("verify_all", saved[2])
     verifier_module.sample = timed("sample", verifier_module.sample)
     try:
         for r in requests(batch, new_tokens):
@@ -142,7 +145,9 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
                     totals[p] += parts[p]
                 counted[0] += 1
     finally:
-        engine_module.verify, verifier_module.sample = saved
+        engine_module.verify, verifier_module.sample = saved[:2]
+        if saved[2] is not None:
+            engine_module.sample_rows = saved[2]
     n = max(counted[0], 1)
     ms = {p: totals[p] / n * 1e3 for p in PHASES}
     ms["host"] = sum(ms[p] for p in HOST)

@@ -52,6 +52,21 @@ def num_accepted(draft: list[int], sampled: list[int]) -> int:
     return a
 
 
+def sample_rows(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
+                reader: HostReader | None = None) -> tuple[list[int], list[float]]:
+    """The policy's token and its logprob at every row of ``logits`` (the step's rows in
+    ``sampling``, their parameters in ``params``), read back to the host at once."""
+    assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
+    temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
+    if sampling.masked is not None:
+        logits = logits.clone()
+        logits.view(-1).index_fill_(0, sampling.masked, float("-inf"))
+    tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
+                              truncation=truncation)
+    host = (reader or HostReader()).read(torch.stack((tokens.double(), logprobs.double())))  # [2, num_rows]
+    return host[0].astype(int).tolist(), host[1].tolist()
+
+
 def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | None = None,
            params: SlotParams | None = None, reader: HostReader | None = None) -> list[Verdict]:
     """Sample every row and accept each sequence's draft.
@@ -70,15 +85,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | 
     if sampling is None:
         params = SlotParams(logits.shape[1], logits.device, capacity=len(seqs))
         sampling = sampling_of(seqs, params, logits.device)
-    assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
-    temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
-    if sampling.masked is not None:
-        logits = logits.clone()
-        logits.view(-1).index_fill_(0, sampling.masked, float("-inf"))
-    tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
-                              truncation=truncation)
-    host = (reader or HostReader()).read(torch.stack((tokens.double(), logprobs.double())))  # [2, num_rows]
-    tokens_l, logprobs_l = host[0].astype(int).tolist(), host[1].tolist()
+    tokens_l, logprobs_l = sample_rows(logits, sampling, params, reader)
     if len(tokens_l) == len(seqs):  # no drafts: each sequence's one sampled token
         return [Verdict([t], [lp], 0, 0) for t, lp in zip(tokens_l, logprobs_l)]
     verdicts, row = [], 0

@@ -129,15 +129,19 @@ def allowed_mask(
     top_k: torch.Tensor,  # [n] int32, 0 = off
     top_p: torch.Tensor,  # [n] float32, 0 or 1 = off
     min_p: torch.Tensor,  # [n] float32, 0 = off
+    truncation: tuple[bool, bool] | None = None,
 ) -> torch.Tensor | None:  # [n, vocab] bool, or None when no row truncates
     """Which tokens each row may sample under softmax(logits / temperature).
-    The argmax token is always allowed (for min_p <= 1)."""
+    The argmax token is always allowed (for min_p <= 1).
+
+    ``truncation``: (any row has top-k or top-p on, any row has min-p on), when the
+    caller knows it from host data; None: read from the tensors (a host sync on a GPU)."""
     vocab = logits.shape[1]
     k_on = (top_k > 0) & (top_k < vocab)  # [n]
     p_on = (top_p > 0) & (top_p < 1)  # [n]
-    min_p_on = min_p > 0  # [n]
-    # One host sync decides which (costly) parts run at all.
-    need_sort, need_min_p = torch.stack([(k_on | p_on).any(), min_p_on.any()]).tolist()
+    if truncation is None:  # one host sync decides which (costly) parts run at all
+        truncation = torch.stack([(k_on | p_on).any(), (min_p > 0).any()]).tolist()
+    need_sort, need_min_p = truncation
     if not (need_sort or need_min_p):
         return None
     scaled = logits.float() / temperature[:, None]  # [n, vocab]
@@ -171,33 +175,34 @@ def _scale(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tenso
 
 def _logprobs_reference(scaled, allowed, processed, tokens) -> torch.Tensor:  # [n] float32
     """log_softmax(scaled)[token], over the allowed tokens only in processed rows."""
-    if allowed is not None and processed is not None and bool(processed.any()):
+    if allowed is not None and processed is not None:  # (no-op on raw rows: no host check needed)
         scaled = torch.where(allowed | ~processed[:, None], scaled, float("-inf"))
     return torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
-def sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None):
+def sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None):
     """The ground truth in PyTorch; see the module docstring for the contract."""
     _check_args(logits, temperature, top_k, top_p, min_p, processed, seeds=seeds, positions=positions)
     scaled, t = _scale(logits, temperature)  # [n, vocab]
     noise = gumbel_noise(seeds, positions, logits.shape[1])  # [n, vocab]
     scores = scaled + torch.where((temperature == 0)[:, None], 0.0, noise)  # [n, vocab]
-    allowed = allowed_mask(logits, t, top_k, top_p, min_p)
+    allowed = allowed_mask(logits, t, top_k, top_p, min_p, truncation)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     tokens = scores.argmax(dim=-1)  # [n]
     return tokens, _logprobs_reference(scaled, allowed, processed, tokens)
 
 
-def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None):
+def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None):
     """Truncation mask from PyTorch (it needs a sort); RNG, Gumbel, argmax and
     logsumexp fused in one pass over each row's vocabulary."""
     _check_args(logits, temperature, top_k, top_p, min_p, processed, seeds=seeds, positions=positions)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [n]
-    return tokens, _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds, positions)
+    return tokens, _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds, positions,
+                           truncation)
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
@@ -207,12 +212,14 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, processed
         seeds, positions: [n] int64.
         processed: [n] bool, rows whose logprob is normalised over the allowed tokens
             only (None: every row raw).
+        truncation: (any row uses top-k or top-p, any row uses min-p) when known on the
+            host, so nothing waits for the device to decide it (``allowed_mask``).
     Returns:
         tokens [n] int64 and their logprobs [n] float32 (see the module docstring).
     """
     if use_triton(logits):
-        return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed)
-    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed)
+        return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation)
+    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation)
 
 
 def token_logprobs(logits, tokens, temperature, top_k, top_p, min_p, processed=None) -> torch.Tensor:
@@ -232,7 +239,8 @@ def token_logprobs(logits, tokens, temperature, top_k, top_p, min_p, processed=N
     return _logprobs_reference(scaled, allowed_mask(logits, t, top_k, top_p, min_p), processed, tokens)
 
 
-def _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds=None, positions=None):
+def _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds=None, positions=None,
+            truncation=None):
     """Runs the sampling kernel (seeds given: ``tokens`` is written) or the logprob kernel
     (``tokens`` is read); returns the logprobs."""
     n, vocab = logits.shape
@@ -241,7 +249,7 @@ def _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds=N
     if n == 0:
         return logprobs
     t = torch.where(temperature == 0, torch.ones_like(temperature), temperature)  # [n]
-    allowed = allowed_mask(logits, t, top_k, top_p, min_p)  # [n, vocab] | None
+    allowed = allowed_mask(logits, t, top_k, top_p, min_p, truncation)  # [n, vocab] | None
     mask = allowed if allowed is not None else logprobs  # an unread placeholder pointer
     flags = (processed if processed is not None else torch.zeros(n, dtype=torch.bool, device=logits.device))
     flags = flags.to(torch.int8)  # [n]

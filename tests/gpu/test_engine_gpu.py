@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from services.rollout.engine import LLMEngine
 from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
 from services.rollout.loader import init_random_model, save_model
 from tests.gpu.agreement import assert_agree, outputs
+from tests.rollout.engine.host_reads import counting_host_reads
 from tests.rollout.engine.test_engine import CONFIG, OracleDrafter, make_request, prompt_of, reference_generate, run_to_end
 
 pytestmark = pytest.mark.gpu
@@ -128,6 +130,50 @@ def test_engines_made_one_after_another_capture_every_graph(device):
         assert graphs is not None and not graphs.failed
         assert any(q > 1 for _, _, q in graphs.graphs) and any(q == 1 for _, _, q in graphs.graphs)
         del e, graphs  # left to the cycle collector, as a benchmark's engines are
+
+
+def synchronisations(e: LLMEngine, device: str) -> int:
+    """How many times one ``e.step()`` makes the host wait for the GPU, as
+    ``torch.cuda.set_sync_debug_mode`` reports them (on the CPU dry run: the host reads
+    that tests/rollout/engine/host_reads.py counts)."""
+    if device != "cuda":
+        with counting_host_reads(e) as reads:
+            e.step()
+        return len(reads.calls)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            e.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_decode_and_verify_steps_synchronise_once(device):
+    """A decode or verify step (CUDA graph replay, the Triton sampler, top-k / top-p /
+    min-p rows, stop tokens masked before min_tokens) waits for the GPU once: to read
+    the sampled tokens. A second wait (a pageable copy, an ``.item()``, a host decision
+    read from the device) fails it."""
+    model, _ = models(torch.float32)
+    reqs = requests(truncation=True) + [make_request(9, prompt_of(7, 9), temperature=1.0, min_tokens=8,
+                                                     stop_token_ids=frozenset({3, 4}), ignore_eos=False,
+                                                     max_tokens=24, max_new_tokens=24)]
+    plain = run_to_end(engine(model, device, reqs, speculative=False))
+    oracle = OracleDrafter({rid: o.token_ids for rid, o in plain.items()}, wrong_every=3)
+    for drafter in (None, oracle):
+        e = engine(model, device, reqs, drafter=drafter, speculative=drafter is not None)
+        counts = []
+        while e.has_unfinished():
+            prompt_tokens = e.metrics.counters.num_prompt_tokens
+            n = synchronisations(e, device)
+            if e.metrics.counters.num_prompt_tokens == prompt_tokens:  # no prefill chunk ran
+                counts.append(n)
+        assert len(counts) >= 5 and max(counts) <= 1, counts
+        graph_replays(e, device)
+        if drafter is not None:
+            assert e.metrics.counters.num_drafts > 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -14,7 +14,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    for name in ("kernels.paged_attention", "kernels.sampling", "kernels.matmul", "kernels.rms_norm"):
+    for name in ("kernels.paged_attention", "kernels.sampling", "kernels.matmul", "kernels.rms_norm",
+                 "kernels.fused"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])
 

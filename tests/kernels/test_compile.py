@@ -22,7 +22,7 @@ import inspect, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import matmul as mm, paged_attention as pa, rms_norm as rn, sampling as sp
+from kernels import fused as fu, matmul as mm, paged_attention as pa, rms_norm as rn, sampling as sp
 
 def build(kernel, types, constexprs):
     names = list(inspect.signature(kernel.fn).parameters)
@@ -46,6 +46,9 @@ for dtype in ("bf16", "fp16", "fp32"):
                                                             DOT_F32=False, DOT_PRECISION=precision))
     build(rn._rms_norm_kernel, {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "out_ptr": "*" + dtype,
                                 "eps": "fp32"}, dict(BLOCK=1024))
+    build(fu._add_rms_norm_kernel, {p: "*" + dtype for p in ("x_ptr", "res_ptr", "w_ptr", "normed_ptr",
+                                                              "summed_ptr")} | {"eps": "fp32"}, dict(BLOCK=1024))
+    build(fu._silu_mul_kernel, {p: "*" + dtype for p in ("gate_ptr", "up_ptr", "out_ptr")}, dict(BLOCK=1024))
 for in_order in (False, True):
     build(pa._merge_splits_kernel, {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
                                     "cu_q_ptr": "*i32"},

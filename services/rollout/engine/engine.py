@@ -31,7 +31,7 @@ from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
 from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.engine.sequence import Sequence
-from services.rollout.engine.verifier import Verdict, verify
+from services.rollout.engine.verifier import Verdict, sample_rows, verify
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class LLMEngine:
         """Queue one sample's chunk. Raises ValueError naming the offending field."""
         self._validate(req)
         seq = Sequence(req, self.model.config.eos_token_ids, self.max_model_len)
+        seq.slot = self.runner.params.assign(req)  # its sampling parameters, on the device
         self._drafter_call(self._drafter.start_request, req.request_id, req.prompt_id,
                            req.prompt_token_ids, req.generated_token_ids)
         self.seqs[req.request_id] = seq
@@ -142,7 +143,10 @@ class LLMEngine:
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
         sampling = batch.sampling_seqs()
-        verdicts = verify(logits, sampling)                                    # 4. verify
+        if not self.speculative:
+            return self._plain_step(batch, sampling, logits, outputs, start)   # 4-6 without drafts
+        verdicts = verify(logits, sampling, self.runner.sampling, self.runner.params,
+                          self.runner.reader)                                  # 4. verify
         self.scheduler.postprocess(batch, time.perf_counter() - start)
         num_draft_tokens = sum(len(s.draft_token_ids) for s in sampling)
         num_prompt_tokens, num_generated = batch.num_prompt_tokens(), 0
@@ -152,6 +156,26 @@ class LLMEngine:
                 outputs.append(self._finish(seq))                              # 6. finish
         self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
         self._record_step(batch, start, num_prompt_tokens, num_draft_tokens, num_generated)
+        return outputs
+
+    def _plain_step(self, batch: ScheduledBatch, sampling: list[Sequence], logits, outputs: list[RequestOutput],
+                    start: float) -> list[RequestOutput]:
+        """Verify, commit and finish when nothing drafts: each sampling sequence appends
+        its one sampled token (what ``_commit`` does with a draftless verdict, without
+        making verdicts: this runs for every sequence of every step)."""
+        runner = self.runner
+        tokens, logprobs = sample_rows(logits, runner.sampling, runner.params, runner.reader) if sampling else ((), ())
+        self.scheduler.postprocess(batch, time.perf_counter() - start)
+        num_prompt_tokens, bs = batch.num_prompt_tokens(), self.block_manager.block_size
+        for seq, token, logprob in zip(sampling, tokens, logprobs):
+            computed = seq.num_computed_tokens
+            seq.num_computed_tokens = computed + seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if seq.append_token(token, logprob):  # the chunk ended
+                outputs.append(self._finish(seq))
+            elif seq.num_computed_tokens // bs != computed // bs:  # a block filled up: hash it
+                self.block_manager.commit(seq)
+        self._record_step(batch, start, num_prompt_tokens, 0, len(sampling))
         return outputs
 
     def _finish(self, seq: Sequence) -> RequestOutput:
@@ -207,18 +231,23 @@ class LLMEngine:
                                verdict.num_accepted)
             seq.draft_token_ids = []
         # KV is now valid for the fed tokens and the accepted drafts
-        seq.num_computed_tokens += seq.num_scheduled_tokens + verdict.num_accepted
+        computed = seq.num_computed_tokens
+        seq.num_computed_tokens = computed + seq.num_scheduled_tokens + verdict.num_accepted
         seq.num_scheduled_tokens = 0
         num_emitted, ended = seq.append_tokens(verdict.token_ids, verdict.logprobs)
         if not ended:
-            self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
-            self.block_manager.commit(seq)
+            if verdict.num_draft:  # (only a draft's KV slots can run past the tokens)
+                self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
+            bs = self.block_manager.block_size
+            if seq.num_computed_tokens // bs != computed // bs:  # a block filled up: hash it
+                self.block_manager.commit(seq)
             if self.speculative:  # (the NullDrafter's add_tokens does nothing)
                 self._drafter_call(self._drafter.add_tokens, seq.request_id, verdict.token_ids)
         return num_emitted
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
+        self.runner.params.release(seq.slot)
         del self.seqs[seq.request_id]
         self._drafter_call(self._drafter.stop_request, seq.request_id)
         self._undrafted.discard(seq.request_id)

@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 
 from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
+from services.rollout.engine.input_batch import HostReader, SlotParams, StepSampling
 from services.rollout.engine.sequence import Sequence
-from services.rollout.engine.step_inputs import StepInputs, prepare_step
+from services.rollout.engine.step_inputs import StepInputs, new_staging, prepare_step
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,12 @@ class ModelRunner:
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
                                 cfg.head_dim, dtype, device)
         self.attn = PagedAttention(self.kv_cache, scale=cfg.head_dim ** -0.5, batch_invariant=batch_invariant)
+        # What persists between steps (input_batch.py): the staging buffers of the step's
+        # integers, every request's sampling parameters by slot, the pinned read-back.
+        self.staging = new_staging(device)
+        self.params = SlotParams(cfg.vocab_size, device, capacity=max_num_seqs)
+        self.reader = HostReader()
+        self.sampling: StepSampling | None = None  # the last run's sampler rows
         self.graphs: CUDAGraphs | None = None
         if use_cuda_graphs and device.type == "cuda":
             self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype)
@@ -52,12 +59,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ 1. layout
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
-        return prepare_step(seqs, self.block_size, self.device)
+        return prepare_step(seqs, self.block_size, self.device, self.model.config.vocab_size, self.staging)
 
     # ------------------------------------------------------------------ 2-3. forward + logits
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:  # [num_sample_rows, vocab] float32
         inputs = self.prepare(seqs)
+        self.sampling = inputs.sampling
         hidden = None
         if self.graphs is not None and not inputs.is_prefill:
             hidden = self.graphs.replay(inputs)

@@ -32,7 +32,10 @@ class Sequence:
         self.max_model_len = max_model_len
         self.stop_token_ids = frozenset(req.stop_token_ids) | (
             frozenset() if req.ignore_eos else frozenset(eos_token_ids))
+        # while shorter than this, stop tokens are masked out of its samples (min_tokens)
+        self.mask_stops_below = self.num_prompt_tokens + req.min_tokens if self.stop_token_ids else 0
         self.status = SequenceStatus.WAITING
+        self.slot = -1  # its row of the runner's SlotParams (the engine assigns it)
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (committed ones only)
         self.num_scheduled_tokens = 0  # this step: tokens of token_ids fed to the model

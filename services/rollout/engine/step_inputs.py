@@ -6,28 +6,28 @@ then, if that reaches its end (it samples), its draft. The step concatenates the
                                       block_table[p // block_size] * block_size + p % block_size);
   sample_rows                         the rows whose logits are needed: the last fed token
                                       of each sampling sequence, then one per draft token;
-  block_tables, seq_lens, query_start_loc  one row / entry per sequence.
+  block_tables, seq_lens, query_start_loc  one row / entry per sequence;
+and the sampler's rows (``StepSampling``): each logits row's request slot
+(input_batch.SlotParams) and absolute position, and the stop tokens masked out of the
+rows before min_tokens (as flat indices row * vocab + token).
 
 This runs on the host before every forward, so it is written for the common decode
 step of a large batch: per sequence a few list operations (slot mappings are ranges per
 block, not one computation per token), and every integer goes to the device in two
-copies (one int64 buffer, one int32 buffer) whose slices are the tensors, instead of one
-copy each, made through numpy (a list of ints to a tensor costs ~3x less that way than
-with ``torch.tensor``). Slices start at multiples of 4 entries, so every tensor is 16-byte aligned
-like a fresh allocation (Triton specialises kernels on pointer alignment).
+non-blocking copies (one int64 buffer, one int32 buffer, input_batch.Staging) whose
+slices are the tensors. Slices start at multiples of 4 entries, so every tensor is 16-byte
+aligned like a fresh allocation (Triton specialises kernels on pointer alignment).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from services.rollout.engine.attention import AttentionMetadata
+from services.rollout.engine.input_batch import SlotParams, Staging, StepSampling
 from services.rollout.engine.sequence import Sequence
-
-_ALIGN = 4  # entries: 16 bytes of int32, 32 of int64
 
 
 @dataclass
@@ -39,14 +39,30 @@ class StepInputs:
     num_seqs: int
     num_tokens: int
     is_prefill: bool  # any sequence fed more than its last token
+    sampling: StepSampling | None  # the sampler's rows; None when no sequence samples
 
 
-def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device) -> StepInputs:
+def new_staging(device: torch.device) -> tuple[Staging, Staging]:
+    """The (int64, int32) staging buffers ``prepare_step`` fills."""
+    return Staging(torch.int64, device), Staging(torch.int32, device)
+
+
+def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vocab_size: int = 0,
+                 staging: tuple[Staging, Staging] | None = None) -> StepInputs:
+    """The step's inputs, through ``staging`` (a fresh pair when None); ``vocab_size``
+    places the masked stop tokens (any value when no row masks one)."""
+    staging = staging or new_staging(device)
+    decode = _decode_step(seqs, block_size, staging)
+    if decode is not None:
+        return decode
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     sample_rows: list[int] = []
+    row_slots: list[int] = []  # per logits row: its request's slot, the position it samples
+    row_positions: list[int] = []
+    masked: list[int] = []  # row * vocab + token
     seq_lens: list[int] = []
     cu_q = [0]
     width = max(len(s.block_table) for s in seqs)
@@ -56,19 +72,28 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device) ->
     is_prefill = False
     for seq in seqs:
         start, n, table, token_ids = seq.num_computed_tokens, seq.num_scheduled_tokens, seq.block_table, seq.token_ids
-        if n == 1 and start + 1 == len(token_ids) and not seq.draft_token_ids:  # a plain decode
+        length = len(token_ids)
+        if n == 1 and start + 1 == length and not seq.draft_token_ids:  # a plain decode
             input_ids.append(token_ids[start])
             positions.append(start)
             slots.append(table[start // bs] * bs + start % bs)
             sample_rows.append(num_tokens)
+            row_slots.append(seq.slot)
+            row_positions.append(length)
             num_tokens += 1
+            num_rows = 1
         else:
             end = start + n
             input_ids.extend(token_ids[start:end])
-            if end == len(token_ids):  # samples: its draft follows; rows: its last fed token's, the draft's
-                input_ids.extend(seq.draft_token_ids)
-                end += len(seq.draft_token_ids)
+            num_rows = 0
+            if end == length:  # samples: its draft follows; rows: its last fed token's, the draft's
+                draft = seq.draft_token_ids
+                input_ids.extend(draft)
+                end += len(draft)
                 sample_rows.extend(range(num_tokens + n - 1, num_tokens + end - start))
+                num_rows = 1 + len(draft)
+                row_slots.extend([seq.slot] * num_rows)
+                row_positions.extend(range(length, length + num_rows))
             for b in range(start // bs, (end - 1) // bs + 1):  # the block's run of positions
                 first = b * bs
                 base = table[b] * bs - first
@@ -77,32 +102,86 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device) ->
             num_tokens += end - start
             max_query_len = max(max_query_len, end - start)
             is_prefill |= n > 1
+        if num_rows and length < seq.mask_stops_below:
+            _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, vocab_size, masked)
         cu_q.append(num_tokens)
         seq_lens.append(positions[-1] + 1)
         tables.extend(table)
         tables.extend(zeros[len(table):])
-    ids_t, pos_t, slots_t, rows_t = _packed([input_ids, positions, slots, sample_rows], np.int64, device)
-    tables_t, lens_t, cu_t = _packed([tables, seq_lens, cu_q], np.int32, device)
+    int64, int32 = staging
+    ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t, masked_t = int64.stage(
+        [input_ids, positions, slots, sample_rows, row_slots, row_positions, masked])
+    tables_t, lens_t, cu_t = int32.stage([tables, seq_lens, cu_q])
     md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(len(seqs), width), seq_lens=lens_t,
                            query_start_loc=cu_t, max_query_len=max_query_len)
+    sampling = None
+    if row_slots:
+        sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=masked_t if masked else None,
+                                row_slots_host=int64.host_part(4))
     return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
-                      num_tokens=num_tokens, is_prefill=is_prefill)
+                      num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling)
 
 
-def host_tensor(values: list, dtype: type, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values, device=device)`` with ``dtype`` a numpy dtype, through numpy:
-    the same values (and float rounding), in a third of the host time."""
-    return torch.from_numpy(np.array(values, dtype=dtype)).to(device)
+def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]) -> StepInputs | None:
+    """``prepare_step`` for the common step where every sequence is a plain decode (its
+    last token, no draft, no masked stop token): per sequence only what differs (its
+    token, position, KV slot, request slot and block table), the rest from numpy. None
+    when a sequence is anything else."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    row_slots: list[int] = []
+    tables: list[int] = []
+    width = max(len(s.block_table) for s in seqs)
+    zeros = [0] * width
+    for seq in seqs:
+        start, token_ids, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
+        if (seq.num_scheduled_tokens != 1 or start + 1 != len(token_ids) or seq.draft_token_ids
+                or start + 1 < seq.mask_stops_below):
+            return None
+        input_ids.append(token_ids[start])
+        positions.append(start)
+        slots.append(table[start // bs] * bs + start % bs)
+        row_slots.append(seq.slot)
+        tables.extend(table)
+        tables.extend(zeros[len(table):])
+    n = len(seqs)
+    lengths = [p + 1 for p in positions]  # each sequence's length = the position it samples
+    rows = list(range(n + 1))
+    int64, int32 = staging
+    ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t = int64.stage(
+        [input_ids, positions, slots, rows[:n], row_slots, lengths])
+    tables_t, lens_t, cu_t = int32.stage([tables, lengths, rows])
+    md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(n, width), seq_lens=lens_t,
+                           query_start_loc=cu_t, max_query_len=1)
+    sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=None,
+                            row_slots_host=int64.host_part(4))
+    return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=n,
+                      num_tokens=n, is_prefill=False, sampling=sampling)
 
 
-def _packed(parts: list[list[int]], dtype: type, device: torch.device) -> list[torch.Tensor]:
-    """``parts`` as tensors on ``device``: slices of one buffer that holds them end to end
-    (each from an aligned offset), so one host->device copy."""
-    flat: list[int] = []
-    bounds = []
-    for part in parts:
-        flat.extend([0] * (-len(flat) % _ALIGN))
-        bounds.append((len(flat), len(flat) + len(part)))
-        flat.extend(part)
-    buf = host_tensor(flat, dtype, device)
-    return [buf[a:b] for a, b in bounds]
+def _mask_stop_tokens(seq: Sequence, first_row: int, num_rows: int, vocab_size: int, masked: list[int]) -> None:
+    """Stop tokens out of seq's rows before min_tokens (Sequence.masked_token_ids): row j
+    samples the token at generated index (num_tokens - num_prompt_tokens) + j."""
+    num_masked = min(num_rows, seq.req.min_tokens - (len(seq.token_ids) - seq.num_prompt_tokens))
+    if num_masked > 0 and seq.stop_token_ids:
+        ids = [t for t in sorted(seq.stop_token_ids) if t < vocab_size]
+        masked.extend((first_row + j) * vocab_size + t for j in range(num_masked) for t in ids)
+
+
+def sampling_of(seqs: list[Sequence], params: SlotParams, device: torch.device) -> StepSampling:
+    """The sampler's rows for ``seqs`` (each sampling its last token and draft), their
+    requests given slots in ``params``: what ``prepare_step`` makes for a step, for
+    callers that sample without a forward (the verifier's tests)."""
+    row_slots: list[int] = []
+    row_positions: list[int] = []
+    masked: list[int] = []
+    for seq in seqs:
+        slot, num_rows, length = params.assign(seq.req), 1 + len(seq.draft_token_ids), len(seq.token_ids)
+        row_slots.extend([slot] * num_rows)
+        row_positions.extend(range(length, length + num_rows))
+        _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, params.vocab_size, masked)
+    int64 = Staging(torch.int64, device)
+    row_slots_t, row_pos_t, masked_t = int64.stage([row_slots, row_positions, masked])
+    return StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=masked_t if masked else None,
+                        row_slots_host=int64.host_part(0))

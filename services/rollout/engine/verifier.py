@@ -13,8 +13,13 @@ the same output needs the verify rows' logits to equal the decode rows' bit for 
 which batch-invariant mode guarantees (docs/sampling.md).
 
 Before min_tokens, stop tokens are masked out of the distribution (vLLM's rule), also
-on draft rows, so the same positions see the same distribution either way. The rows'
-inputs come from ``SamplingRows`` (logprobs.py), which the trainer's reference shares.
+on draft rows, so the same positions see the same distribution either way. The rows
+come from the step's ``StepSampling`` (step_inputs.py): each row's request slot, whose
+sampling parameters stay on the device (input_batch.SlotParams), and its position; the
+trainer's reference builds the same per-row values with ``SamplingRows`` (logprobs.py).
+
+The sampled tokens and logprobs come back to the host in one read (the step's only wait
+for the device); the acceptance walk runs on the host lists.
 
 This module knows nothing about KV blocks or scheduling.
 """
@@ -26,11 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling import sample
-from services.rollout.engine.logprobs import SamplingRows
+from services.rollout.engine.input_batch import HostReader, SlotParams, StepSampling
 from services.rollout.engine.sequence import Sequence
-
-
-_NOTHING: frozenset[int] = frozenset()
+from services.rollout.engine.step_inputs import sampling_of
 
 
 @dataclass(slots=True)
@@ -49,33 +52,42 @@ def num_accepted(draft: list[int], sampled: list[int]) -> int:
     return a
 
 
-def verify(logits: torch.Tensor, seqs: list[Sequence]) -> list[Verdict]:
+def sample_rows(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
+                reader: HostReader | None = None) -> tuple[list[int], list[float]]:
+    """The policy's token and its logprob at every row of ``logits`` (the step's rows in
+    ``sampling``, their parameters in ``params``), read back to the host at once."""
+    assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
+    temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
+    if sampling.masked is not None:
+        logits = logits.clone()
+        logits.view(-1).index_fill_(0, sampling.masked, float("-inf"))
+    tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
+                              truncation=truncation)
+    host = (reader or HostReader()).read(torch.stack((tokens.double(), logprobs.double())))  # [2, num_rows]
+    return host[0].astype(int).tolist(), host[1].tolist()
+
+
+def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | None = None,
+           params: SlotParams | None = None, reader: HostReader | None = None) -> list[Verdict]:
     """Sample every row and accept each sequence's draft.
 
     Args:
         logits: [sum(1 + len(seq.draft_token_ids)), vocab] float32, rows in seqs order.
         seqs: the sequences that sample this step, in batch order.
+        sampling, params: the step's rows and the slots their parameters sit in (the
+            engine's, from ``prepare_step``); None: made here from ``seqs``.
+        reader: reads the sampled tokens back (None: a fresh one).
     Returns:
         one Verdict per sequence.
     """
     if not seqs:
         return []
-    rows = SamplingRows()
-    for seq in seqs:
-        # the token sampled at row j sits at absolute position num_tokens + j; stop tokens
-        # are masked on the rows before min_tokens (Sequence.masked_token_ids)
-        num_tokens, num_rows = len(seq.token_ids), 1 + len(seq.draft_token_ids)
-        num_masked = min(num_rows, seq.req.min_tokens - (num_tokens - seq.num_prompt_tokens))
-        if num_masked > 0 and seq.stop_token_ids:
-            rows.add(seq.req, num_tokens, seq.stop_token_ids, num_masked)
-            if num_masked < num_rows:
-                rows.add(seq.req, num_tokens + num_masked, _NOTHING, num_rows - num_masked)
-        else:
-            rows.add(seq.req, num_tokens, _NOTHING, num_rows)
-    assert len(rows) == logits.shape[0], (len(rows), logits.shape)
-    dev = logits.device
-    tokens, logprobs = sample(rows.mask(logits), *rows.params(dev), *rows.keys(dev), rows.processed_rows(dev))
-    tokens_l, logprobs_l = tokens.tolist(), logprobs.tolist()
+    if sampling is None:
+        params = SlotParams(logits.shape[1], logits.device, capacity=len(seqs))
+        sampling = sampling_of(seqs, params, logits.device)
+    tokens_l, logprobs_l = sample_rows(logits, sampling, params, reader)
+    if len(tokens_l) == len(seqs):  # no drafts: each sequence's one sampled token
+        return [Verdict([t], [lp], 0, 0) for t, lp in zip(tokens_l, logprobs_l)]
     verdicts, row = [], 0
     for seq in seqs:
         draft = seq.draft_token_ids

@@ -9,7 +9,10 @@ caches, batching or sequences.
 When the backend is batch-invariant (``attn.batch_invariant``), every op that reduces
 runs through a kernel whose per-row result does not depend on the number of rows
 (kernels/matmul.py, kernels/rms_norm.py) and SiLU is computed as separate elementwise
-ops, so a token's hidden state depends only on its sequence's tokens up to it.
+ops, so a token's hidden state depends only on its sequence's tokens up to it. Otherwise,
+without autograd (serving), the residual add + post-attention RMSNorm and SiLU(gate) * up
+each run as one fused kernel on CUDA (kernels/fused.py; their PyTorch references, the
+same ops as the unfused code, on the CPU).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.fused import add_rms_norm, silu_mul
 from kernels.matmul import linear as invariant_linear
 from kernels.rms_norm import rms_norm as invariant_rms_norm
 from services.rollout.models.base import AttentionBackend
@@ -142,8 +146,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, invariant: bool = False) -> Tensor:
-        gate = silu(project(self.gate_proj, x, invariant), invariant)
-        return project(self.down_proj, gate * project(self.up_proj, x, invariant), invariant)
+        gate, up = project(self.gate_proj, x, invariant), project(self.up_proj, x, invariant)
+        if invariant or torch.is_grad_enabled():
+            return project(self.down_proj, silu(gate, invariant) * up, invariant)
+        return project(self.down_proj, silu_mul(gate, up), invariant)  # fused on CUDA
 
 
 class DecoderLayer(nn.Module):
@@ -156,8 +162,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         inv = attn.batch_invariant
-        x = x + self.self_attn(self.input_layernorm(x, inv), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x, inv), inv)
+        h = self.self_attn(self.input_layernorm(x, inv), cos, sin, attn)
+        if inv or torch.is_grad_enabled():
+            x = x + h
+            normed = self.post_attention_layernorm(x, inv)
+        else:  # fused on CUDA: the same add and norm
+            norm = self.post_attention_layernorm
+            normed, x = add_rms_norm(h, x, norm.weight, norm.eps)
+        return x + self.mlp(normed, inv)
 
 
 class DecoderModel(nn.Module):

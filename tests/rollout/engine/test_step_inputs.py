@@ -91,3 +91,36 @@ def test_decode_only_step_is_not_prefill():
 def md_lists(inputs):
     return (inputs.metadata.slot_mapping.tolist(), inputs.sample_rows.tolist(),
             inputs.metadata.query_start_loc.tolist())
+
+
+def test_sampler_rows_follow_the_logits_rows():
+    """Each logits row's request slot and sampled position (the last token's length, then
+    one more per draft token), and the stop tokens masked before min_tokens as flat
+    indices row * vocab + token; the plain-decode path and the general one agree."""
+    seqs = [make_seq(0, 9, 8, 1, [], [5, 2, 11]), make_seq(2, 6, 5, 1, [30, 31], [3, 9]),
+            make_seq(4, 13, 2, 6, [], [6, 8, 10, 12]), make_seq(5, 13, 5, 8, [], [13, 15, 16, 17])]
+    for slot, seq in zip((7, 3, 9, 1), seqs):
+        seq.slot = slot
+    seqs[1].req.min_tokens, seqs[1].mask_stops_below = 2, seqs[1].num_prompt_tokens + 2  # as Sequence sets it
+    seqs[1].stop_token_ids = frozenset({4, 1, 99})  # 99 is past the vocabulary: not masked
+    vocab = 50
+    sampling = prepare_step(seqs, BLOCK, torch.device("cpu"), vocab).sampling
+    assert sampling.row_slots.tolist() == sampling.row_slots_host.tolist() == [7, 3, 3, 3, 1]
+    assert sampling.positions.tolist() == [9, 6, 7, 8, 13]
+    # seqs[1] has generated 0 tokens: its rows 1 and 2 (generated index 0, 1) mask 1 and 4
+    assert sampling.masked.tolist() == [1 * vocab + 1, 1 * vocab + 4, 2 * vocab + 1, 2 * vocab + 4]
+    decodes = [make_seq(i, 5 + i, 4 + i, 1, [], [i, 10 + i]) for i in range(3)]
+    for i, seq in enumerate(decodes):
+        seq.slot = 5 - i
+    fast = prepare_step(decodes, BLOCK, torch.device("cpu"), vocab)
+    decodes[0].mask_stops_below = 1 << 30  # not a plain decode any more (it would mask): the general path
+    general = prepare_step(decodes, BLOCK, torch.device("cpu"), vocab)
+    for a, b in ((fast, general), (fast.sampling, general.sampling)):
+        for name in ("input_ids", "positions", "sample_rows", "row_slots"):
+            if hasattr(a, name):
+                assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert fast.sampling.positions.tolist() == general.sampling.positions.tolist() == [5, 6, 7]
+    assert md_lists(fast) == md_lists(general)
+    assert fast.metadata.block_tables.tolist() == general.metadata.block_tables.tolist()
+    assert fast.metadata.seq_lens.tolist() == general.metadata.seq_lens.tolist()
+    assert fast.sampling.masked is None and general.sampling.masked is None  # no stop tokens to mask

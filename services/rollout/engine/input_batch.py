@@ -1,0 +1,201 @@
+"""What persists on the device between steps, so a step costs no host<->device waits.
+
+A step sends the device its integers (token ids, positions, KV slots, block tables, the
+sampler's rows) and reads back one thing: the sampled tokens and their logprobs. Nothing
+else may make the host wait for the GPU:
+  - ``Staging``: a persistent host buffer (pinned when the device is CUDA) and its device
+    twin; a step's integers are written into the host side through numpy and go over in
+    one non-blocking copy. An event recorded after the copy keeps the next step from
+    rewriting the host side before the copy has read it.
+  - ``SlotParams``: every request's sampling parameters (temperature, top-k, top-p,
+    min-p, seed, logprobs mode) in a row ("slot") of persistent device arrays, written
+    when a request arrives and copied over (non-blocking, only when a slot changed), so
+    a step's per-row parameters are a gather on the device by slot, not seven
+    host-to-device copies. The same rows on the host say which costly parts of the
+    sampler run at all (a sort for top-k / top-p, min-p, processed logprobs): a host
+    decision from host data (vLLM keeps sampling parameters in its persistent
+    ``InputBatch`` the same way).
+  - ``HostReader``: the step's one read, through a persistent pinned buffer.
+This module knows nothing about scheduling or models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_ALIGN = 4  # entries: 16 bytes of int32, 32 of int64
+_PAD = [0] * _ALIGN
+
+
+def _pinned_pair(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host, device) buffers of n entries; on the CPU one tensor plays both parts."""
+    if device.type != "cuda":
+        host = torch.zeros(n, dtype=dtype)
+        return host, host
+    return torch.zeros(n, dtype=dtype, pin_memory=True), torch.zeros(n, dtype=dtype, device=device)
+
+
+class Staging:
+    """One dtype's host->device staging buffers, reused every step."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int = 1024):
+        self.dtype, self.device = dtype, device
+        self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._bounds: list[tuple[int, int]] = []
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        self.host, self.dev = _pinned_pair(capacity, self.dtype, self.device)
+        self.host_np = self.host.numpy()
+        self.capacity = capacity
+
+    def stage(self, parts: list) -> list[torch.Tensor]:
+        """``parts`` (lists of numbers) as device tensors: slices of the device buffer, each
+        from an aligned offset, all copied in one non-blocking copy. They are valid until
+        the next ``stage`` (the next step). The parts are joined in a Python list and
+        converted by one ``np.array``: on a busy host with cold caches that beats a numpy
+        assignment per part (benchmarks/engine_host.py)."""
+        flat: list[int] = []
+        bounds = []
+        for part in parts:
+            flat.extend(_PAD[:-len(flat) % _ALIGN])
+            bounds.append((len(flat), len(flat) + len(part)))
+            flat.extend(part)
+        values = np.array(flat, dtype=self.np_dtype)
+        self._bounds = bounds
+        if self.device.type != "cuda":  # the host buffer is the device buffer
+            self.host_np = values
+            buf = torch.from_numpy(values)
+            return [buf[a:b] for a, b in bounds]
+        end = len(flat)
+        self._event.synchronize()  # the previous step's copy has read the host side (done long ago)
+        if end > self.capacity:
+            self._alloc(1 << (end - 1).bit_length())
+        self.host_np[:end] = values
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        self._event.record()
+        return [self.dev[a:b] for a, b in bounds]
+
+    def host_part(self, i: int) -> np.ndarray:
+        """The host side of the last ``stage``'s i-th part (valid until the next)."""
+        a, b = self._bounds[i]
+        return self.host_np[a:b]
+
+
+class SlotParams:
+    """Each request's sampling parameters in one slot of persistent arrays (host and device).
+
+    ``assign`` takes a free slot (growing the arrays when none is left), ``release`` gives
+    it back; ``device_params`` returns the device arrays, first copying the host rows over
+    if a slot changed since the last step (one non-blocking copy per array)."""
+
+    FIELDS = (("temperature", torch.float32), ("top_k", torch.int32), ("top_p", torch.float32),
+              ("min_p", torch.float32), ("seed", torch.int64), ("processed", torch.bool))
+
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 256):
+        self.vocab_size, self.device = vocab_size, device
+        self._free: list[int] = []
+        self._capacity = 0
+        self._dirty = False
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self.host: dict[str, torch.Tensor] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        self.np: dict[str, np.ndarray] = {}
+        self.flags = np.zeros((0, 3), dtype=np.bool_)  # per slot: needs a sort, min-p, processed logprobs
+        self._rows: tuple | None = None  # (row slots, the gather) of the last step
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        old = self._capacity
+        for name, dtype in self.FIELDS:
+            host, dev = _pinned_pair(capacity, dtype, self.device)
+            if old:
+                host[:old] = self.host[name]
+            self.host[name], self.dev[name], self.np[name] = host, dev, host.numpy()
+        flags = np.zeros((capacity, 3), dtype=np.bool_)
+        flags[:old] = self.flags
+        self.flags = flags
+        self._free.extend(range(capacity - 1, old - 1, -1))  # lowest slot first
+        self._capacity = capacity
+        self._dirty = True
+
+    def assign(self, req) -> int:
+        """A slot holding ``req``'s sampling parameters."""
+        if not self._free:
+            self._grow(2 * self._capacity)
+        if self._event is not None:
+            self._event.synchronize()  # the last copy has read the host rows
+        slot = self._free.pop()
+        top_k = max(req.top_k, 0)
+        values = dict(temperature=req.temperature, top_k=top_k, top_p=req.top_p, min_p=req.min_p, seed=req.seed,
+                      processed=req.logprobs_mode == "processed")
+        for name, value in values.items():
+            self.np[name][slot] = value
+        self.flags[slot] = (0 < top_k < self.vocab_size or 0 < req.top_p < 1, req.min_p > 0,
+                            values["processed"])
+        self._dirty = True
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def device_params(self) -> dict[str, torch.Tensor]:
+        if self._dirty:
+            if self.device.type == "cuda":
+                for name, _ in self.FIELDS:
+                    self.dev[name].copy_(self.host[name], non_blocking=True)
+                self._event.record()
+            self._dirty = False
+            self._rows = None
+        return self.dev
+
+    def rows(self, sampling: "StepSampling") -> tuple:
+        """The sampler's per-row arguments for a step's rows: (temperature, top_k, top_p,
+        min_p, seeds, processed or None when no row is, (any row sorts, any row uses
+        min-p)). Gathered on the device by slot; a step whose rows are the last step's
+        slots again (a steady decode batch) reuses the last gather."""
+        dev = self.device_params()
+        key = sampling.row_slots_host.tobytes()
+        if self._rows is not None and self._rows[0] == key:
+            return self._rows[1]
+        slots = sampling.row_slots
+        need_sort, need_min_p, any_processed = self.flags[sampling.row_slots_host].any(axis=0).tolist()
+        rows = (dev["temperature"].index_select(0, slots), dev["top_k"].index_select(0, slots),
+                dev["top_p"].index_select(0, slots), dev["min_p"].index_select(0, slots),
+                dev["seed"].index_select(0, slots),
+                dev["processed"].index_select(0, slots) if any_processed else None, (need_sort, need_min_p))
+        self._rows = key, rows
+        return rows
+
+@dataclass
+class StepSampling:
+    """The sampler's rows of one step, in logits-row order (host lists made in ``prepare``)."""
+
+    row_slots: torch.Tensor  # [num_rows] int64 on the device: each row's request slot
+    positions: torch.Tensor  # [num_rows] int64 on the device: the absolute position each row samples
+    masked: torch.Tensor | None  # [num_masked] int64 on the device: row * vocab + token, stop tokens
+    #                              out of the distribution before min_tokens; None when none is
+    row_slots_host: np.ndarray  # [num_rows] the same slots, on the host
+
+
+class HostReader:
+    """The step's one wait for the device: a float64 tensor copied into a persistent
+    pinned buffer (on CUDA: one copy and one stream synchronisation), returned as numpy
+    (valid until the next read)."""
+
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+
+    def read(self, t: torch.Tensor) -> np.ndarray:
+        if t.device.type != "cuda":
+            return t.numpy()
+        n = t.numel()
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = torch.empty(max(n, 4096), dtype=torch.float64, pin_memory=True)
+        out = self._buf[:n]
+        out.copy_(t.reshape(-1))  # waits for the step's work, then copies
+        return out.numpy().reshape(t.shape)

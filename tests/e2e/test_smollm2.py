@@ -61,3 +61,24 @@ def test_real_model_answers_and_returns_the_trainers_logprobs(client, checkpoint
         assert 0 < len(sample.token_ids) <= 24
         assert sample.token_ids[-1] == IM_END or len(sample.token_ids) == 24
         assert list(sample.logprobs) == logprobs, sample.key
+
+
+def test_grpo_on_word_problems_updates_the_served_policy(client, checkpoint, tokenizer, tmp_path):
+    """The example trainer, unchanged, through the SDK: English word problems in the chat
+    template, token ids to the service and back, GRPO on the last layer, weights pushed
+    each step (the whole 538 MB model), the next step sampled by the new version."""
+    from benchmarks.tiny_llm.examples import load_example
+    from services.common.traces import read_traces
+
+    grpo = load_example("grpo_trainer")
+    record = tmp_path / "grpo.npz"
+    stats = grpo.run(client, str(checkpoint), task="words", train_layers=1, steps=2, num_prompts=2, n=2,
+                     max_tokens=16, partial_credit=0.5, record=str(record), log=lambda line: None)
+    assert [row["version"] for row in stats] == [1, 2]
+    assert client.stats().workers[0].policy_version == 2
+    records = read_traces(record)
+    assert len(records) == 8 and {r.policy_version for r in records if r.epoch == 1} == {1}
+    prompt_text = tokenizer.decode(records[0].prompt_token_ids)
+    assert prompt_text.startswith("<|im_start|>system") and "<|im_start|>user\n" in prompt_text
+    assert prompt_text.endswith("<|im_start|>assistant\n") and "Answer: <number>" in prompt_text
+    assert all(0.0 <= r.reward <= 1.0 for r in records)

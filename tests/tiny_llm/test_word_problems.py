@@ -69,15 +69,19 @@ def test_final_answer(text, expected):
     assert task.final_answer(text) == expected
 
 
-def test_reward_is_binary_by_default_with_optional_format_credit():
+def test_reward_is_binary_by_default_with_optional_credit_for_reaching_the_answer():
     problem = task.make_problem("add", (3, 5, 0, 0))
     assert problem.answer == "8"
     assert task.reward(problem, "3 + 5 = 8\nAnswer: 8") == 1.0
     assert task.reward(problem, "Tom has 8 apples.") == 1.0
-    assert task.reward(problem, "Answer: 9") == 0.0
-    assert task.reward(problem, "Answer: 9", partial_credit=0.25) == 0.25
-    assert task.reward(problem, "maybe 9", partial_credit=0.25) == 0.0  # no answer line: no format credit
     assert task.reward(problem, "Answer: 08") == 1.0
+    assert task.reward(problem, "Answer: 9") == 0.0
+    wrong_end = "3 + 5 = 8, and 8 + 1 = 9.\nAnswer: 9"
+    assert task.reward(problem, wrong_end) == 0.0
+    assert task.reward(problem, wrong_end, partial_credit=0.25) == 0.25  # a step reached 8
+    assert task.reward(problem, "3 + 5 = 8 so Tom has 8 and then", partial_credit=0.25) == 1.0  # last number: 8
+    assert task.reward(problem, "3 + 5 = 80\nAnswer: 80", partial_credit=0.25) == 0.0  # 80 is not 8
+    assert task.reward(problem, "Answer: 9", partial_credit=0.25) == 0.0
 
 
 class ChatTokenizer:

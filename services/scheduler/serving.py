@@ -9,7 +9,8 @@ workers: the newest registered within ``SETTLE_S`` of the first (a worker restar
 its initial weights must not pull the fleet's version down). Whatever the record says,
 a version no registered worker serves gives way to a newer one that registers, and,
 ``SETTLE_S`` after the first worker came, to the newest registered (a record of an
-earlier deployment). When the record could not be read (Redis down as the scheduler
+earlier deployment) -- unless the recorded version's pushed bytes are in the scheduler's
+weight store (this deployment's: the fleet is being caught up to it). When the record could not be read (Redis down as the scheduler
 started), nothing is dispatched until the version settles: a worker restarted on its
 initial weights may register first, and serving it until the fleet's newer workers come
 would switch versions under running samples (seen in the fault campaign).
@@ -27,14 +28,15 @@ class ServingVersion:
         self.settled = False  # a push, or the settle window passed
         self._first_worker_at: float | None = None
         self.unreadable = False  # a record may exist but could not be read
+        self.catchable = False  # the recorded version's bytes are at hand: never give it up
 
     @property
     def dispatchable(self) -> bool:
         """Whether chunks may be sent: the version is known or settled, or there is no record to wait for."""
         return not self.unreadable or self.recorded or self.settled
 
-    def restore(self, version: int) -> None:
-        self.version, self.recorded = version, True
+    def restore(self, version: int, catchable: bool = False) -> None:
+        self.version, self.recorded, self.catchable = version, True, catchable
 
     def pushed(self, version: int) -> None:
         self.version, self.recorded, self.settled = version, True, True
@@ -53,7 +55,7 @@ class ServingVersion:
         if self.settled or self._first_worker_at is None or now - self._first_worker_at <= SETTLE_S:
             return False
         self.settled = True
-        if nobody_serves and registered and max(registered) != self.version:
+        if nobody_serves and registered and not self.catchable and max(registered) != self.version:
             self.version = max(registered)
             return True
         return False

@@ -13,6 +13,11 @@ When a push applies, by ``mode``:
 Either way, a push that fails or is cancelled (the trainer's deadline) leaves dispatch
 running and the old version serving. Re-pushing the version that serves, with the same
 bytes, is acknowledged (the SDK retries pushes) and catches up workers that lag.
+
+A worker that comes back on an older version (restarted after the push) is caught up
+by the fleet itself: with the path of a loaded version, or with the pushed bytes that
+streamed through into the scheduler's weight store (``weight_store.py``: a file, never
+memory), streamed to it as a push.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from rhymerl.v1 import common_pb2
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, RhymerlError, Unavailable
 from services.scheduler.core import SchedulerCore
 from services.scheduler.step_log import RecordUnreadable
+from services.scheduler.weight_store import Incoming, WeightStore
 from services.scheduler.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -37,13 +43,14 @@ _END = object()
 
 
 class WeightFanout:
-    def __init__(self, core: SchedulerCore, mode: str = "after_steps"):
+    def __init__(self, core: SchedulerCore, mode: str = "after_steps", store: WeightStore | None = None):
         if mode not in MODES:
             raise ValueError(f"weight update mode must be one of {MODES}, got {mode!r}")
         self.core, self.mode = core, mode
-        # Where a version came from: its SHA-256 when pushed (re-push check), its path when
-        # loaded (catch-up). Only for ``source[0]``: a version the scheduler learned from
-        # its workers after a restart has no known source.
+        self.store = store if store is not None else WeightStore()
+        # Where a version came from: its SHA-256 when pushed (re-push check; its bytes are
+        # in the store), its path when loaded (catch-up). Only for ``source[0]``: a version
+        # the scheduler learned from its workers after a restart has no known source.
         self.source: tuple[int, str, str] = (-1, "", "")  # (version, sha256, path)
         self._lock = asyncio.Lock()
         self._catching_up: set[str] = set()  # worker ids
@@ -57,27 +64,44 @@ class WeightFanout:
         sha256 = header.sha256.lower()
         async with self._lock:
             re_push = self._check(header.version, sha256=sha256)
-            async with self._window(re_push):
-                workers = self._targets(header.version)
-                if not workers:  # every worker serves it already: read the payload, check it, ack
-                    await _drain(header, chunks)
-                    return self._ack()
-                queues = [asyncio.Queue(maxsize=4) for _ in workers]
-                calls = [asyncio.ensure_future(self.core.link.stub(w).PushWeights(_forward(first, q)))
-                         for w, q in zip(workers, queues)]
-                try:
-                    async for chunk in chunks:
-                        if chunk.HasField("header"):
-                            raise InvalidArgument("only the first message may be a header", "header")
-                        await asyncio.gather(*(q.put(chunk) for q in queues))
-                except BaseException:
-                    for call in calls:  # the workers' streams end short: each keeps its version
-                        call.cancel()
-                    await asyncio.gather(*calls, return_exceptions=True)
-                    raise
-                for q in queues:
-                    await q.put(_END)
-                return await self._finish(header.version, workers, calls, sha256=sha256)
+            incoming = None if self.store.path(sha256) else self.store.writer(header)
+            try:
+                async with self._window(re_push):
+                    workers = self._targets(header.version)
+                    if not workers:  # every worker serves it already: read the payload, check it, ack
+                        await _drain(header, chunks, incoming)
+                        self._keep(header.version, incoming)
+                        return self._ack()
+                    queues = [asyncio.Queue(maxsize=4) for _ in workers]
+                    calls = [asyncio.ensure_future(self.core.link.stub(w).PushWeights(_forward(first, q)))
+                             for w, q in zip(workers, queues)]
+                    try:
+                        async for chunk in chunks:
+                            if chunk.HasField("header"):
+                                raise InvalidArgument("only the first message may be a header", "header")
+                            if incoming is not None:
+                                await incoming.write(chunk.data)
+                            await asyncio.gather(*(q.put(chunk) for q in queues))
+                    except BaseException:
+                        for call in calls:  # the workers' streams end short: each keeps its version
+                            call.cancel()
+                        await asyncio.gather(*calls, return_exceptions=True)
+                        raise
+                    for q in queues:
+                        await q.put(_END)
+                    response = await self._finish(header.version, workers, calls, sha256=sha256)
+                    self._keep(header.version, incoming)
+                    return response
+            finally:
+                if incoming is not None:
+                    incoming.discard()  # nothing left once kept
+
+    def _keep(self, version: int, incoming: Incoming | None) -> None:
+        """Keeps the pushed bytes of the serving version for workers that come back."""
+        if incoming is None or self.source[:2] != (version, incoming.sha256):
+            return
+        if incoming.commit():
+            self.store.keep_only(incoming.sha256)
 
     async def load(self, request: common_pb2.LoadWeightsRequest) -> common_pb2.WeightUpdateResponse:
         if not request.path:
@@ -92,22 +116,30 @@ class WeightFanout:
                 return await self._finish(request.version, workers, calls, path=request.path)
 
     async def catch_up(self, worker: WorkerHandle) -> None:
-        """Loads the serving version into a worker that lags (e.g. restarted), when that
-        version came from a path every worker can read; a pushed version cannot be
-        replayed (the scheduler keeps no copy): such a worker waits for the next push.
+        """Brings a worker that lags (e.g. restarted) to the serving version: it loads the
+        path that version came from, or gets its pushed bytes streamed from the store.
+        Nothing to do for a version with no known source (learned from the workers).
         Not under the push lock: a push waiting for steps may need this worker to end them."""
         version = self.core.policy_version
-        source_version, _, path = self.source
-        if source_version != version or not path or worker.policy_version >= version \
-                or worker.worker_id in self._catching_up:
+        source_version, sha256, path = self.source
+        if source_version != version or worker.policy_version >= version or worker.worker_id in self._catching_up:
+            return
+        if not path and self.store.path(sha256) is None:
             return
         self._catching_up.add(worker.worker_id)
         try:
-            request = common_pb2.LoadWeightsRequest(version=version, path=path)
-            worker.policy_version = (await self.core.link.stub(worker).LoadWeights(request, timeout=600)).version
-            log.info("worker %s caught up to version %d", worker.worker_id, version)
-        except grpc.RpcError as err:
-            log.warning("worker %s could not catch up to version %d: %s", worker.worker_id, version, err.code())
+            stub = self.core.link.stub(worker)
+            if path:
+                response = await stub.LoadWeights(common_pb2.LoadWeightsRequest(version=version, path=path),
+                                                  timeout=600)
+            else:
+                response = await stub.PushWeights(self.store.stream(version, sha256), timeout=600)
+            worker.policy_version = response.version
+            log.info("worker %s caught up to version %d (%s)", worker.worker_id, version,
+                     "path" if path else "pushed bytes from the store")
+        except (grpc.RpcError, OSError) as err:
+            log.warning("worker %s could not catch up to version %d: %s", worker.worker_id, version,
+                        err.code() if isinstance(err, grpc.RpcError) else err)
         finally:
             self._catching_up.discard(worker.worker_id)
         self.core.wake()
@@ -190,7 +222,7 @@ class WeightFanout:
             return
         if record is not None:
             self.source = record
-            self.core.serving.restore(record[0])
+            self.core.serving.restore(record[0], catchable=self.store.path(record[1]) is not None)
             log.info("serving version %d (recorded)", record[0])
 
     def _ack(self) -> common_pb2.WeightUpdateResponse:
@@ -205,10 +237,14 @@ async def _forward(first: common_pb2.WeightChunk, q: asyncio.Queue) -> AsyncIter
         yield item
 
 
-async def _drain(header: common_pb2.WeightHeader, chunks: AsyncIterator[common_pb2.WeightChunk]) -> None:
-    """Reads a re-sent payload to its end and checks it is the one announced."""
+async def _drain(header: common_pb2.WeightHeader, chunks: AsyncIterator[common_pb2.WeightChunk],
+                 incoming: Incoming | None) -> None:
+    """Reads a re-sent payload to its end (into the store when it lacks it) and checks it
+    is the one announced."""
     digest, size = hashlib.sha256(), 0
     async for chunk in chunks:
+        if incoming is not None:
+            await incoming.write(chunk.data)
         digest.update(chunk.data)
         size += len(chunk.data)
         if size > header.total_bytes:

@@ -80,8 +80,11 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
 
     def _authorized(self, metadata) -> bool:
         for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                given = value[len("Bearer "):].encode()
+            if key == "authorization" and isinstance(value, str):
+                scheme, _, given = value.partition(" ")
+                if scheme.lower() != "bearer":  # auth schemes are case-insensitive (RFC 9110 11.1)
+                    return False
+                given = given.strip(" ").encode()
                 return any(hmac.compare_digest(given, token) for token in self._tokens)
         return False
 

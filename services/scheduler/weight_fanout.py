@@ -67,7 +67,7 @@ class WeightFanout:
             incoming = None if self.store.path(sha256) else self.store.writer(header)
             try:
                 async with self._window(re_push):
-                    workers = self._targets(header.version)
+                    workers = self._targets(header.version, every=self.source[0] != header.version)
                     if not workers:  # every worker serves it already: read the payload, check it, ack
                         await _drain(header, chunks, incoming)
                         self._keep(header.version, incoming)
@@ -108,12 +108,27 @@ class WeightFanout:
             raise InvalidArgument("must be non-empty", "path")
         async with self._lock:
             re_load = self._check(request.version, path=request.path)
+            if not re_load:
+                await self._probe_path(request.path)
             async with self._window(re_load):
                 workers = self._targets(request.version)
                 if not workers:
                     return self._ack()
                 calls = [asyncio.ensure_future(self.core.link.stub(w).LoadWeights(request)) for w in workers]
                 return await self._finish(request.version, workers, calls, path=request.path)
+
+    async def _probe_path(self, path: str) -> None:
+        """Fails at once for a path a worker cannot read, before waiting for the running
+        steps: a worker asked to load its own version checks the path first, then
+        refuses the version (FAILED_PRECONDITION: the path is readable; nothing loaded)."""
+        worker = self.core.workers.usable()[0]
+        probe = common_pb2.LoadWeightsRequest(version=worker.policy_version, path=path)
+        try:
+            await self.core.link.stub(worker).LoadWeights(probe, timeout=30)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise _as_error(err) from None
+            # anything else (readable path, a worker going away) is for the load itself to meet
 
     async def catch_up(self, worker: WorkerHandle) -> None:
         """Brings a worker that lags (e.g. restarted) to the serving version: it loads the
@@ -151,19 +166,23 @@ class WeightFanout:
         source_version, source_sha256, source_path = self.source
         same = source_version == version and bool((sha256 and sha256 == source_sha256)
                                                     or (path and path == source_path))
-        if version < serving or (version == serving and not same):
+        # The serving version's bytes unknown here (the workers' initial weights, or a
+        # version learned from them): the workers tell whether a push re-sends them.
+        workers_know = bool(sha256) and source_version != serving
+        if version < serving or (version == serving and not same and not workers_know):
             raise FailedPrecondition(f"must be greater than the version serving ({serving}), got {version}",
                                      "version")
         if not self.core.workers.usable():
             raise Unavailable("no rollout worker is registered and healthy")
         return version == serving
 
-    def _targets(self, version: int) -> list[WorkerHandle]:
-        """The usable workers not on ``version`` yet (chosen once the push may apply)."""
+    def _targets(self, version: int, every: bool = False) -> list[WorkerHandle]:
+        """The usable workers not on ``version`` yet (chosen once the push may apply), or
+        ``every`` one (a re-push of a version whose bytes only the workers can check)."""
         workers = self.core.workers.usable()
         if not workers:
             raise Unavailable("no rollout worker is registered and healthy")
-        return [w for w in workers if w.policy_version != version]
+        return [w for w in workers if every or w.policy_version != version]
 
     @contextlib.asynccontextmanager
     async def _window(self, re_push: bool):
@@ -199,7 +218,7 @@ class WeightFanout:
         for w, err in errors:
             log.error("worker %s did not take version %d (%s); it gets no work until updated",
                       w.worker_id, version, err)
-        if version != self.core.policy_version:
+        if version != self.core.policy_version or self.source[0] != version:
             self.source = (version, sha256, path)
             self.core.set_version(version)
             self._unrecorded = True

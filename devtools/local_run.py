@@ -26,7 +26,7 @@ class LocalRunSettings(BaseSettings):
     n: int = Field(4, ge=1, description="Samples per prompt (the GRPO group).")
     max_tokens: int = Field(160, ge=1, description="Most tokens per sample.")
     policy: Literal[tuple(POLICIES)] = Field("rhymerl", description="Placement policy of the scheduler.")
-    model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (~3 min).")
+    model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (4-6 min on 2 cores).")
     record: str = Field("", description="Write every rollout to this trace file (.npz); empty: not recorded.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     seed: int = Field(0, description="Picks the prompt set and the sampling seeds.")

@@ -206,10 +206,12 @@ class LocalCluster:
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else ""
 
     def stop(self) -> None:
-        """SIGTERM to every service (workers drain), to Redis once they are gone; SIGKILL
-        to what lingers."""
-        services = [n for n in self.procs if n != "redis"]
-        for group in (services, [n for n in self.procs if n == "redis"]):
+        """SIGTERM to the workers first (each drains: it deregisters from the scheduler,
+        which must still answer, and finishes its chunks), then to the scheduler and
+        history, then to Redis; SIGKILL to what lingers."""
+        workers = [n for n in self.procs if n.startswith("worker")]
+        services = [n for n in self.procs if n not in workers and n != "redis"]
+        for group in (workers, services, [n for n in self.procs if n == "redis"]):
             for name in group:
                 if self.procs[name].poll() is None:
                     self.procs[name].send_signal(signal.SIGTERM)

@@ -91,3 +91,11 @@ def test_bad_values_are_refused_naming_the_option_and_variable(toy):
     bad_env = runner.invoke(toy_app, ["run"], env={"TOY_PORT": "many"})
     assert bad_env.exit_code == 2 and "--port (TOY_PORT)" in bad_env.output
     assert not got
+
+
+def test_top_help_shows_each_command_whole_and_log_level_has_its_variable():
+    text = help_text("history")
+    assert "[env: RHYMERL_HISTORY_LOG_LEVEL]" in text
+    top = CliRunner().invoke(app, ["--help"], terminal_width=80, env={"COLUMNS": "80"}).output
+    assert "Run the history service (earlier rollouts per prompt, in Redis)." in re.sub(r"\s+", " ", top)
+    assert "in..." not in top  # cut short, as it was

@@ -29,7 +29,9 @@ class SchedulerSettings(TLSSettings):
     max_steps_retained: int = Field(
         64, description="Finished steps kept in memory for idempotent re-submission (the oldest go first; the step "
                         "log still has them).")
-    max_retained_bytes: int = Field(512 * 1024 * 1024, description="At most this many bytes of those steps' samples.")
+    max_retained_bytes: int = Field(
+        512 * 1024 * 1024, description="At most this many bytes of memory for those steps (their samples, kept "
+                                       "serialized and counted with their object overhead: what they really cost).")
     max_samples_in_flight: int = Field(
         262_144, description="Most samples admitted and unfinished over all steps (RESOURCE_EXHAUSTED beyond): what "
                              "bounds the scheduler's memory (about 1 KiB per sample plus its tokens).")

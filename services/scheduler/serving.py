@@ -1,19 +1,21 @@
 """Which policy version the fleet serves, as the scheduler knows it.
 
-A version made serving by a push is recorded (in the step log's Redis, with the path it
-was loaded from), so a restarted scheduler knows it at once: a worker registering on
-another version is stale (caught up when the path is known), never a reason to switch
-(switching mid-step would mix versions inside samples). Without a record (a fresh
-deployment, Redis down or not configured), the scheduler learns the version from its
-workers: the newest registered within ``SETTLE_S`` of the first (a worker restarted on
-its initial weights must not pull the fleet's version down). Whatever the record says,
-a version no registered worker serves gives way to a newer one that registers, and,
-``SETTLE_S`` after the first worker came, to the newest registered (a record of an
-earlier deployment) -- unless the recorded version's pushed bytes are in the scheduler's
-weight store (this deployment's: the fleet is being caught up to it). When the record could not be read (Redis down as the scheduler
-started), nothing is dispatched until the version settles: a worker restarted on its
-initial weights may register first, and serving it until the fleet's newer workers come
-would switch versions under running samples (seen in the fault campaign).
+A version made serving by a push is recorded (in the step log's Redis, with its SHA-256
+or the path it was loaded from), so a restarted scheduler knows it at once: a worker
+registering on another version is stale (caught up from the path, or from the pushed
+bytes in the weight store), never a reason to switch (switching mid-step would mix
+versions inside samples). Without a record (a fresh deployment, Redis down or not
+configured), the scheduler learns the version from its workers: the newest registered
+within ``SETTLE_S`` of the first (a worker restarted on its initial weights must not
+pull the fleet's version down). Whatever the record says, a version no registered
+worker serves gives way to a newer one that registers, and, ``SETTLE_S`` after the
+first worker came, to the newest registered (a record of an earlier deployment) --
+unless the recorded version's pushed bytes are in the scheduler's weight store (this
+deployment's: the fleet is being caught up to it). When the record could not be read
+(Redis down as the scheduler started), nothing is dispatched until the version
+settles: a worker restarted on its initial weights may register first, and serving it
+until the fleet's newer workers come would switch versions under running samples (seen
+in the fault campaign).
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ class WeightFanout:
         self._lock = asyncio.Lock()
         self._catching_up: set[str] = set()  # worker ids
         self._unrecorded = False  # the serving version is not in Redis yet
+        self._record_unread = False  # Redis did not answer at start: the record is still to be read
 
     async def push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
         first = await anext(aiter(chunks), None)
@@ -237,12 +238,30 @@ class WeightFanout:
             record = await self.core.log.load_serving()
         except RecordUnreadable as exc:
             log.warning("%s; dispatching once the fleet's version settles", exc)
-            self.core.serving.unreadable = True
+            self.core.serving.unreadable = self._record_unread = True
             return
         if record is not None:
             self.source = record
             self.core.serving.restore(record[0], catchable=self.store.path(record[1]) is not None)
             log.info("serving version %d (recorded)", record[0])
+
+    async def reread_record(self) -> None:
+        """Called periodically while the record could not be read at start: once Redis
+        answers, the record of the version the fleet serves gives its source, so workers
+        that restart on older weights can be caught up (without it they could not: seen in
+        the fault campaign, a scheduler restarted while Redis was down, then both workers
+        killed, left a step with no worker for 120 s)."""
+        if not self._record_unread:
+            return
+        try:
+            record = await self.core.log.load_serving()
+        except RecordUnreadable:
+            return
+        self._record_unread = False
+        if record is not None and record[0] == self.core.policy_version and self.source[0] != record[0]:
+            self.source = record
+            self.core.serving.catchable = self.store.path(record[1]) is not None
+            log.info("serving version %d: its record read at last (workers that lag can be caught up)", record[0])
 
     def _ack(self) -> common_pb2.WeightUpdateResponse:
         version = self.core.policy_version

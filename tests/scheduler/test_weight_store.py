@@ -70,3 +70,39 @@ def test_a_private_store_goes_with_the_process_and_a_shared_one_drops_unfinished
     assert [p.name for p in tmp_path.iterdir()] == ["a" * 64 + ".safetensors"]
     shared.close()
     assert shared.path("a" * 64) is not None  # not private: it outlives the process
+
+
+@run_async
+async def test_a_record_unreadable_at_start_is_read_later_and_lagging_workers_caught_up():
+    """A scheduler restarted while Redis was down learns the version from its workers,
+    with no source to catch a restarted worker up from; once Redis answers, the record
+    gives it (the fault campaign's 120 s without a worker, e00c193)."""
+    from services.scheduler.step_log import RecordUnreadable
+    from services.scheduler.weight_fanout import WeightFanout
+    from tests.scheduler.fake_workers import FakeLink, make_core
+
+    link = FakeLink()
+    core = make_core(link, workers=0)
+    answers = [RecordUnreadable("Redis down"), RecordUnreadable("still down"), (3, "", "/ckpt/v3")]
+
+    async def load_serving():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    core.log.load_serving = load_serving
+    fanout = WeightFanout(core)
+    await fanout.restore()
+    core.register("w0", "fake:0", 4, 3, 96, 512)  # the version is learned from the fleet
+    assert core.policy_version == 3
+    back = core.register("w1", "fake:1", 4, 0, 96, 512)  # restarted on its initial weights
+    await fanout.catch_up(back)
+    assert link.loads == []  # no source: nothing to catch up from
+    await fanout.reread_record()  # Redis still down
+    await fanout.reread_record()
+    await fanout.catch_up(back)
+    assert link.loads == [("w1", 3, "/ckpt/v3")] and back.policy_version == 3
+    await fanout.reread_record()  # read once: not asked again
+    assert answers == []
+    await core.stop()

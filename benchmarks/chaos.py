@@ -13,11 +13,17 @@ services as separate processes on loopback.
    processes, pushes weights and sends bad input. After every step: each (prompt,
    sample) delivered once, tokens identical to the reference, no hang past the step's
    deadline, and the services' memory sampled (bounded: ``--max-rss-mb``).
-4. Fair share (unless --no-fair-share): a 4 x 4-sample step alone, then beside a
+4. The memory soak (unless --soak-steps 0): the scheduler restarted with a small cap
+   on the finished steps it keeps (``--soak-cap-mb``, by bytes only), then many steps
+   of 1,024 samples, more than the cap holds; its RSS sampled throughout.
+   ``scheduler_rss_over_cap``: the largest RSS above the RSS it had after warm-up
+   steps (Python, gRPC: what no cap bounds), divided by the cap.
+5. Fair share (unless --no-fair-share): a 4 x 4-sample step alone, then beside a
    16 x 4096 = 65,536-sample step; the scheduler's health latency meanwhile.
    ``--only-fair-share`` skips 2 and 3 (a quick look at the fair-share figure).
 Writes <out>/chaos.md and chaos.json (seed, faults by kind, steps, samples, lost,
-duplicated, hangs, identical_share, fair_share, reregister_s, command, commit).
+duplicated, hangs, identical_share, fair_share, reregister_s, soak, scheduler_rss_over_cap,
+command, commit).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import statistics
 import sys
 import tempfile
@@ -54,6 +61,7 @@ class Ledger:
         self.steps = self.samples = self.lost = self.duplicated = self.hangs = self.identical = 0
         self.errors: list[str] = []
         self.mismatches: list[str] = []  # the first samples that differ from the reference, and how
+        self.duplicates: list[str] = []  # the first samples delivered twice, and how
         self.step_seconds: list[float] = []
 
     def _differs(self, plan: StepPlan, s) -> str:
@@ -72,6 +80,7 @@ class Ledger:
         with self.lock:
             self.mismatches += [f"{plan.step_id} {key}: {d}" for key, d in differs.items() if d][:20 - len(
                 self.mismatches)]
+            self.duplicates += [f"{plan.step_id} {d}" for d in out.duplicates][:20 - len(self.duplicates)]
             self.steps += out.complete
             self.samples += len(out.samples)
             self.lost += len(expected - set(out.samples))
@@ -118,7 +127,8 @@ def campaign(args, workdir: Path) -> dict:
             return {"fair_share": measure_fair_share(cluster), "duration_s": round(time.monotonic() - started, 1)}
         reference = reference_run(cluster, checkpoints)
         ledger, stop = Ledger(reference), threading.Event()
-        faults = Faults(cluster, args.seed, args.faults, checkpoints, bad_payload)
+        faults = Faults(cluster, args.seed, args.faults, checkpoints, bad_payload, ledger.on_step,
+                        args.step_deadline_s)
         trainers = [Trainer(i, args.seed, cluster.scheduler_address, stop, args.step_deadline_s, ledger.on_step)
                     for i in range(2)]
         rss = Counter()
@@ -133,15 +143,18 @@ def campaign(args, workdir: Path) -> dict:
             t.join(args.step_deadline_s + 30)
         if faults.error is not None:
             raise faults.error
+        soak = memory_soak(cluster, args.soak_steps, args.soak_cap_mb << 20) if args.soak_steps else None
         fair = measure_fair_share(cluster) if args.fair_share else None
     faults_by_kind = {k: v for k, v in sorted(faults.counts.items()) if ":" not in k}
     return {
         "seed": args.seed, "faults": faults_by_kind, "num_faults": sum(faults_by_kind.values()),
         "bad_inputs": {k.split(":", 1)[1]: v for k, v in sorted(faults.counts.items()) if ":" in k},
-        "bad_input_mismatch": faults.bad_input_mismatch, "steps": ledger.steps, "samples": ledger.samples,
+        "bad_input_mismatch": faults.bad_input_mismatch, "aborted_regenerated": faults.num_aborted_regenerated,
+        "soak": soak, "scheduler_rss_over_cap": soak["rss_over_cap"] if soak else None,
+        "steps": ledger.steps, "samples": ledger.samples,
         "lost": ledger.lost, "duplicated": ledger.duplicated, "hangs": ledger.hangs,
         "identical_share": ledger.identical / max(1, ledger.samples), "errors": ledger.errors,
-        "mismatches": ledger.mismatches,
+        "mismatches": ledger.mismatches, "duplicates": ledger.duplicates,
         "fair_share": fair, "reregister_s": max(faults.reregister_s, default=None),
         "reregister_s_all": [round(s, 2) for s in faults.reregister_s],
         "max_rss_mb": {k: round(v / 2**20) for k, v in rss.items()},
@@ -149,6 +162,45 @@ def campaign(args, workdir: Path) -> dict:
         "median_step_s": statistics.median(ledger.step_seconds) if ledger.step_seconds else None,
         "duration_s": round(time.monotonic() - started, 1),
     }
+
+
+def memory_soak(cluster: LocalCluster, num_steps: int, cap: int) -> dict:
+    """The scheduler's memory over many steps, more than ``cap`` bytes of kept steps hold."""
+    from rhymerl import Prompt, RolloutClient, SamplingParams
+
+    _, env = cluster.commands["scheduler"]
+    env.update(RHYMERL_SCHEDULER_MAX_RETAINED_BYTES=cap, RHYMERL_SCHEDULER_MAX_STEPS_RETAINED=1_000_000)
+    cluster.kill("scheduler", signal.SIGTERM)
+    cluster.restart("scheduler")
+    cluster.wait_registered(120)
+    pool = prompt_pool()
+    # Long ids (the intake allows 256 bytes): each kept sample is ~0.6 KB, so a few dozen
+    # steps of a CPU fleet fill the cap; a sample in flight shares its ids with its step.
+    prompts = [Prompt(f"soak{i:03d}".ljust(200, "-"), pool[pid]) for i, pid in enumerate(sorted(pool) * 2)]
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=3, logprobs=True, ignore_eos=True)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], cluster.rss_bytes("scheduler"))
+            time.sleep(0.05)
+
+    started = time.monotonic()
+    with RolloutClient(cluster.scheduler_address, timeout_s=300) as client:
+        for i in range(3):  # warm-up: allocator pools, channels, imports
+            client.rollout(f"soak/warmup{i}".ljust(200, "-"), prompts, n=64, sampling=params)
+        baseline = cluster.rss_bytes("scheduler")
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            for i in range(num_steps):
+                client.rollout(f"soak/{i:04d}".ljust(200, "-"), prompts, n=64, sampling=params)
+        finally:
+            done.set()
+            sampler.join()
+    return {"steps": num_steps, "samples_per_step": len(prompts) * 64, "cap_mb": round(cap / 2**20, 1),
+            "baseline_rss_mb": round(baseline / 2**20, 1), "peak_rss_mb": round(peak[0] / 2**20, 1),
+            "rss_over_cap": round((peak[0] - baseline) / cap, 3), "seconds": round(time.monotonic() - started, 1)}
 
 
 def _nan_payload(checkpoint: Path) -> bytes:
@@ -168,7 +220,7 @@ def write(result: dict, out: Path) -> None:
     (out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = [{"what": k, "value": json.dumps(result[k])} for k in (
         "seed", "num_faults", "steps", "samples", "lost", "duplicated", "hangs", "identical_share", "reregister_s",
-        "max_rss_mb", "memory_bounded", "fair_share", "bad_input_mismatch", "duration_s")]
+        "max_rss_mb", "memory_bounded", "scheduler_rss_over_cap", "aborted_regenerated", "fair_share", "bad_input_mismatch", "duration_s")]
     text = markdown_table(rows, [("", "what", "{}"), ("", "value", "{}")])
     faults = markdown_table([{"kind": k, "count": v} for k, v in result["faults"].items()],
                             [("fault", "kind", "{}"), ("count", "count", "{}")])
@@ -187,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-deadline-s", type=float, default=300.0, help="a step past this hung")
     parser.add_argument("--max-rss-mb", type=int, default=2048, help="the memory bound per service")
     parser.add_argument("--fair-share", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--soak-steps", type=int, default=40, help="steps of the memory soak (0: none)")
+    parser.add_argument("--soak-cap-mb", type=int, default=16, help="the scheduler's cap on kept steps in the soak")
     parser.add_argument("--only-fair-share", action="store_true",
                         help="no campaign: only the fair-share measure, printed (nothing written)")
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -3,8 +3,13 @@ seeded schedule and applied to real processes (``LocalCluster``).
 
 Kinds: kill -9 or SIGTERM of a worker, the scheduler, history or Redis (each restarted
 after a moment, as Kubernetes would); a weight push in the middle of the trainers'
-steps; and bad input of every kind the contract names, sent while steps run (each must
-get its status code; ``bad_input_mismatch`` counts the ones that did not).
+steps; every worker killed right after a push of the weights' bytes, and restarted on
+their initial weights (the fleet must bring them to the pushed version by itself, with
+no trainer action); a step cancelled mid-way (some samples ABORT) and submitted again
+under its id (finished samples replayed, aborted ones generated again: the ledger
+checks every token against the fault-free run); and bad input of every kind the
+contract names, sent while steps run (each must get its status code;
+``bad_input_mismatch`` counts the ones that did not).
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from pathlib import Path
 import grpc
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
+from benchmarks.chaos_trainer import MAX_N, SEEDS, StepPlan, prompt_pool, run_step
 from services.local import LocalCluster
 
 log = logging.getLogger("chaos")
 PROCESS_FAULTS = ["kill9_worker", "sigterm_worker", "kill9_scheduler", "sigterm_scheduler", "kill9_history",
                   "sigterm_history", "kill9_redis", "sigterm_redis"]
-KINDS = PROCESS_FAULTS + ["weight_push", "bad_input"]
+KINDS = PROCESS_FAULTS + ["weight_push", "bad_input", "kill_all_workers_after_push", "resubmit_aborted_step"]
 WEIGHTS = {"weight_push": 3, "bad_input": 3, "kill9_worker": 3, "kill9_scheduler": 2}  # others: 1
 
 
@@ -40,10 +46,12 @@ class Faults(threading.Thread):
     """
 
     def __init__(self, cluster: LocalCluster, seed: int, num_faults: int, checkpoints: list[Path],
-                 bad_payload: bytes):
+                 bad_payload: bytes, on_step=None, step_deadline_s: float = 300.0):
         super().__init__(name="faults", daemon=True)
         self.cluster, self.rng, self.num_faults = cluster, random.Random(seed), num_faults
         self.checkpoints, self.bad_payload = checkpoints, bad_payload
+        self.on_step, self.step_deadline_s = on_step, step_deadline_s  # the ledger checks re-submitted steps
+        self.num_aborted_regenerated = 0  # samples that ended ABORT (cancel) and came back generated
         self.counts: Counter = Counter()
         self.bad_input_mismatch: list[str] = []
         self.reregister_s: list[float] = []
@@ -98,21 +106,64 @@ class Faults(threading.Thread):
         return sum(w.healthy for w in stats.workers)
 
     # --- weights and bad input -----------------------------------------------------------
-    def weight_push(self, kind: str) -> None:
-        """The next version, from the checkpoint of its parity (retried like a trainer)."""
+    def weight_push(self, kind: str, as_bytes: bool = False) -> None:
+        """The next version, from the checkpoint of its parity (retried like a trainer):
+        its path, or (``as_bytes``) its bytes pushed."""
+        from rhymerl._calls import weight_chunks
+
         for _ in range(30):
             try:
                 with grpc.insecure_channel(self.cluster.scheduler_address) as ch:
                     stub = rollout_pb2_grpc.RolloutServiceStub(ch)
                     version = stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=10).policy_version + 1
-                    stub.LoadWeights(common_pb2.LoadWeightsRequest(
-                        version=version, path=str(self.checkpoints[version % 2])), timeout=120)
+                    checkpoint = self.checkpoints[version % 2]
+                    if as_bytes:
+                        data = (checkpoint / "model.safetensors").read_bytes()
+                        stub.PushWeights(iter(weight_chunks(version, data)), timeout=120)
+                    else:
+                        stub.LoadWeights(common_pb2.LoadWeightsRequest(version=version, path=str(checkpoint)),
+                                         timeout=120)
                     return
             except grpc.RpcError as err:
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                                       grpc.StatusCode.FAILED_PRECONDITION):
                     raise
                 time.sleep(1.0)
+
+    def kill_all_workers_after_push(self, kind: str) -> None:
+        """A push of bytes, then every worker kill -9'd and restarted on its initial
+        weights: the trainers' steps must go on at the pushed version by themselves."""
+        self.weight_push(kind, as_bytes=True)
+        for name in self.cluster.workers:
+            self.cluster.kill(name, signal.SIGKILL, timeout_s=90)
+        time.sleep(self.rng.uniform(0.0, 1.5))
+        for name in self.cluster.workers:
+            self.cluster.restart(name, wait=False)
+
+    def resubmit_aborted_step(self, kind: str) -> None:
+        """A step cancelled once its first sample arrived (the rest ABORT), then submitted
+        again under its id: the ledger checks the second delivery like any step's."""
+        pool = prompt_pool()
+        number = self.counts[kind]
+        plan = StepPlan(f"aborted/{number}", {p: pool[p] for p in self.rng.sample(sorted(pool), 4)}, MAX_N,
+                        self.rng.choice(SEEDS))
+        cancelled, aborted = False, 0
+        with grpc.insecure_channel(self.cluster.scheduler_address) as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            try:
+                for event in stub.SubmitStep(plan.request(), timeout=60):
+                    if not event.HasField("sample"):
+                        continue
+                    aborted += event.sample.finish_reason == common_pb2.FINISH_REASON_ABORT
+                    if not cancelled:
+                        cancelled = True
+                        stub.CancelStep(rollout_pb2.CancelStepRequest(step_id=plan.step_id), timeout=30)
+            except grpc.RpcError as err:  # another fault broke it: the re-submission below covers it
+                log.info("aborted step %s: first submission ended with %s", plan.step_id, err.code())
+        out = run_step(self.cluster.scheduler_address, plan, self.step_deadline_s)
+        self.num_aborted_regenerated += aborted * out.complete
+        if self.on_step is not None:
+            self.on_step(out)
 
     def bad_input(self, kind: str) -> None:
         name, call, expected = self.rng.choice(self._bad_inputs())

@@ -32,7 +32,7 @@ class LocalRunSettings(BaseSettings):
         "tiny", description="The policy: 'tiny' (trained here, fast) on the synthetic task, or 'smollm2' "
                             "(SmolLM2-135M-Instruct, fetched by `make model-smollm2`) on English word problems, "
                             "training its last 2 layers (slow on a CPU).")
-    model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (~3 min). "
+    model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (4-6 min on 2 cores). "
                                                       "With --model smollm2 the default is models/smollm2-135m.")
     record: str = Field("", description="Write every rollout to this trace file (.npz); empty: not recorded.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")

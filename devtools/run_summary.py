@@ -23,7 +23,12 @@ GLOSSARY = """\
               forward pass the sequence did not need
   acceptance  accepted / proposed draft tokens (drafts from earlier epochs and from siblings)
   step s      rollout time of the step (first dispatch to last sample), on this machine
-  tokens      tokens generated: `via drafts` came in accepted drafts, `decoded` one per forward"""
+  tokens      tokens generated: `via drafts` came in accepted drafts, `decoded` one per forward
+In the per-step lines above: `accept X% of N draft tokens` is acceptance over the N tokens
+proposed in drafts (a draft is several tokens); `update` the trainer's gradient steps and
+`loss` the first one's PPO-clipped loss (minimised; its sign means nothing by itself);
+`-> vN` the weight version the update was pushed as. The `greedy reward` of the training
+printout is the task reward of the tiny policy's most likely answers before RL."""
 
 
 def _pct(x: float) -> str:
@@ -67,15 +72,21 @@ def findings(rows: list[dict], measure_cost: bool) -> list[str]:
     else:
         out.append("The workers sized their drafts by the H100 cost table (docs/cost-model.md), so drafting is the "
                    "same on every machine. Step times are this CPU's and say little about a GPU, where a forward "
-                   "over a few hundred tokens costs about one; `python -m benchmarks.engine_bench --device cuda` "
-                   "measures that (benchmarks/results/engine.md).")
+                   "over a few hundred tokens costs about as much as a forward over one (so an accepted draft "
+                   "token is nearly free there); `python -m benchmarks.engine_bench --device cuda` measures that "
+                   "(benchmarks/results/engine.md).")
+    out.append("This run does not time a rollout without drafts, so it does not say whether rhymerl made this "
+               "rollout faster: it shows how many forward passes the drafts saved (`via drafts`). On a CPU a "
+               "verify forward costs more per token than on a GPU, and the speed-up is measured, with and without "
+               "drafts, by `python -m benchmarks.engine_bench` (benchmarks/results/engine.md).")
     return out
 
 
 NEXT = """\
   logs        runs/local/*.log (each service's own log, kept after the run)
-  metrics     every service serves Prometheus /metrics (all names in services/common/metrics.py);
-              `docker compose up --build` adds Prometheus and the Grafana dashboards
+  metrics     the services are stopped now; started by hand (README, "Running the services
+              yourself") each serves Prometheus /metrics (names in services/common/metrics.py),
+              and `docker compose up --build` adds Prometheus and the Grafana dashboards
               (http://localhost:3000, deploy/grafana/dashboards/)
   benchmarks  `make bench`; results with their commands in benchmarks/results/*.md
   your code   the trainer above is clients/python/examples/grpo_trainer.py, SDK only:

@@ -86,7 +86,9 @@ class LocalCluster:
             "RHYMERL_SCHEDULER_HOST": "127.0.0.1", "RHYMERL_SCHEDULER_PORT": self.ports["scheduler"],
             "RHYMERL_SCHEDULER_METRICS_PORT": self.metrics_ports["scheduler"],
             "RHYMERL_SCHEDULER_HISTORY_ADDRESS": history, "RHYMERL_SCHEDULER_POLICY": self.policy,
-            "RHYMERL_SCHEDULER_CHUNK_TOKENS": self.chunk_tokens, "RHYMERL_SCHEDULER_REDIS_URL": self.redis_url})
+            "RHYMERL_SCHEDULER_CHUNK_TOKENS": self.chunk_tokens, "RHYMERL_SCHEDULER_REDIS_URL": self.redis_url,
+            # outlives a scheduler restart, as a pod's volume would (weight_store.py)
+            "RHYMERL_SCHEDULER_WEIGHTS_DIR": self.log_dir / "scheduler-weights"})
         for name in self.workers:
             engine = {**self.extra_env, **self.worker_env.get(name, {})}.get("RHYMERL_WORKER_ENGINE", "rhymerl")
             kv_blocks = {} if engine == "vllm" else {"RHYMERL_WORKER_NUM_KV_BLOCKS": 1024}  # vLLM sizes its own
@@ -205,10 +207,12 @@ class LocalCluster:
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else ""
 
     def stop(self) -> None:
-        """SIGTERM to every service (workers drain), to Redis once they are gone; SIGKILL
-        to what lingers."""
-        services = [n for n in self.procs if n != "redis"]
-        for group in (services, [n for n in self.procs if n == "redis"]):
+        """SIGTERM to the workers first (each drains: it deregisters from the scheduler,
+        which must still answer, and finishes its chunks), then to the scheduler and
+        history, then to Redis; SIGKILL to what lingers."""
+        workers = [n for n in self.procs if n.startswith("worker")]
+        services = [n for n in self.procs if n not in workers and n != "redis"]
+        for group in (workers, services, [n for n in self.procs if n == "redis"]):
             for name in group:
                 if self.procs[name].poll() is None:
                     self.procs[name].send_signal(signal.SIGTERM)

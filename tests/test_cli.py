@@ -93,7 +93,6 @@ def test_bad_values_are_refused_naming_the_option_and_variable(toy):
     assert not got
 
 
-
 @pytest.mark.parametrize("option,value", [("--batch-invariant", None), ("--num-kv-blocks", "512"),
                                           ("--block-size", "32"), ("--no-measure-cost", None)])
 def test_a_setting_vllm_never_reads_is_refused_with_engine_vllm_naming_it(option, value, monkeypatch):
@@ -114,3 +113,11 @@ def test_a_setting_vllm_never_reads_is_refused_with_engine_vllm_naming_it(option
     assert getattr(WorkerSettings(engine="rhymerl"), name) != WorkerSettings.model_fields[name].default
     monkeypatch.delenv(f"RHYMERL_WORKER_{name.upper()}")
     assert WorkerSettings(engine="vllm").engine == "vllm"
+
+
+def test_top_help_shows_each_command_whole_and_log_level_has_its_variable():
+    text = help_text("history")
+    assert "[env: RHYMERL_HISTORY_LOG_LEVEL]" in text
+    top = CliRunner().invoke(app, ["--help"], terminal_width=80, env={"COLUMNS": "80"}).output
+    assert "Run the history service (earlier rollouts per prompt, in Redis)." in re.sub(r"\s+", " ", top)
+    assert "in..." not in top  # cut short, as it was

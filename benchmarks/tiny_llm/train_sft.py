@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     mean_reward = sum(rewards) / len(rewards) if rewards else float("nan")
     final_loss = sum(losses[-20:]) / len(losses[-20:])
     print(
-        f"trained in {train_s:.0f}s, loss over the last 20 steps {final_loss:.4f}; "
-        f"greedy reward {mean_reward:.3f} on {len(rewards)} held-out problems"
+        f"trained in {train_s:.0f}s, loss over the last 20 steps {final_loss:.4f} (cross-entropy of the worked "
+        f"solutions); greedy reward {mean_reward:.3f} on {len(rewards)} held-out problems (the task reward, 0..1, "
+        "of its most likely answer, temperature 0)"
     )
     log = {
         "preset": args.preset,

@@ -36,7 +36,7 @@ class TLSConfig:
         if not (self.cert_file or self.key_file):
             return None
         if not (self.cert_file and self.key_file):
-            raise ValueError("tls_cert_file and tls_key_file must be set together")
+            raise ValueError("--tls-cert-file and --tls-key-file (TLS_CERT_FILE, TLS_KEY_FILE) must be set together")
         pair = (Path(self.key_file).read_bytes(), Path(self.cert_file).read_bytes())
         return grpc.ssl_server_credentials([pair])
 
@@ -51,8 +51,9 @@ class TLSConfig:
 class TLSSettings(BaseSettings):
     """TLS fields every service's settings share (``RHYMERL_<SERVICE>_TLS_*``)."""
 
-    tls_cert_file: str = Field("", description="PEM certificate to serve with; with tls_key_file empty: plaintext.")
-    tls_key_file: str = Field("", description="PEM private key of tls_cert_file.")
+    tls_cert_file: str = Field("", description="PEM certificate to serve with (with --tls-key-file); empty: "
+                                               "plaintext.")
+    tls_key_file: str = Field("", description="PEM private key of the certificate (--tls-cert-file).")
     tls_ca_file: str = Field("", description="PEM CA that signed the other services' certificates; empty: plaintext "
                                              "outgoing channels.")
     tls_server_name: str = Field("", description="The name in the services' certificate (peers are reached by IP); "
@@ -80,8 +81,11 @@ class BearerTokenAuth(grpc.aio.ServerInterceptor):
 
     def _authorized(self, metadata) -> bool:
         for key, value in metadata or ():
-            if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-                given = value[len("Bearer "):].encode()
+            if key == "authorization" and isinstance(value, str):
+                scheme, _, given = value.partition(" ")
+                if scheme.lower() != "bearer":  # auth schemes are case-insensitive (RFC 9110 11.1)
+                    return False
+                given = given.strip(" ").encode()
                 return any(hmac.compare_digest(given, token) for token in self._tokens)
         return False
 

@@ -58,7 +58,8 @@ def settings_command(app: typer.Typer, name: str, settings_cls: type[BaseSetting
                 raise typer.Exit(2) from None
             run(settings)
 
-        level_option = typer.Option("--log-level")
+        level_var = env_var(settings_cls, "log_level")
+        level_option = typer.Option("--log-level", envvar=level_var, help=f"Logging threshold. [env: {level_var}]")
         own = settings_cls.__annotations__  # the class's own fields first, inherited ones (TLS) after
         fields = sorted(settings_cls.model_fields.items(), key=lambda item: item[0] not in own)
         params = [_option(settings_cls, n, f) for n, f in fields]
@@ -67,7 +68,7 @@ def settings_command(app: typer.Typer, name: str, settings_cls: type[BaseSetting
         command.__signature__ = inspect.Signature(params)
         command.__annotations__ = {p.name: p.annotation for p in params}  # typer reads both
         command.__doc__ = help
-        app.command(name)(command)
+        app.command(name, short_help=help)(command)  # the whole line in `rhymerl --help`, never cut
         return run
 
     return register

@@ -40,7 +40,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.worker_id = worker_id
         self.model_name = model_name
         self.version = version
-        self.sha256 = ""
+        self.sha256 = ""  # of the pushed bytes serving ("" when loaded from a path)
+        self._initial = True  # still on the checkpoint it started from
         self.drafter_history = DrafterHistory(self.engine.drafter, history, loop.call, history_epochs) if (
             history is not None and self.engine.drafter is not None) else None
         self.max_num_seqs = max_num_seqs
@@ -120,7 +121,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def PushWeights(self, request_iterator, context):
         async with self._weights_lock:
             payload = await weight_receiver.receive(request_iterator, MAX_WEIGHT_BYTES)
-            if weight_receiver.check_version(payload.version, self.version, payload.sha256, self.sha256):
+            current = self.sha256
+            if not current and self._initial and payload.version == self.version:  # a re-push of the start?
+                current = self.sha256 = await asyncio.to_thread(weight_receiver.checkpoint_sha256, self.model_name)
+            if weight_receiver.check_version(payload.version, self.version, payload.sha256, current):
                 await self._apply(payload.version, lambda: self._read(payload.data))
                 self.sha256 = payload.sha256
             return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
@@ -128,8 +132,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     @grpc_errors
     async def LoadWeights(self, request, context):
         async with self._weights_lock:
+            files = weight_receiver.safetensors_files(request.path)  # first: the scheduler probes paths so
             weight_receiver.check_version(request.version, self.version)
-            files = weight_receiver.safetensors_files(request.path)
 
             def read_all():
                 state = {}
@@ -161,7 +165,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 raise InvalidArgument(str(exc), "data") from exc
 
         await self.loop.call_when_idle(load)
-        self.version = version
+        self.version, self._initial = version, False
         metrics.weight_version.labels(component=self.worker_id).set(version)
         metrics.weight_update_seconds.labels(component=self.worker_id).observe(time.monotonic() - started)
         log.info("now serving version %d", version)

@@ -29,7 +29,8 @@ class WorkerSettings(TLSSettings):
     vllm_gpu_memory_utilization: float = Field(0.3, description="vLLM's gpu_memory_utilization.")
     vllm_kv_cache_gib: int = Field(2, description="VLLM_CPU_KVCACHE_SPACE on vLLM's CPU build.")
     vllm_multiprocessing: bool = Field(
-        False, description="vLLM's engine-core process (its default); refused: the vLLM worker runs in-process.")
+        False, description="Run vLLM's engine core in a process of its own (vLLM's default). Not supported: the "
+                           "vLLM worker runs it in-process, and turning this on is an error at start.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations; auto: the checkpoint's (float32 on a CPU).")
     max_num_seqs: int = Field(256, description="Most sequences decoding at once (the batch).")

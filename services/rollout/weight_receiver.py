@@ -71,6 +71,21 @@ def check_version(new: int, current: int, new_sha: str = "", current_sha: str = 
     return True
 
 
+def checkpoint_sha256(path: str) -> str:
+    """SHA-256 of the checkpoint a worker started from when it is one .safetensors file
+    (the bytes a trainer re-pushing that version sends); "" when it is not (several
+    files, a hub name): such a re-push cannot be recognised."""
+    try:
+        [file] = safetensors_files(path)
+    except (NotFound, ValueError):
+        return ""
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def safetensors_files(path: str) -> list[Path]:
     """The .safetensors files of a checkpoint directory, or the single file given."""
     p = Path(path)

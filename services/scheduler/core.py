@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
-from rhymerl.v1 import rollout_pb2
+from rhymerl.v1 import common_pb2, rollout_pb2
 
 from services.common import metrics
 from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
@@ -41,6 +41,7 @@ from services.scheduler.timeline import StepTimeline
 from services.scheduler.workers import WorkerHandle, WorkerTable
 
 log = logging.getLogger(__name__)
+ABORT = common_pb2.FINISH_REASON_ABORT
 
 
 @dataclass(frozen=True)
@@ -122,21 +123,34 @@ class SchedulerCore:
 
     # --- 1. submit -------------------------------------------------------------------
     async def submit(self, req: rollout_pb2.SubmitStepRequest) -> StepRun:
-        """Starts a step, or joins the one with the same step_id (in memory or logged)."""
+        """Starts a step, or joins the one with the same step_id (in memory or logged). A
+        step that ended with aborted samples (no worker, a cancel, a fault) is run again:
+        its finished samples replayed, its aborted ones generated (their own seeds)."""
         intake.check_step(req, self.policy_version)
-        run = self.steps.get(req.step_id) or await self.steps.open(req.step_id, lambda: self._open(req))
+        run = self.steps.get(req.step_id)
+        if run is not None and run.fingerprint != fingerprint(req):
+            raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content",
+                                     "step_id")
+        if run is None or (run.is_finished and run.aborted):
+            run = await self.steps.open(req.step_id, lambda prior=run: self._open(req, prior))
         if run.fingerprint != fingerprint(req):
             raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content",
                                      "step_id")
         return run
 
-    async def _open(self, req: rollout_pb2.SubmitStepRequest) -> StepRun:
-        logged = await self.log.load(req.step_id)
+    async def _open(self, req: rollout_pb2.SubmitStepRequest, prior: StepRun | None = None) -> StepRun:
+        """A new step, or one known before: ``prior`` (kept in memory, finished with
+        aborted samples) or logged (a previous scheduler's). Only the samples that finished
+        (not ABORT) are restored; the others are generated."""
+        logged = await self.log.load(req.step_id) if prior is None else None
         if logged is not None and logged.fingerprint != fingerprint(req):
             raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content",
                                      "step_id")
-        done = logged is not None and logged.summary is not None
-        restored = {(s.prompt_id, s.sample_index): s for s in logged.samples} if logged else {}
+        known = prior.sample_results() if prior is not None else logged.samples if logged is not None else []
+        restored = {(s.prompt_id, s.sample_index): s for s in known if s.finish_reason != ABORT}
+        retried = len(known) - len(restored)
+        logged_summary = logged.summary if logged is not None and not retried else None
+        done = logged_summary is not None
         num_missing = len(req.prompts) * req.n - len(restored)
         in_flight = len(self.unfinished) + self._admitting
         if in_flight + num_missing > self.limits.max_samples_in_flight:  # checked before any sample exists
@@ -157,13 +171,14 @@ class SchedulerCore:
         metrics.samples_in_flight.set(len(self.unfinished))
         self.steps.add(run)
         self.delivery.timelines[run.step_id] = StepTimeline(run.step_id, list(self.workers.workers))
-        if logged is None:
+        if logged is None and prior is None:
             await self.log.open(run.step_id, run.fingerprint, sorted(run.prompt_ids), run.n)
         else:
             metrics.steps_total.labels(status="resumed").inc()
-            log.info("step %s resumed from its log: %d of %d samples done", run.step_id, len(restored),
-                     run.num_samples)
-        await self.delivery.restore(run, samples, restored, logged.summary if logged else None)
+            log.info("step %s resumed from its %s: %d of %d samples done, %d aborted ones generated again",
+                     run.step_id, "log" if prior is None else "aborted run", len(restored), run.num_samples,
+                     retried)
+        await self.delivery.restore(run, samples, restored, logged_summary)
         if missing:
             await self._load_lengths(run, missing)
             if self.hold_new_steps:  # a weight push waits for the running steps first

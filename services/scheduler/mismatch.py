@@ -95,10 +95,12 @@ class MismatchTracker:
             raise FailedPrecondition("the step was sampled with logprobs off: nothing to compare with",
                                      "step_id")
         # The finished samples are the step's published results (its progress is released).
-        finished = {(e.sample.prompt_id, e.sample.sample_index): e.sample for e in run.events if e.HasField("sample")}
+        finished = {(s.prompt_id, s.sample_index): s for s in run.sample_results()}
         out, seen = [], set()
         for i, reported in enumerate(request.samples):
             field, key = f"samples[{i}]", (reported.prompt_id, reported.sample_index)
+            if reported.sample_index < 0:  # as ReportRewards: malformed, not a sample that is missing
+                raise InvalidArgument(f"must be >= 0, got {reported.sample_index}", f"{field}.sample_index")
             prog = finished.get(key)
             if prog is None and RequestKey(request.step_id, *key) not in run.samples:
                 raise NotFound(f"no sample {key} in step {request.step_id!r}", field)

@@ -26,6 +26,7 @@ from services.scheduler.step_log import StepLog
 from services.scheduler.step_table import StepTable
 from services.scheduler.watchdog import Watchdog
 from services.scheduler.weight_fanout import WeightFanout
+from services.scheduler.weight_store import WeightStore
 from services.scheduler.worker_link import GrpcWorkerLink
 from services.scheduler.workers import WorkerTable
 
@@ -141,7 +142,7 @@ async def start_scheduler(settings: SchedulerSettings):
         limits=CoreLimits(max_samples_in_flight=settings.max_samples_in_flight, max_attempts=settings.max_attempts,
                           no_worker_timeout_s=settings.worker_timeout_s, history_epochs=settings.history_epochs,
                           fair_share=settings.fair_share))
-    weights = WeightFanout(core, settings.weight_updates)
+    weights = WeightFanout(core, settings.weight_updates, WeightStore(settings.weights_dir))
     await weights.restore()
     server_box: list[Server] = []
 
@@ -169,6 +170,7 @@ async def start_scheduler(settings: SchedulerSettings):
         await core.stop()
         await link.close()
         await core.log.shutdown()
+        weights.store.close()
         if settings.record_events:
             policy.close()
         if history is not None:

@@ -29,7 +29,9 @@ class SchedulerSettings(TLSSettings):
     max_steps_retained: int = Field(
         64, description="Finished steps kept in memory for idempotent re-submission (the oldest go first; the step "
                         "log still has them).")
-    max_retained_bytes: int = Field(512 * 1024 * 1024, description="At most this many bytes of those steps' samples.")
+    max_retained_bytes: int = Field(
+        512 * 1024 * 1024, description="At most this many bytes of memory for those steps (their samples, kept "
+                                       "serialized and counted with their object overhead: what they really cost).")
     max_samples_in_flight: int = Field(
         262_144, description="Most samples admitted and unfinished over all steps (RESOURCE_EXHAUSTED beyond): what "
                              "bounds the scheduler's memory (about 1 KiB per sample plus its tokens).")
@@ -37,6 +39,11 @@ class SchedulerSettings(TLSSettings):
         "", description="Redis for the step log: every finished sample is kept there, so a step re-submitted after a "
                         "scheduler restart replays them and generates only the missing ones. Empty: no step log (a "
                         "restart regenerates every sample of an unfinished step).")
+    weights_dir: str = Field(
+        "", description="Where the pushed bytes of the serving version are kept (one model's size on disk), so a "
+                        "worker that restarts after a push is brought to that version by the scheduler; a volume "
+                        "that outlives the container keeps that working across scheduler restarts. Empty: a private "
+                        "temporary directory, removed at exit.")
     step_log_ttl_s: float = Field(86_400.0, description="How long a step's log outlives its last sample.")
     weight_updates: Literal["after_steps", "between_chunks"] = Field(
         "after_steps", description="When a weight push applies: after_steps (synchronous RL: it waits for the running "

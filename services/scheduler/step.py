@@ -4,18 +4,29 @@ The log is what makes SubmitStep idempotent: a re-submission (a trainer's
 retry) replays the log from the start and then follows it live, so every
 (prompt, sample) is delivered exactly once per stream and never generated twice.
 A finished step keeps only its log (the samples' progress is released).
+
+The log holds each event serialized (a bytes object): what a kept step costs is then
+what ``num_bytes`` counts, about its serialized size, where a protobuf message object
+per sample costs many times its serialized size in the scheduler's memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 from services.scheduler.policies.base import Request, RequestKey
+
+
+def retained_size(encoded: bytes) -> int:
+    """What keeping one serialized event costs in memory: the bytes object (header and
+    data, rounded up to the allocator's 16-byte blocks) and its slot in the list."""
+    return (sys.getsizeof(encoded) + 15) // 16 * 16 + 8
 
 
 def fingerprint(request: rollout_pb2.SubmitStepRequest) -> str:
@@ -64,8 +75,8 @@ class StepRun:
         self.num_published = 0  # samples in ``events``: the last one closes the step
         self.num_running = 0  # chunks in flight
         self.aborted: set[tuple[str, int]] = set()  # (prompt_id, sample_index) that ended as ABORT
-        self.events: list[rollout_pb2.StepEvent] = []
-        self.num_bytes = 0  # serialized size of the events (what retaining the step costs)
+        self._encoded: list[bytes] = []  # the events, serialized
+        self.num_bytes = 0  # what keeping the events costs in memory (``retained_size``)
         self.finished = asyncio.Event()
         self._changed = asyncio.Condition()
         self.history_hit_rate = 0.0
@@ -87,10 +98,27 @@ class StepRun:
     def has_sample(self, prompt_id: str, sample_index: int) -> bool:
         return 0 <= sample_index < self.n and prompt_id in self.prompt_ids
 
+    @property
+    def num_events(self) -> int:
+        return len(self._encoded)
+
+    @property
+    def events(self) -> list[rollout_pb2.StepEvent]:
+        """The events so far, decoded (a copy)."""
+        return [rollout_pb2.StepEvent.FromString(e) for e in self._encoded]
+
+    def sample_results(self) -> list[rollout_pb2.SampleResult]:
+        return [e.sample for e in self.events if e.HasField("sample")]
+
+    def record(self, events: Iterable[rollout_pb2.StepEvent]) -> None:
+        """Appends to the log (``publish`` also wakes the streams)."""
+        encoded = [e.SerializeToString() for e in events]
+        self._encoded.extend(encoded)
+        self.num_bytes += sum(map(retained_size, encoded))
+
     async def publish(self, events: list[rollout_pb2.StepEvent], last: bool = False) -> None:
         async with self._changed:
-            self.events.extend(events)
-            self.num_bytes += sum(e.ByteSize() for e in events)
+            self.record(events)
             if last:
                 self.finished.set()
                 self.request = None
@@ -102,12 +130,12 @@ class StepRun:
         i = 0
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: i < len(self.events))
-                batch = self.events[i:]
+                await self._changed.wait_for(lambda: i < len(self._encoded))
+                batch = self._encoded[i:]
             for event in batch:
-                yield event
+                yield rollout_pb2.StepEvent.FromString(event)
             i += len(batch)
-            if self.is_finished and i == len(self.events):
+            if self.is_finished and i == len(self._encoded):
                 return
 
     def sample_result(self, s: SampleProgress, policy_version: int) -> rollout_pb2.SampleResult:

@@ -18,7 +18,9 @@ Beside the steps, ``rhymerl:serving`` records the weight version a push made ser
 the samples (``serving.py``).
 
 Redis is an aid, never a dependency: while it is down, writes are skipped for
-``retry_s`` (the trainer still gets every sample live) and reads find nothing.
+``retry_s`` (the trainer still gets every sample live) and reads find nothing. A write
+that fails on a connection broken by a Redis restart is retried once at once, on a new
+connection, before Redis counts as down.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from rhymerl.v1 import rollout_pb2
 
@@ -153,17 +156,25 @@ class StepLog:
             self._flusher = asyncio.create_task(self._flush())
         return await asyncio.shield(done)  # a cancelled waiter does not cancel the others' write
 
+    async def _execute(self, batch: list[tuple[str, dict, asyncio.Future]]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for key, mapping, _ in batch:
+            pipe.hset(key, mapping=mapping)
+            pipe.expire(key, self.ttl_s)
+        await asyncio.wait_for(pipe.execute(), self.timeout_s * 5)
+
     async def _flush(self) -> None:
         """Group commit: everything queued while the previous pipeline ran goes in the next."""
         while self._pending:
             batch, self._pending = self._pending, []
-            pipe = self._client.pipeline(transaction=False)
-            for key, mapping, _ in batch:
-                pipe.hset(key, mapping=mapping)
-                pipe.expire(key, self.ttl_s)
             result = "ok"
             try:
-                await asyncio.wait_for(pipe.execute(), self.timeout_s * 5)
+                try:
+                    await self._execute(batch)
+                except (RedisConnectionError, ConnectionError):
+                    # A pooled connection from before a Redis restart fails once; a new
+                    # one is made for the retry (the writes are idempotent: HSET, EXPIRE).
+                    await self._execute(batch)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 log.warning("step log write failed (%s); skipping writes for %.0f s", exc, self.retry_s)
                 self._down_until, result = time.monotonic() + self.retry_s, "failed"

@@ -22,7 +22,7 @@ SPEC_FIELDS = ("num_verify_steps", "num_draft_tokens", "num_accepted_tokens")
 
 
 def samples_of(run: StepRun) -> list[rollout_pb2.SampleResult]:
-    return [e.sample for e in run.events if e.HasField("sample")]
+    return run.sample_results()
 
 
 def step_summary(run: StepRun, stats: StepStats, policy: str) -> rollout_pb2.StepSummary:

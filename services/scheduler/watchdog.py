@@ -55,6 +55,7 @@ class Watchdog:
             elif w.policy_version < core.policy_version:
                 core.spawn(self.weights.catch_up(w))
         core.settle_version()
+        await self.weights.reread_record()
         await self.weights.record()
         core.abort_if_no_workers()
         core.wake()

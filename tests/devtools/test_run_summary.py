@@ -25,3 +25,12 @@ def test_summary_explains_the_columns_and_the_cost_mode():
     assert "60% of their" in text and "docs/cost-model.md" in text
     assert "measured this machine" in summary(rows, measure_cost=True)
     assert "grpo_trainer.py" in text and "benchmarks/results" in text
+
+
+def test_summary_says_what_it_does_not_compare_and_points_at_nothing_stopped():
+    text = summary([row(0, 100, 20, 10, 0.0), row(1, 200, 120, 60, 1.0)], measure_cost=False)
+    assert "does not time a rollout without drafts" in text and "engine_bench" in text
+    assert "costs about one;" not in text and "draft tokens" in text
+    for term in ("`loss`", "`update`", "`-> vN`", "`greedy reward`"):
+        assert term in text
+    assert "the services are stopped now" in text

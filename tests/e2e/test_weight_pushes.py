@@ -192,3 +192,38 @@ def test_a_worker_reached_directly_refuses_an_older_or_equal_version_with_other_
     with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
         again = client.rollout("direct-after", prompts(2), n=2, sampling=GREEDY)
     assert {s.key: s.token_ids for s in again.samples} == {s.key: s.token_ids for s in served.samples}
+
+
+def test_re_pushing_the_initial_weights_as_version_0_is_acknowledged(cluster, model_dir):
+    """Version 0 is the checkpoint the workers started from, whose bytes the scheduler
+    never saw: the workers recognise a re-push of it (one .safetensors file), and refuse
+    other bytes under that version."""
+    initial = (model_dir / "model.safetensors").read_bytes()
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.stats().policy_version == 0
+        with pytest.raises(grpc.RpcError) as err:
+            client.push_weights(0, weights(seed=2))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert client.push_weights(0, initial) == 0  # acknowledged (the version serving)
+        assert client.push_weights(0, initial) == 0  # and again, known to the scheduler now
+        assert all(w.policy_version == 0 for w in client.stats().workers)
+
+
+def test_a_load_from_a_bad_path_fails_at_once_not_after_the_running_step(cluster, tmp_path):
+    """after_steps: a load waits for the running steps before it applies, but a path no
+    worker can read is NOT_FOUND at once (the step still runs when the error comes)."""
+    step = Step(cluster.address, "bad-path-step")
+    step.start()
+    step.wait_running(cluster)
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.load_weights(1, str(tmp_path / "no-such-checkpoint"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and err.value.details().startswith("path:")
+        assert step.is_alive(), "the error came only after the step ended"
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(grpc.RpcError) as err:  # a directory with no .safetensors file
+            client.load_weights(1, str(tmp_path / "empty"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert client.stats().policy_version == 0
+    step.join(200)
+    assert not step.error and len(step.samples) == 12

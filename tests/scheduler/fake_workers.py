@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import grpc
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 from services.scheduler.core import CoreLimits, SchedulerCore
@@ -80,6 +81,9 @@ class FakeLink:
 
         class Stub:
             async def LoadWeights(self, request, timeout=None):  # noqa: N802 - gRPC's name
+                if request.version <= worker.policy_version:  # as a worker: a path probe, or an old version
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.FAILED_PRECONDITION, grpc.aio.Metadata(),
+                                               grpc.aio.Metadata(), "version: must be greater")
                 link.loads.append((worker.worker_id, request.version, request.path))
                 return common_pb2.WeightUpdateResponse(version=request.version, num_workers_updated=1)
         return Stub()

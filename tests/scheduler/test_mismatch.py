@@ -34,7 +34,7 @@ def step(step_id: str, logprobs: bool = True, unfinished=()) -> StepRun:
     for prog in samples:  # finished: published, as the scheduler does
         if (prog.request.prompt_id, prog.request.sample_index) not in unfinished:
             prog.done = True
-            run.events.append(rollout_pb2.StepEvent(sample=run.sample_result(prog, 0)))
+            run.record([rollout_pb2.StepEvent(sample=run.sample_result(prog, 0))])
     return run
 
 
@@ -86,6 +86,7 @@ def test_re_reporting_replaces_and_histograms_count_each_sample_once():
     (report("", {}), InvalidArgument, "step_id"),
     (report("nope", {}), NotFound, "step_id"),
     (report("s", {("p9", 0): [-1.0]}), NotFound, "samples[0]"),
+    (report("s", {("p0", -1): [-1.0]}), InvalidArgument, "samples[0].sample_index"),  # as ReportRewards
     (report("s", {("p0", 1): [-1.0]}), InvalidArgument, "samples[0].logprobs"),
     (report("s", {("p1", 0): [float("nan")]}), InvalidArgument, "samples[0].logprobs"),
     (report("s", {("p1", 0): [float("-inf")]}), InvalidArgument, "samples[0].logprobs"),

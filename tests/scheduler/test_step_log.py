@@ -47,3 +47,23 @@ async def test_a_dead_redis_skips_the_log_instead_of_holding_samples():
     assert writes("failed") == failed + 1 and writes("skipped") == skipped + 1
     assert await log.load("s") is None
     await log.shutdown()
+
+
+@run_async
+async def test_the_first_write_after_a_redis_restart_is_not_skipped():
+    """A pooled connection from before the restart is dead: the write retries on a new
+    one instead of skipping the log for ``retry_s`` while Redis is up."""
+    from services.common.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    log = StepLog(server.url, retry_s=3600)
+    try:
+        await log.open("s", "fp", ["p"], 2)
+        server.stop()
+        server.start()  # same port, an empty Redis
+        await log.open("s", "fp", ["p"], 2)
+        await log.append("s", [sample("p", 1)])
+        assert [s.sample_index for s in (await log.load("s")).samples] == [1]
+    finally:
+        await log.shutdown()
+        server.stop()

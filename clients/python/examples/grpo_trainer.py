@@ -21,8 +21,10 @@ what lets rhymerl draft from history):
   4. a few PPO-clipped gradient steps on the returned logprobs (ratio new/old);
   5. push the new weights as version + 1.
 Per step it prints the reward, the mean response length, the share of generated tokens a
-longest-suffix match against the same prompt's previous-step responses predicts, and the
-service's draft acceptance numbers.
+longest-suffix match against the same prompt's previous-step responses predicts, the
+service's draft acceptance (accepted / proposed draft tokens), the rollout and update
+times, the first PPO loss of the update (clipped surrogate, sign as minimised), and the
+version the update was pushed as (`-> vN`).
 
 --record PATH writes every rollout as a trace file (a compressed .npz; layout in
 `write_traces` below, the same as services/common/traces.py reads).
@@ -272,7 +274,7 @@ def format_stats(row: dict) -> str:
     return (
         f"step {row['step']}: reward {row['reward']:.3f}  mean len {row['mean_length']:.0f}  "
         f"history match {_pct(row['history_match'])}  "
-        f"accept {_pct(row['acceptance_rate'])} of {row['num_draft_tokens']} drafts  "
+        f"accept {_pct(row['acceptance_rate'])} of {row['num_draft_tokens']} draft tokens  "
         f"history hits {_pct(row['history_hit_rate'])}  rollout {row['makespan_s']:.2f}s  "
         f"update {row['update_s']:.2f}s  loss {row['loss']:+.4f}  -> v{row['version']}"
     )

@@ -57,6 +57,9 @@ def main() -> None:
     if metadata.version("torch") != torch_version:
         sys.exit(f"torch changed from {torch_version} to {metadata.version('torch')}")
     print(f"vLLM {metadata.version(dist)} installed beside torch {torch_version}")
+    print(f"(pip's \"ERROR: pip's dependency resolver ... {dist} requires torchaudio, torchcodec, torchvision, "
+          "which is not installed\" is expected and harmless: those are left out on purpose, their PyPI builds "
+          "break vLLM's import beside this torch; see services/rollout/vllm_engine/install.py)")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,12 @@ def rewards_request(step_id: str, rewards) -> rollout_pb2.ReportRewardsRequest:
         rollout_pb2.SampleReward(prompt_id=p, sample_index=i, reward=float(r)) for p, i, r in rewards])
 
 
+def in_order(samples: list, prompts) -> list:
+    """Samples in the order of their prompts in the request, then of sample_index."""
+    position = {p.prompt_id: i for i, p in enumerate(prompts)}
+    return sorted(samples, key=lambda s: (position.get(s.prompt_id, len(position)), s.sample_index))
+
+
 def logprobs_request(step_id: str, samples) -> rollout_pb2.ReportLogprobsRequest:
     return rollout_pb2.ReportLogprobsRequest(step_id=step_id, samples=[
         rollout_pb2.SampleLogprobs(prompt_id=p, sample_index=i, logprobs=[float(x) for x in lp])

@@ -55,7 +55,7 @@ class AsyncRolloutClient:
     async def rollout(self, step_id: str, prompts: Sequence[Prompt], n: int,
                       sampling: SamplingParams = SamplingParams(), policy_version: int = 0) -> StepResult:
         samples = [s async for s in self.submit_step(step_id, prompts, n, sampling, policy_version)]
-        return StepResult(samples=samples, summary=self.last_summary)
+        return StepResult(samples=_calls.in_order(samples, prompts), summary=self.last_summary)
 
     async def cancel_step(self, step_id: str) -> int:
         response = await self._call(self._stub.CancelStep, rollout_pb2.CancelStepRequest(step_id=step_id))

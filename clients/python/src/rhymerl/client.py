@@ -68,9 +68,11 @@ class RolloutClient:
 
     def rollout(self, step_id: str, prompts: Sequence[Prompt], n: int,
                 sampling: SamplingParams = SamplingParams(), policy_version: int = 0) -> StepResult:
-        """Runs a whole step and returns every sample with the step's summary."""
+        """Runs a whole step and returns every sample with the step's summary, in the
+        order of ``prompts`` and, per prompt, of ``sample_index`` (``submit_step``
+        yields them as they finish)."""
         samples = list(self.submit_step(step_id, prompts, n, sampling, policy_version))
-        return StepResult(samples=samples, summary=self.last_summary)
+        return StepResult(samples=_calls.in_order(samples, prompts), summary=self.last_summary)
 
     def cancel_step(self, step_id: str) -> int:
         return self._call(self._stub.CancelStep, rollout_pb2.CancelStepRequest(step_id=step_id)).num_cancelled

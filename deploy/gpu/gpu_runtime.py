@@ -29,7 +29,10 @@ for package in ("services", "kernels", "benchmarks", "rhymerl"):
     names = [package]
     try:
         module = importlib.import_module(package)
-        names += [m.name for m in pkgutil.walk_packages(module.__path__, package + ".")]
+        for m in pkgutil.walk_packages(module.__path__, package + "."):
+            spec = m.module_finder.find_spec(m.name)
+            if m.ispkg or (spec and (spec.origin or "").endswith(".py")):
+                names.append(m.name)  # not a shared library beside the sources (libhisto.so)
     except Exception as exc:
         failed[package] = exc
     for name in names:

@@ -166,15 +166,15 @@ class LLMEngine:
         runner = self.runner
         tokens, logprobs = sample_rows(logits, runner.sampling, runner.params, runner.reader) if sampling else ((), ())
         self.scheduler.postprocess(batch, time.perf_counter() - start)
-        num_prompt_tokens, bs = batch.num_prompt_tokens(), self.block_manager.block_size
+        num_prompt_tokens = batch.num_prompt_tokens()
         for seq, token, logprob in zip(sampling, tokens, logprobs):
             computed = seq.num_computed_tokens
             seq.num_computed_tokens = computed + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if seq.append_token(token, logprob):  # the chunk ended
                 outputs.append(self._finish(seq))
-            elif seq.num_computed_tokens // bs != computed // bs:  # a block filled up: hash it
-                self.block_manager.commit(seq)
+            else:
+                self._commit_filled_block(seq, computed)
         self._record_step(batch, start, num_prompt_tokens, 0, len(sampling))
         return outputs
 
@@ -224,7 +224,8 @@ class LLMEngine:
                 self.metrics.on_draft_miss()
 
     def _commit(self, seq: Sequence, verdict: Verdict) -> int:
-        """Append the verdict's tokens up to the first that ends the chunk; returns how many."""
+        """Append the verdict's tokens up to the first that ends the chunk; returns how many.
+        Runs only when drafting (a draftless engine commits in ``_plain_step``)."""
         if verdict.num_draft:
             seq.record_verify(verdict.num_draft, verdict.num_accepted)
             self._drafter_call(self._drafter.record_acceptance, seq.request_id, verdict.num_draft,
@@ -238,12 +239,15 @@ class LLMEngine:
         if not ended:
             if verdict.num_draft:  # (only a draft's KV slots can run past the tokens)
                 self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
-            bs = self.block_manager.block_size
-            if seq.num_computed_tokens // bs != computed // bs:  # a block filled up: hash it
-                self.block_manager.commit(seq)
-            if self.speculative:  # (the NullDrafter's add_tokens does nothing)
-                self._drafter_call(self._drafter.add_tokens, seq.request_id, verdict.token_ids)
+            self._commit_filled_block(seq, computed)
+            self._drafter_call(self._drafter.add_tokens, seq.request_id, verdict.token_ids)
         return num_emitted
+
+    def _commit_filled_block(self, seq: Sequence, computed_before: int) -> None:
+        """Hash the sequence's blocks when this step's tokens filled one (else nothing to hash)."""
+        bs = self.block_manager.block_size
+        if seq.num_computed_tokens // bs != computed_before // bs:
+            self.block_manager.commit(seq)
 
     def _remove(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)

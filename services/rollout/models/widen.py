@@ -83,8 +83,7 @@ _BIG_LOGIT = 1e9
 
 
 def shape_of(config: ModelConfig) -> Shape:
-    return Shape(config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-                 config.num_key_value_heads, config.head_dim, config.vocab_size)
+    return Shape(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Shape)})
 
 
 def named_shape(name: str, num_layers: int | None = None) -> Shape:
@@ -98,11 +97,8 @@ def named_shape(name: str, num_layers: int | None = None) -> Shape:
 def widened_config(source: ModelConfig, shape: Shape, dtype: str | None = None) -> ModelConfig:
     """The target's config. Raises ValueError naming the field that cannot be widened."""
     _check(source, shape)
-    return dataclasses.replace(
-        source, architecture="qwen2", attention_bias=True, qk_norm=False, rms_norm_eps=0.0,
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim, dtype=dtype or source.dtype)
+    return dataclasses.replace(source, architecture="qwen2", attention_bias=True, qk_norm=False, rms_norm_eps=0.0,
+                               dtype=dtype or source.dtype, **dataclasses.asdict(shape))
 
 
 def _check(src: ModelConfig, shape: Shape) -> None:

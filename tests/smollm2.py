@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from devtools.smollm2 import IM_END  # noqa: F401 - <|im_end|>, where a chat turn ends: the tests' stop token
+
 # Real chat prompts: a word problem, a fact, an instruction, a continuation.
 CHAT_PROMPTS = (
     "Tom has 3 apples and buys 5 more. How many apples does he have now?",

@@ -16,11 +16,10 @@ from rhymerl import Prompt, RolloutClient, SamplingParams
 
 from services.rollout.engine.logprobs import reference_logprobs
 from tests.e2e.cluster import Cluster
-from tests.smollm2 import chat_prompt_ids, smollm2_checkpoint
+from tests.smollm2 import IM_END, chat_prompt_ids, smollm2_checkpoint
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-IM_END = 2
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,9 @@ transformers = pytest.importorskip("transformers")
 from services.local import LocalCluster  # noqa: E402
 from services.rollout.engine import CostModel, EngineRequest, LLMEngine, run_to_completion  # noqa: E402
 from services.rollout.loader import load_model  # noqa: E402
-from tests.smollm2 import CHAT_PROMPTS, chat_prompt_ids, smollm2_checkpoint  # noqa: E402
+from tests.smollm2 import CHAT_PROMPTS, IM_END, chat_prompt_ids, smollm2_checkpoint  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-IM_END = 2
 NEW_TOKENS = 24
 
 

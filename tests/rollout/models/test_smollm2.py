@@ -16,13 +16,12 @@ from services.rollout.drafter import HistoDrafter
 from services.rollout.engine import CostModel, EngineRequest, LLMEngine, run_to_completion
 from services.rollout.engine.logprobs import reference_logprobs
 from services.rollout.loader import load_model
-from tests.smollm2 import CHAT_PROMPTS, chat_prompt_ids, smollm2_checkpoint
+from tests.smollm2 import CHAT_PROMPTS, IM_END, chat_prompt_ids, smollm2_checkpoint
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # a 135M-parameter model on a CPU: tens of seconds each
 
 NEW_TOKENS = 24
-IM_END = 2
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,20 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.provenance import git_commit  # noqa: E402  (standard library only)
-from services.rollout.drafter.native.build import build as build_drafter  # noqa: E402  (standard library only)
+
+
+def _load_drafter_build():
+    """native/build.py by its path: importing it through its package would import the
+    drafter package, which needs torch (the Python that builds the bundle may have none)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "rhymerl_native_build", ROOT / "services/rollout/drafter/native/build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build
+
+
+build_drafter = _load_drafter_build()
 
 # Used here to build the bundle, never carried.
 GENCODE_TOOLS = "grpcio-tools==1.62.3"  # see the docstring: old generated code imports everywhere

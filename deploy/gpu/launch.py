@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import tarfile
 import signal
 import subprocess
 import sys
@@ -141,7 +142,7 @@ def shown(command: list[str]) -> str:
     return " ".join(words)
 
 
-def summarize_tests(xml: Path, out: Path, command: str, interrupted: bool = False) -> dict:
+def summarize_tests(xml: Path, out: Path, command: str, interrupted: bool = False, commit: str | None = None) -> dict:
     """gpu_tests.json / .md from pytest's JUnit XML: counts, and each test's outcome and time."""
     if not xml.exists():
         raise NotReady("pytest wrote no report (it did not start; its output is above)")
@@ -158,7 +159,7 @@ def summarize_tests(xml: Path, out: Path, command: str, interrupted: bool = Fals
                           seconds=float(case.get("time") or 0), reason=reason))
     counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
     summary = dict(device=json.loads((out / "device.json").read_text())["device"], command=command,
-                   commit=_commit(), **counts, seconds=sum(t["seconds"] for t in tests), interrupted=interrupted,
+                   commit=commit or _commit(), **counts, seconds=sum(t["seconds"] for t in tests), interrupted=interrupted,
                    tests=tests)
     (out / "gpu_tests.json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = [f"# GPU test tier\n\n- device: {summary['device']}\n- commit: {summary['commit']}\n"
@@ -209,6 +210,7 @@ def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path 
     campaign.json/.md and each part's results are written to `out` (and copied to
     `copy_to`) the moment the part ends. Returns the campaign's record."""
     env = runtime.env()
+    run_since = time.time() - (time.monotonic() - started) - 1.0  # the archive holds every part's files
     record = dict(device=json.loads((out / "device.json").read_text())["device"], commit=env.get("RHYMERL_COMMIT")
                   or _commit(), command=f"python3 deploy/gpu/launch.py campaign --budget-s {budget_s:g}"
                   + (" --dry-run" if dry_run else ""), budget_s=budget_s, dry_run=dry_run,
@@ -239,10 +241,12 @@ def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path 
                          status="cut" if cut else "done" if code == 0 else "failed")
             if part.name == "gpu_tests":
                 try:
-                    summary = summarize_tests(out / "gpu_tests.xml", out, entry["command"], interrupted=cut)
+                    summary = summarize_tests(out / "gpu_tests.xml", out, entry["command"], interrupted=cut,
+                                              commit=env.get("RHYMERL_COMMIT"))
                     entry["tests"] = {k: summary[k] for k in ("passed", "failed", "error", "skipped")}
-                    if summary["passed"] == 0:
-                        entry["reason"] = "no test ran (all skipped: no CUDA?)"
+                    if summary["passed"] + summary["failed"] + summary["error"] == 0:
+                        entry["reason"] = ("cut before a test ended (collecting the suite takes about 20 s)" if cut
+                                           else "no test ran (all skipped: no CUDA?)")
                 except NotReady as exc:
                     entry["reason"] = str(exc)
         entry["files"] = sorted(p.name for p in out.iterdir() if p.is_file() and p.stat().st_mtime >= since
@@ -252,7 +256,7 @@ def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path 
         print(f"=== {part.name}: {entry['status']} ({entry.get('seconds', 0):.0f} s): {' '.join(entry['files'])}",
               flush=True)
         if copy_to:
-            copy_results(out, since, copy_to)
+            copy_results(out, run_since, copy_to)
     return record
 
 
@@ -266,12 +270,27 @@ def write_campaign(out: Path, record: dict) -> None:
     (out / "campaign.md").write_text("\n".join(lines) + "\n")
 
 
+RESULTS_ARCHIVE = "results.tgz"
+PLAIN_COPIES = ("campaign.md", "campaign.json", "device.json")
+
+
 def copy_results(out: Path, since: float, dest: Path) -> None:
+    """Every result file written to `out` since `since` (the run's start), packed into
+    dest/results.tgz (rewritten whole, atomically, after each part), and the campaign's
+    summary beside it as plain files. The device tool returns at most 8 files from $OUT
+    (alphabetically first), and a campaign writes about 15: one archive keeps them all."""
     dest.mkdir(parents=True, exist_ok=True)
     files = [p for p in sorted(out.iterdir()) if p.is_file() and p.stat().st_mtime >= since]
+    partial = dest / (RESULTS_ARCHIVE + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        for p in files:
+            tar.add(p, arcname=p.name)
+    os.replace(partial, dest / RESULTS_ARCHIVE)
     for p in files:
-        shutil.copy2(p, dest / p.name)
-    print(f"copied {len(files)} result files to {dest}: {' '.join(p.name for p in files)}", flush=True)
+        if p.name in PLAIN_COPIES:
+            shutil.copy2(p, dest / p.name)
+    print(f"packed {len(files)} result files into {dest / RESULTS_ARCHIVE}: {' '.join(p.name for p in files)}",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import tarfile
 import sys
 import sysconfig
 from pathlib import Path
@@ -181,14 +182,19 @@ def test_the_campaign_rehearses_every_part_on_the_cpu(bundle, tmp_path):
                                    str(tmp_path / "copy")], loopback=True), capture_output=True, text=True,
                           timeout=1600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    record = json.loads((tmp_path / "copy" / "campaign.json").read_text())
+    assert len(list((tmp_path / "copy").iterdir())) <= 7  # the device tool returns 8 files, the log is one
+    with tarfile.open(tmp_path / "copy" / "results.tgz") as tar:
+        tar.extractall(tmp_path / "back", filter="data")
+    assert json.loads((tmp_path / "back" / "campaign.json").read_text()) == \
+        json.loads((tmp_path / "copy" / "campaign.json").read_text())
+    record = json.loads((tmp_path / "back" / "campaign.json").read_text())
     assert [(p["name"], p["status"]) for p in record["parts"]] == [
         ("engine_steps", "done"), ("cost_probe", "done"), ("spec_sweep", "done"), ("e2e", "done"),
         ("gpu_tests", "done")], done.stdout[-4000:]
     for name in ("engine_steps", "cost_probe", "spec_sweep"):
-        assert json.loads((tmp_path / "copy" / f"{name}.json").read_text())["dry_run"] is True
-    sweep = json.loads((tmp_path / "copy" / "spec_sweep.json").read_text())
+        assert json.loads((tmp_path / "back" / f"{name}.json").read_text())["dry_run"] is True
+    sweep = json.loads((tmp_path / "back" / "spec_sweep.json").read_text())
     assert {r["drafter"] for r in sweep["rows"]} == {"plain", "history", "oracle 1.5", "oracle 2.5", "oracle 4"}
     assert all(r["identical_share"] == 1.0 for r in sweep["rows"])  # speculation and widening are lossless
-    e2e = json.loads((tmp_path / "copy" / "e2e.json").read_text())
+    e2e = json.loads((tmp_path / "back" / "e2e.json").read_text())
     assert e2e["model_shape"]["widened"] and e2e["model_shape"]["hidden_size"] == 64 and e2e["aborted"] == 0

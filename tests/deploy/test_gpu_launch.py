@@ -6,6 +6,7 @@ found no CUDA, or a test tier whose every test skipped, would look like a succes
 from __future__ import annotations
 
 import json
+import tarfile
 import os
 import sys
 import time
@@ -103,8 +104,11 @@ def test_each_part_ends_by_its_deadline_keeps_its_results_and_later_parts_run(tm
                                                                     ("late", "skipped")]
     assert (out / "slow_stopped").read_text() == "kept"
     assert record["parts"][0]["files"] == ["slow.json", "slow_stopped"]
-    assert sorted(p.name for p in copy.iterdir()) == ["campaign.json", "campaign.md", "fast.json", "slow.json",
-                                                      "slow_stopped"]
+    # what comes back from the device tool (at most 8 files): the summary and one archive of everything
+    assert sorted(p.name for p in copy.iterdir()) == ["campaign.json", "campaign.md", "device.json", "results.tgz"]
+    with tarfile.open(copy / "results.tgz") as tar:
+        assert sorted(tar.getnames()) == ["campaign.json", "campaign.md", "device.json", "fast.json", "slow.json",
+                                          "slow_stopped"]
     assert json.loads((copy / "campaign.json").read_text())["parts"] == record["parts"]
     assert record["parts"][1]["command"].startswith("python3 -c ")
 
@@ -122,11 +126,16 @@ def test_a_test_tier_cut_by_its_deadline_reports_what_ran(tmp_path):
     tier = launch.Part("gpu_tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir",
                                      str(tmp_path / "tier"), str(tmp_path / "tier")], ends_at=0.05,
                        stop=launch.signal.SIGINT, out_flag=False, min_s=1)
-    record = launch.campaign(HostRuntime(), out, 100.0, time.monotonic(), None, parts=[tier])
+    class BundleRuntime(HostRuntime):  # the GPU machine's: the bundle's commit in the parts' env only
+        def env(self) -> dict[str, str]:
+            return {**super().env(), "RHYMERL_COMMIT": "abc1234"}
+
+    record = launch.campaign(BundleRuntime(), out, 100.0, time.monotonic(), None, parts=[tier])
     assert (tmp_path / "hanging").exists()
     assert record["parts"][0]["status"] == "cut" and record["parts"][0]["tests"]["passed"] == 1
     summary = json.loads((out / "gpu_tests.json").read_text())
     assert summary["interrupted"] and [t["name"] for t in summary["tests"]][0] == "test_tier::test_a"
+    assert summary["commit"] == "abc1234"  # the bundle's, not the (stale) checkout's on the GPU machine
 
 
 def test_results_record_the_bundles_commit_and_repository_relative_commands(tmp_path):

@@ -21,6 +21,12 @@ trainer learns from the baseline's samples and pushes the weights to both, so bo
 the same policy every epoch. Per epoch: the rollout call's wall time in each system and
 their ratio, tokens/s, accepted tokens per verify step and the bubble ratio (the step
 summaries), and the share of samples identical token for token between the two.
+Per epoch and system, where the workers' time went (scraped from their /metrics before and
+after: workers summed): engine steps by kind (prefill, decode, verify) with their seconds,
+forwards that ran eagerly instead of replaying a CUDA graph, prompt tokens prefilled (a
+divided rollout's resumed chunks re-prefill their uncached tail), and the share of the wall
+time the engines were stepping. The rest of the wall time is the service path (gRPC, the
+scheduler, chunk hand-offs) or idle workers.
 Writes benchmarks/results/e2e.md and e2e.json (after every epoch: a run cut short keeps
 what it measured). Exits non-zero if no epoch completed or a sample was lost.
 """
@@ -65,6 +71,45 @@ def epoch_row(epoch: int, base: TimedStep, ours: TimedStep) -> dict:
         tokens=base.num_tokens, rhymerl_tokens=ours.num_tokens, acceptance_rate=s.acceptance_rate,
         history_hit_rate=s.history_hit_rate, baseline_makespan_s=b.makespan_s, rhymerl_makespan_s=s.makespan_s,
         aborted=base.num_aborted + ours.num_aborted, reward=None)  # the trainer's, once it has scored
+
+
+STEP_KINDS = ("prefill", "decode", "verify")
+BREAKDOWN = [("epoch", "epoch", "{}"), ("system", "system", "{}"), ("wall s", "wall_s", "{:.2f}"),
+             ("engine share", "engine_share", "{:.2f}"), ("steps p/d/v", "steps", "{}"),
+             ("step s p/d/v", "step_s", "{}"), ("ms/step p/d/v", "ms_per_step", "{}"),
+             ("eager forwards", "eager_forwards", "{:.0f}"), ("prompt tokens", "prompt_tokens", "{:.0f}")]
+
+
+def worker_counters(cluster) -> dict[str, float]:
+    """The engine counters of every worker of `cluster`, summed: steps and step seconds by
+    kind, forwards by mode, prompt tokens prefilled."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for name in [n for n in cluster.procs if n.startswith("worker")]:
+        for family in text_string_to_metric_families(cluster.scrape(name)):
+            for sample in family.samples:
+                key = {"rhymerl:engine_step_seconds_count": f"{sample.labels.get('kind')}_steps",
+                       "rhymerl:engine_step_seconds_sum": f"{sample.labels.get('kind')}_s",
+                       "rhymerl:engine_forwards_total": f"{sample.labels.get('mode')}_forwards",
+                       "rhymerl:prompt_tokens_total": "prompt_tokens"}.get(sample.name)
+                if key is not None:
+                    totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def breakdown(epoch: int, system: str, wall_s: float, before: dict, after: dict) -> dict:
+    """One system's epoch: the counters' growth over it, beside its wall time."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = [int(d.get(f"{k}_steps", 0)) for k in STEP_KINDS]
+    seconds = [d.get(f"{k}_s", 0.0) for k in STEP_KINDS]
+    return dict(epoch=epoch, system=system, wall_s=wall_s, engine_share=sum(seconds) / wall_s if wall_s else 0.0,
+                steps="/".join(map(str, steps)), step_s="/".join(f"{x:.2f}" for x in seconds),
+                ms_per_step="/".join(f"{1e3 * x / n:.1f}" if n else "-" for x, n in zip(seconds, steps)),
+                eager_forwards=d.get("eager_forwards", 0.0), graph_forwards=d.get("graph_forwards", 0.0),
+                prompt_tokens=d.get("prompt_tokens", 0.0),
+                **{f"{k}_steps": n for k, n in zip(STEP_KINDS, steps)},
+                **{f"{k}_seconds": x for k, x in zip(STEP_KINDS, seconds)})
 
 
 class WidenedPushes:
@@ -132,6 +177,14 @@ def markdown(result: dict) -> str:
                      f"{_fmt(result['total_ratio'])}. Samples identical between the two systems: "
                      f"{_fmt(result['mean_identical_share'], '{:.1%}')}; lost samples: {result['aborted']}.\n")
     lines += [f"- {note}" for note in result["notes"]]
+    parts = [dict(b, epoch=r["epoch"]) for r in result["epochs"] for b in r.get("breakdown", [])]
+    if parts:
+        lines += ["\n## Where the time went\n",
+                  "Workers summed, from their /metrics over each system's rollout call: engine steps by kind "
+                  "(prefill = any prompt token fed), their seconds and mean ms, forwards that ran eagerly (no "
+                  "CUDA graph; every forward on a CPU), prompt tokens prefilled (resumed chunks included). "
+                  "Engine share: step seconds over the wall time; the rest is the service path or idle "
+                  "workers.\n", markdown_table(parts, BREAKDOWN)]
     return "\n".join(lines) + "\n"
 
 
@@ -159,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV-cache blocks of 16 tokens per worker")
     p.add_argument("--budget-s", type=float, default=0.0, help="start no epoch after this many seconds (0: none)")
+    p.add_argument("--chunk-tokens", type=int, default=0,
+                   help="rhymerl's divided rollout: tokens per chunk (0: the scheduler's default for the policy, "
+                        "as shipped)")
     p.add_argument("--widen", help="serve the policy widened to this shape (Qwen2.5-0.5B, Qwen2.5-1.5B, or "
                                     "NAME=hidden,intermediate,layers,heads,kv_heads,head_dim,vocab)")
     p.add_argument("--out", default=str(RESULTS))
@@ -206,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.workers} workers per system, model {Path(model_dir).name}"
                 f"{f' widened to {args.widen}' if args.widen else ''} ({args.dtype}), "
                 f"GRPO updates between epochs (lr 2e-4, 2 updates, partial credit 0.5)",
-        baseline="static placement, workers without speculation", rhymerl="rhymerl placement, history drafts",
+        baseline="static placement, workers without speculation",
+        rhymerl="rhymerl placement (" + (f"chunks of {args.chunk_tokens} tokens" if args.chunk_tokens else
+                                        "the scheduler's default chunks") + "), history drafts",
+        chunk_tokens=args.chunk_tokens or None,
         notes=[
             "Wall time is the trainer's rollout call (submit to the last sample), one system at a time, "
             "alternating which goes first.",
@@ -229,12 +288,19 @@ def main(argv: list[str] | None = None) -> int:
         base = LocalCluster(model_dir=worker_dir, num_workers=args.workers, policy="static",
                             log_dir=Path(tmp.name, "b"), extra_env={**env, "RHYMERL_WORKER_SPECULATIVE": "false"})
         ours = LocalCluster(model_dir=worker_dir, num_workers=args.workers, policy="rhymerl",
-                            log_dir=Path(tmp.name, "r"), extra_env=env)
+                            chunk_tokens=args.chunk_tokens, log_dir=Path(tmp.name, "r"), extra_env=env)
         with base, ours, RolloutClient(base.scheduler_address) as b, RolloutClient(ours.scheduler_address) as r:
             print(f"both systems up after {time.monotonic() - start:.0f} s; {args.epochs} epochs", flush=True)
 
+            counters = {"baseline": worker_counters(base), "rhymerl": worker_counters(ours)}
+
             def on_epoch(epoch: int, base_step: TimedStep, ours_step: TimedStep) -> None:
                 rows.append(epoch_row(epoch, base_step, ours_step))
+                rows[-1]["breakdown"] = []
+                for system, cluster, step in (("baseline", base, base_step), ("rhymerl", ours, ours_step)):
+                    now = worker_counters(cluster)
+                    rows[-1]["breakdown"].append(breakdown(epoch, system, step.wall_s, counters[system], now))
+                    counters[system] = now
                 print(" | ".join(f"{title} {fmt.format(rows[-1][key])}" for title, key, fmt in COLUMNS),
                       flush=True)
                 write(out, summarize(args, rows, meta))

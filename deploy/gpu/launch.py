@@ -64,10 +64,19 @@ class Part:
 TINY_SHAPE = "tiny=64,96,3,4,2,32,64"  # a dry run's target for the 32-wide micro policy of the rehearsal
 # Priority order: each part may run until its share of the budget has passed (an early
 # finish leaves the time to the next); the last 3% are for writing and copying.
+# gpu_check first: whether the engine computes the policy at a real shape on this GPU
+# (in the H200 window of 2026-11-26 the sweep's plain runs did not stop where the CPU's do),
+# without which the speed figures after it mean little.
+GPU_CHECK = ["tests/gpu/test_widened_gpu.py",
+             "tests/gpu/test_engine_gpu.py::test_speculation_equals_plain_decoding",
+             "tests/gpu/test_engine_gpu.py::test_output_matches_the_cpu_reference"]
+TEST_PARTS = ("gpu_check", "gpu_tests")  # pytest runs: a JUnit report, summarized as <name>.json/.md
 CAMPAIGN = [
-    Part("engine_steps", ["-m", "benchmarks.engine_steps", "--device", "cuda"], 0.27),
-    Part("cost_probe", ["-m", "benchmarks.cost_probe"], 0.34),
-    Part("spec_sweep", ["-m", "benchmarks.spec_sweep", "--device", "cuda", "--model-dir", "models/tiny"], 0.68),
+    Part("gpu_check", ["-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *GPU_CHECK], 0.14,
+         stop=signal.SIGINT, out_flag=False),
+    Part("engine_steps", ["-m", "benchmarks.engine_steps", "--device", "cuda"], 0.36),
+    Part("cost_probe", ["-m", "benchmarks.cost_probe"], 0.42),
+    Part("spec_sweep", ["-m", "benchmarks.spec_sweep", "--device", "cuda", "--model-dir", "models/tiny"], 0.70),
     Part("e2e", ["-m", "benchmarks.e2e_bench", "--device", "cuda", "--workers", "1", "--widen", "Qwen2.5-1.5B",
                  "--model-dir", "models/tiny", "--epochs", "6", "--prompts", "16", "--n", "8", "--max-tokens", "384",
                  "--max-num-seqs", "128", "--kv-blocks", "4096"], 0.91),
@@ -76,6 +85,7 @@ CAMPAIGN = [
 ]
 # --dry-run (the CPU rehearsal): the same parts, tiny shapes, a checkpoint given by --model-dir.
 DRY_RUN = {
+    "gpu_check": ["-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *GPU_CHECK],
     "engine_steps": ["-m", "benchmarks.engine_steps", "--dry-run"],
     "cost_probe": ["-m", "benchmarks.cost_probe", "--dry-run"],
     "spec_sweep": ["-m", "benchmarks.spec_sweep", "--device", "cpu", "--dry-run", "--shape", TINY_SHAPE,
@@ -111,7 +121,8 @@ def run(mode: str, runtime: GPURuntime, out: Path, extra: list[str]) -> None:
             except subprocess.TimeoutExpired:
                 child.kill()
     print(f"({mode}: exit {code} after {time.monotonic() - start:.0f} s)", flush=True)
-    summary = summarize_tests(out / "gpu_tests.xml", out, shown(command)) if mode == "test" else None
+    summary = summarize_tests(out / "gpu_tests.xml", out, shown(command), name="gpu_tests") if mode == "test" \
+        else None
     if mode == "train" and (ROOT / "models/small/train_log.json").exists():
         shutil.copy2(ROOT / "models/small/train_log.json", out / "train_small.json")
     if code != 0:
@@ -142,8 +153,9 @@ def shown(command: list[str]) -> str:
     return " ".join(words)
 
 
-def summarize_tests(xml: Path, out: Path, command: str, interrupted: bool = False, commit: str | None = None) -> dict:
-    """gpu_tests.json / .md from pytest's JUnit XML: counts, and each test's outcome and time."""
+def summarize_tests(xml: Path, out: Path, command: str, interrupted: bool = False, commit: str | None = None,
+                    name: str = "gpu_tests") -> dict:
+    """<name>.json / .md from pytest's JUnit XML: counts, and each test's outcome and time."""
     if not xml.exists():
         raise NotReady("pytest wrote no report (it did not start; its output is above)")
     tests = []
@@ -161,14 +173,15 @@ def summarize_tests(xml: Path, out: Path, command: str, interrupted: bool = Fals
     summary = dict(device=json.loads((out / "device.json").read_text())["device"], command=command,
                    commit=commit or _commit(), **counts, seconds=sum(t["seconds"] for t in tests), interrupted=interrupted,
                    tests=tests)
-    (out / "gpu_tests.json").write_text(json.dumps(summary, indent=1) + "\n")
-    lines = [f"# GPU test tier\n\n- device: {summary['device']}\n- commit: {summary['commit']}\n"
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    title = {"gpu_check": "GPU check: the engine keeps the policy at a real shape"}.get(name, "GPU test tier")
+    lines = [f"# {title}\n\n- device: {summary['device']}\n- commit: {summary['commit']}\n"
              f"- command: `{command}`\n- {', '.join(f'{v} {k}' for k, v in counts.items())} "
              f"in {summary['seconds']:.0f} s" + (" (stopped at the campaign's time limit: the tests not listed did "
                                                   "not run)" if interrupted else "") + "\n",
              "| test | outcome | s | reason |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['outcome']} | {t['seconds']:.1f} | {t['reason']} |" for t in tests]
-    (out / "gpu_tests.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     xml.unlink()
     return summary
 
@@ -225,8 +238,8 @@ def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path 
             args += ["--out", relative(out)]
         if part.name == "e2e":  # starts no epoch after this: the last one ends inside the slice
             args += ["--budget-s", f"{max(1.0, (deadline - time.monotonic()) * 0.65):.0f}"]
-        if part.name == "gpu_tests":
-            args += ["--junitxml", str(out / "gpu_tests.xml")]
+        if part.name in TEST_PARTS:
+            args += ["--junitxml", str(out / f"{part.name}.xml")]
         command = PY + args
         entry = dict(name=part.name, command=shown(command), ends_by_s=round(deadline - started))
         left = deadline - time.monotonic()
@@ -239,10 +252,10 @@ def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path 
             code, cut = run_part(command, env, left, part.stop)
             entry.update(seconds=round(time.monotonic() - start, 1), exit=code,
                          status="cut" if cut else "done" if code == 0 else "failed")
-            if part.name == "gpu_tests":
+            if part.name in TEST_PARTS:
                 try:
-                    summary = summarize_tests(out / "gpu_tests.xml", out, entry["command"], interrupted=cut,
-                                              commit=env.get("RHYMERL_COMMIT"))
+                    summary = summarize_tests(out / f"{part.name}.xml", out, entry["command"], interrupted=cut,
+                                              commit=env.get("RHYMERL_COMMIT"), name=part.name)
                     entry["tests"] = {k: summary[k] for k in ("passed", "failed", "error", "skipped")}
                     if summary["passed"] + summary["failed"] + summary["error"] == 0:
                         entry["reason"] = ("cut before a test ended (collecting the suite takes about 20 s)" if cut
@@ -347,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "campaign":
             record = campaign(runtime, out, args.budget_s, started, Path(args.copy_to) if args.copy_to else None,
                               args.dry_run, args.model_dir)
-            if not any(p["status"] == "done" for p in record["parts"] if p["name"] != "gpu_tests"):
+            if not any(p["status"] == "done" for p in record["parts"] if p["name"] not in TEST_PARTS):
                 raise NotReady("the campaign measured nothing (campaign.md says why each part ended)")
             return 0
         try:

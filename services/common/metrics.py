@@ -64,6 +64,9 @@ kv_cache_usage = Gauge(NS + "kv_cache_usage_perc", "Fraction of KV-cache blocks 
 engine_step_seconds = Histogram(
     NS + "engine_step_seconds", "Time of one engine step (forward + sampling)", ["worker", "kind"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+engine_forwards = Counter(NS + "engine_forwards", "Engine forwards, by how they ran: 'graph' (a CUDA graph "
+                          "replayed) or 'eager' (prefills longer than a verify, steps past the largest graph, the CPU)",
+                          ["worker", "mode"])
 worker_busy_seconds = Counter(NS + "worker_busy_seconds", "Seconds the engine had work", ["worker"])
 worker_idle_seconds = Counter(NS + "worker_idle_seconds", "Seconds the engine had no work", ["worker"])
 weight_version = Gauge(NS + "weight_version", "Policy version being served", ["component"])

@@ -189,7 +189,7 @@ def test_the_campaign_rehearses_every_part_on_the_cpu(bundle, tmp_path):
         json.loads((tmp_path / "copy" / "campaign.json").read_text())
     record = json.loads((tmp_path / "back" / "campaign.json").read_text())
     assert [(p["name"], p["status"]) for p in record["parts"]] == [
-        ("engine_steps", "done"), ("cost_probe", "done"), ("spec_sweep", "done"), ("e2e", "done"),
+        ("gpu_check", "done"), ("engine_steps", "done"), ("cost_probe", "done"), ("spec_sweep", "done"), ("e2e", "done"),
         ("gpu_tests", "done")], done.stdout[-4000:]
     for name in ("engine_steps", "cost_probe", "spec_sweep"):
         assert json.loads((tmp_path / "back" / f"{name}.json").read_text())["dry_run"] is True

@@ -190,7 +190,7 @@ class LLMEngine:
         self.cost_model.observe(batch.num_tokens + num_draft_tokens, step_s * 1e3)
         self.metrics.counters.num_preemptions += batch.num_preempted
         self.metrics.on_step(kind, step_s, num_prompt_tokens, num_generated, self.num_running(),
-                             self.num_waiting(), self.kv_cache_usage())
+                             self.num_waiting(), self.kv_cache_usage(), self.runner.last_graphed)
 
     # ------------------------------------------------------------------ step parts
     def _propose_drafts(self, batch: ScheduledBatch) -> None:
@@ -201,6 +201,9 @@ class LLMEngine:
         if not decodes:
             return
         budget = min(self.cost_model.draft_budget(batch.num_tokens), self.scheduler.budget_left(batch))
+        room = self.runner.graph_token_room(batch.num_tokens)
+        if room is not None:
+            budget = min(budget, room)
         max_lens = [max(0, min(self.max_draft_len, s.max_new_tokens_left() - 1)) for s in decodes]
         if budget <= 0 or not any(max_lens):
             return

@@ -19,6 +19,7 @@ class EngineCounters:
     num_preemptions: int = 0
     num_draft_misses: int = 0
     num_drafter_errors: int = 0
+    num_eager_forwards: int = 0  # forwards that replayed no CUDA graph (every forward on the CPU)
 
 
 class EngineMetrics:
@@ -36,6 +37,7 @@ class EngineMetrics:
         self._waiting = m.num_requests_waiting.labels(w)
         self._kv = m.kv_cache_usage.labels(w)
         self._step = {kind: m.engine_step_seconds.labels(w, kind) for kind in ("prefill", "decode", "verify")}
+        self._forwards = {mode: m.engine_forwards.labels(w, mode) for mode in ("graph", "eager")}
         self._busy = m.worker_busy_seconds.labels(w)
         self._misses = m.drafter_misses.labels(w)
         self._drafter_errors = m.drafter_errors.labels(w)
@@ -80,9 +82,14 @@ class EngineMetrics:
                 self._per_pos.labels(self._worker, str(pos)).inc(n)
 
     def on_step(self, kind: str, seconds: float, num_prompt_tokens: int, num_generation_tokens: int,
-                num_running: int, num_waiting: int, kv_usage: float) -> None:
+                num_running: int, num_waiting: int, kv_usage: float, graphed: bool | None = None) -> None:
+        """graphed: whether the step's forward replayed a CUDA graph; None: not known (vLLM's
+        engine keeps that to itself), not counted."""
         c = self.counters
         c.num_steps += 1
+        if graphed is not None:
+            c.num_eager_forwards += not graphed
+            self._forwards["graph" if graphed else "eager"].inc()
         c.num_prompt_tokens += num_prompt_tokens
         c.num_generation_tokens += num_generation_tokens
         if num_prompt_tokens:

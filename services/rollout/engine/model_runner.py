@@ -4,9 +4,10 @@ Given the scheduled sequences (each with ``num_scheduled_tokens`` of its tokens 
 and, when it samples, a draft to verify), the runner
   1. lays their tokens out flat, one sequence after another, with positions, KV slots,
      block tables, context and query lengths (``prepare``, step_inputs.py);
-  2. runs the model with the paged attention backend (on CUDA, decode/verify-only steps
-     replay a CUDA graph captured for the step's size bucket; prefill
-     steps and the CPU run eagerly);
+  2. runs the model with the paged attention backend (on CUDA, a step replays a CUDA
+     graph captured for its size bucket when no sequence feeds more tokens than a verify
+     does: decode and verify steps, and short prefills such as a divided rollout's chunk
+     resuming on its cached prefix; longer prefills and the CPU run eagerly);
   3. returns the logits of the rows that sample: the last fed token of each sequence
      that has fed all its tokens, plus one row per draft token.
 It knows nothing about scheduling, stop conditions or acceptance.
@@ -51,6 +52,7 @@ class ModelRunner:
         self.params = SlotParams(cfg.vocab_size, device, capacity=max_num_seqs)
         self.reader = HostReader()
         self.sampling: StepSampling | None = None  # the last run's sampler rows
+        self.last_graphed = False  # whether the last run replayed a CUDA graph (else eager)
         self.graphs: CUDAGraphs | None = None
         if use_cuda_graphs and device.type == "cuda":
             self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype)
@@ -61,14 +63,25 @@ class ModelRunner:
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
         return prepare_step(seqs, self.block_size, self.device, self.model.config.vocab_size, self.staging)
 
+    def graph_token_room(self, num_tokens: int) -> int | None:
+        """Draft tokens a step of ``num_tokens`` can take and still replay a CUDA graph
+        (a step past the largest captured bucket runs eagerly: at a real model's size that
+        costs more than the drafts save). None: no limit (no graphs, or the step is eager
+        whatever it drafts)."""
+        if self.graphs is None or self.graphs.failed or self.graphs.max_verify_query_len == 1:
+            return None
+        largest = self.graphs.token_buckets[-1]
+        return largest - num_tokens if num_tokens <= largest else None
+
     # ------------------------------------------------------------------ 2-3. forward + logits
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:  # [num_sample_rows, vocab] float32
         inputs = self.prepare(seqs)
         self.sampling = inputs.sampling
         hidden = None
-        if self.graphs is not None and not inputs.is_prefill:
+        if self.graphs is not None:  # the bucket refuses steps a graph cannot hold (long prefills)
             hidden = self.graphs.replay(inputs)
+        self.last_graphed = hidden is not None
         if hidden is None:
             self.attn.metadata = inputs.metadata
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.attn)  # [num_tokens, hidden]

@@ -466,6 +466,71 @@ def test_graph_buffers_and_padding_match_eager(model):
     assert graphs.bucket(9, 9, 1) is None
 
 
+def _with_eager_graphs(engine: LLMEngine, max_num_seqs: int) -> list[tuple[int, int, bool]]:
+    """Gives the engine EagerGraphs (captured up front) and returns the list each forward
+    appends to: (tokens fed, longest query, whether it replayed a graph)."""
+    runner = engine.runner
+    runner.graphs = EagerGraphs(runner, max_num_seqs, engine.max_draft_len, CONFIG.hidden_size, torch.float32)
+    runner.graphs.capture_all()
+    forwards, prepare, run = [], runner.prepare, runner.run
+    shapes = []
+
+    def recording_prepare(seqs):
+        inputs = prepare(seqs)
+        shapes.append((inputs.num_tokens, inputs.metadata.max_query_len))
+        return inputs
+
+    def recording_run(seqs):
+        logits = run(seqs)
+        forwards.append((*shapes[-1], runner.last_graphed))
+        return logits
+
+    runner.prepare, runner.run = recording_prepare, recording_run
+    return forwards
+
+
+def test_a_short_prefill_beside_decodes_replays_a_verify_graph(model):
+    """A prompt no longer than a verify (the few tokens of a divided rollout's chunk that
+    resumes on its cached prefix, or a short prompt) joining running decodes: that step
+    replays a verify graph instead of running the whole batch eagerly (at a real model's
+    size an eager step costs several graph replays). A long prompt still runs eagerly.
+    The samples are those of the engine without graphs."""
+    reqs = [make_request(i, prompt_of(n, i), max_tokens=16, max_new_tokens=16) for i, n in enumerate(
+        [5, 3, 30, 6, 2, 4])]
+    late = {0: reqs[:2], 4: reqs[2:3], 6: reqs[3:5], 9: reqs[5:]}
+    plain = run_to_end(new_engine(model, speculative=False, max_num_seqs=8), late=dict(late))
+    drafter = OracleDrafter({rid: o.token_ids for rid, o in plain.items()}, wrong_every=3)
+    engine = new_engine(model, drafter=drafter, max_num_seqs=8)
+    forwards = _with_eager_graphs(engine, 8)
+    out = run_to_end(engine, late=dict(late))
+    assert {rid: o.token_ids for rid, o in out.items()} == {rid: o.token_ids for rid, o in plain.items()}
+    verify_len = 1 + engine.max_draft_len
+    short_prefills = [f for f in forwards if 1 < f[1] <= verify_len and f[0] > f[1]]  # beside other sequences
+    assert short_prefills and all(graphed for _, _, graphed in short_prefills)
+    assert all(not graphed for _, q, graphed in forwards if q > verify_len)  # the 30-token prompt: eager
+    assert any(q > verify_len for _, q, _ in forwards)
+
+
+def test_drafts_never_push_a_step_past_the_largest_graph(model):
+    """Drafts beyond the largest captured token bucket would turn a graph-replayed verify
+    step into an eager one: the engine's draft budget stops at that bucket (here 40
+    sequences x 16 drafts would feed 680 tokens; the largest bucket is 512)."""
+    reqs = [make_request(i, prompt_of(2 + i % 3, i), max_tokens=20, max_new_tokens=20) for i in range(40)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False, max_num_seqs=40, num_kv_blocks=1024))
+    drafter = OracleDrafter({rid: o.token_ids for rid, o in plain.items()})
+    engine = new_engine(model, drafter=drafter, max_num_seqs=40, max_draft_len=16, num_kv_blocks=1024,
+                        max_num_batched_tokens=2048, cost_model=CostModel(tolerance=100.0))
+    forwards = _with_eager_graphs(engine, 40)
+    assert engine.runner.graphs.token_buckets[-1] == 512
+    for r in reqs:
+        engine.add_request(r)
+    out = run_to_end(engine)
+    assert {rid: o.token_ids for rid, o in out.items()} == {rid: o.token_ids for rid, o in plain.items()}
+    drafted = [f for f in forwards if f[1] > 1]
+    assert drafted and max(tokens for tokens, _, _ in drafted) == 512  # drafts filled the largest bucket
+    assert all(graphed for _, q, graphed in forwards if q <= 17)  # and no drafted step ran eagerly
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager():
     """Decode and verify steps replayed from CUDA graphs equal the eager CUDA run."""

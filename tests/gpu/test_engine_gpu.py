@@ -132,6 +132,24 @@ def test_engines_made_one_after_another_capture_every_graph(device):
         del e, graphs  # left to the cycle collector, as a benchmark's engines are
 
 
+def test_a_second_engine_over_the_same_model_leaves_the_first_ones_graphs_right(device):
+    """Each engine moves the model it is given to its device; the first engine's graphs read
+    the model's tensors by address. In the H200 window of 2026-11-26 the sweep's plain engine,
+    built first of three over one model, stopped ending its samples: the second engine's
+    move had replaced the RoPE frequencies, and the first's graphs read their freed memory
+    once it was reused (here: filled with NaN by many small allocations)."""
+    model, cpu_model = models(torch.float32)
+    reqs = requests(truncation=False)
+    want = outputs(run_to_end(engine(model, device, reqs, use_cuda_graphs=False, speculative=False)))
+    first = engine(model, device, [], speculative=False)
+    second = engine(model, device, [], speculative=False)
+    churn = [torch.full((64,), float("nan"), device=device) for _ in range(20000)]
+    for r in reqs:
+        first.add_request(r)
+    assert_agree(outputs(run_to_end(first)), want, reqs, cpu_model, torch.float32)
+    del churn, second
+
+
 def synchronisations(e: LLMEngine, device: str) -> int:
     """How many times one ``e.step()`` makes the host wait for the GPU, as
     ``torch.cuda.set_sync_debug_mode`` reports them (on the CPU dry run: the host reads

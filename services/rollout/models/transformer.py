@@ -92,8 +92,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", self._inv_freq_fp32.to(torch.get_default_device()), persistent=False)
 
     def _apply(self, fn, recurse=True):
+        before = self.inv_freq
         super()._apply(fn, recurse)
-        self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)
+        device = self.inv_freq.device
+        if before.device == device and before.dtype == torch.float32:
+            # The same tensor, its values restored in place: CUDA graphs captured over it (an
+            # engine's) read its address, and a replacement would leave them reading freed
+            # memory. Every LLMEngine calls model.to(device) on the model it is given: a
+            # second engine over one model (the benchmarks) silently broke the first's graphs
+            # once the freed memory was reused (the sweep's plain runs in the H200 window).
+            with torch.inference_mode(before.is_inference()):  # an inference tensor changes only in that mode
+                before.copy_(self._inv_freq_fp32)
+            self.inv_freq = before
+        else:  # moved to another device: a new tensor there (graphs are per device)
+            self.inv_freq = self._inv_freq_fp32.to(device)
         return self
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

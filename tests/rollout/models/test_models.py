@@ -224,6 +224,34 @@ def test_load_weights_copies_in_place():
         assert torch.equal(p, source.get_parameter(name)), name
 
 
+def test_every_tensor_the_forward_reads_keeps_its_address_when_the_model_is_moved_to_where_it_is():
+    """Each LLMEngine calls model.to(device) on the model it is given, and CUDA graphs
+    captured by an engine read its parameters and buffers by address. A second engine over
+    the same model (the benchmarks build several) must not replace any of them: the RoPE
+    frequencies once were, and the first engine's graphs then read freed memory (on the
+    H200 its plain runs stopped ending). The frequencies stay float32, exact."""
+    from services.rollout.engine import LLMEngine
+
+    model = init_random_model(ModelConfig.from_hf({"model_type": "qwen2", **TINY}), seed=0)
+    # As on a GPU: the buffer is a device copy of the module's CPU float32 frequencies (on
+    # the CPU it would otherwise be that very tensor, and no replacement could show).
+    model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.clone()
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    pointers = {name: t.data_ptr() for name, t in tensors.items()}
+    want = model.model.rotary_emb.inv_freq.clone()
+    for step in (lambda m: m.to("cpu"), lambda m: m.to(torch.float32), lambda m: m.eval(),
+                 lambda m: LLMEngine(m, device="cpu", num_kv_blocks=16, speculative=False).model,
+                 lambda m: LLMEngine(m, device="cpu", num_kv_blocks=16, speculative=False).model):
+        model = step(model)
+        now = dict(model.named_parameters()) | dict(model.named_buffers())
+        assert {name: t.data_ptr() for name, t in now.items()} == pointers
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(model.model.rotary_emb.inv_freq, want)
+    with torch.inference_mode():
+        model.to("cpu")  # inside the engine's inference mode too
+    assert model.model.rotary_emb.inv_freq.data_ptr() == pointers["model.rotary_emb.inv_freq"]
+
+
 def test_init_random_model_is_deterministic_and_in_config_dtype():
     config = ModelConfig.from_hf({"model_type": "qwen3", "torch_dtype": "bfloat16", **TINY})
     a, b, c = (init_random_model(config, seed) for seed in (7, 7, 8))

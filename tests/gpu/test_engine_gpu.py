@@ -132,6 +132,30 @@ def test_engines_made_one_after_another_capture_every_graph(device):
         del e, graphs  # left to the cycle collector, as a benchmark's engines are
 
 
+def test_an_engine_samples_the_same_after_others_are_made_on_its_model(device):
+    """Engines sharing one model (spec_sweep's plain, history and oracle engines): making a
+    later one (each LLMEngine calls model.to(device)) must leave an earlier one's CUDA
+    graphs reading the model's tensors, not freed memory. The RoPE buffer was replaced on
+    every .to(): the H200 spec_sweep of 2026-11-26 decoded with garbage frequencies in its
+    first engine, which then never matched the later ones'."""
+    model, _ = models(torch.bfloat16)
+    reqs = requests(truncation=False)
+    first = engine(model, device, [], speculative=False)
+
+    def sample() -> dict:
+        for r in copy.deepcopy(reqs):
+            first.add_request(r)
+        return {rid: o.token_ids for rid, o in run_to_end(first).items()}
+
+    before = sample()
+    later = [engine(model, device, [], drafter=HistoDrafter(), speculative=True) for _ in range(2)]
+    half = model.config.head_dim // 2  # small blocks of the RoPE buffer's size, freed ones reused
+    junk = [torch.full((half,), 1e4, device=device) for _ in range(4096)]
+    assert sample() == before
+    graph_replays(first, device)
+    del later, junk
+
+
 def synchronisations(e: LLMEngine, device: str) -> int:
     """How many times one ``e.step()`` makes the host wait for the GPU, as
     ``torch.cuda.set_sync_debug_mode`` reports them (on the CPU dry run: the host reads

@@ -92,8 +92,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", self._inv_freq_fp32.to(torch.get_default_device()), persistent=False)
 
     def _apply(self, fn, recurse=True):
+        kept = self.inv_freq
         super()._apply(fn, recurse)
-        self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)
+        if kept.device == self.inv_freq.device and kept.dtype == torch.float32:
+            # Still on its device: keep the very tensor. An engine's CUDA graphs read it by
+            # address, and every LLMEngine calls model.to(device): a new tensor here would
+            # leave an earlier engine on the same model reading freed memory for its RoPE.
+            self.inv_freq = kept
+        else:
+            self.inv_freq = self._inv_freq_fp32.to(self.inv_freq.device)
         return self
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

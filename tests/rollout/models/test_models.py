@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.rollout.engine import LLMEngine
 from services.rollout.loader import init_random_model, load_model
 from services.rollout.models.base import DenseCausalAttention, packed_positions
 from services.rollout.models.config import ModelConfig
@@ -222,6 +223,28 @@ def test_load_weights_copies_in_place():
     for name, p in model.named_parameters():
         assert p.data_ptr() == pointers[name], name
         assert torch.equal(p, source.get_parameter(name)), name
+
+
+def test_moving_to_its_own_device_keeps_the_rope_buffer():
+    """Every LLMEngine calls model.to(device): on a model shared by several engines, an
+    earlier engine's CUDA graphs read the RoPE frequencies by address, so the buffer must
+    stay the same tensor (a new one left them reading freed memory: the H200 spec_sweep of
+    2026-11-26), and float32 through a cast. On the CPU the float32 copy is the buffer
+    itself, so the device that shows a copy is one other than the CPU: meta, here."""
+    config = ModelConfig.from_hf({"model_type": "qwen2", **TINY})
+    model = init_random_model(config, seed=0)
+    rope = model.model.rotary_emb
+    values = rope.inv_freq.clone()
+    buffer = rope.inv_freq
+    LLMEngine(model, device="cpu", num_kv_blocks=8, block_size=16, speculative=False)
+    model.to("cpu").to(torch.bfloat16).float()
+    assert rope.inv_freq is buffer and torch.equal(rope.inv_freq, values)
+    model.to("meta")
+    buffer = rope.inv_freq
+    model.to("meta").to(torch.bfloat16)
+    assert rope.inv_freq is buffer and rope.inv_freq.dtype == torch.float32
+    model.to_empty(device="cpu")
+    assert rope.inv_freq.device.type == "cpu" and torch.equal(rope.inv_freq, values)
 
 
 def test_init_random_model_is_deterministic_and_in_config_dtype():

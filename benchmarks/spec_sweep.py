@@ -5,22 +5,45 @@
 
 The tiny trained policy (models/tiny) widened to each shape (services/rollout/models/widen.py:
 the same function, a real shape's cost), on the recorded GRPO prompts of
-benchmarks/data/tiny_grpo_cpu.npz, T=1, stop at EOS, at batch 1, 16 and 128 (1 prompt x 1,
-4 x 4, 32 x 4 samples), each against plain decoding with the same seeds:
+benchmarks/data/tiny_grpo_cpu.npz, T=1, at batch 1, 16 and 128 (1 prompt x 1, 4 x 4, 32 x 4
+samples), the same seeds in every run, in two settings, each with its own plain run:
 
-- `history`: the HistoDrafter fed the recorded earlier epochs' responses (the policy's
-  rhyme), with the worker's default draft budget;
-- `oracle k`: the plain run's own tokens (the same seeds give the exact future) cut so that
-  k tokens (1.5, 2.5, 4 on average) are drafted, and accepted, per verify; the draft budget
-  is off. This measures the engine's conversion of acceptance into speed apart from the
-  policy's rhyme.
+- stop `EOS` (a GRPO rollout: a sample ends at EOS or max tokens): plain, and `history`,
+  the HistoDrafter fed the recorded earlier epochs' responses (the policy's rhyme), with
+  the worker's default draft budget;
+- stop `max` (no stop token: every sample generates exactly max tokens, so every run does
+  the same work): plain, and `oracle k`, the plain run's own tokens (the same seeds give
+  the exact future) cut so that k tokens (1.5 and 2.5 on average, --cuts) are drafted, and
+  accepted, per verify; the draft budget is off. This measures the engine's conversion of
+  acceptance into speed apart from the policy's rhyme.
 
-Every configuration runs once untimed first (compiles, graph captures). Per row: tokens/s,
-speedup vs plain at that batch, accepted tokens per verify, steps, and the share of samples
-identical to plain. Per shape: the widened model's forward time beside a random-weight
-model's of the same shape (the widened one is partly exact zeros). Writes
-benchmarks/results/<device>/spec_sweep.{md,json} after each shape (a cut-short run keeps
-what it measured); --dry-run writes only to --out and marks the file as not a measurement.
+The speedup is per generated token: a run's tokens/s over its plain run's. Plain seconds
+over the run's seconds (`wall_ratio_vs_plain`) is kept beside it; it is the same figure
+only when both generated the same tokens. On a GPU (bfloat16) a verify forward over k+1
+tokens need not round a logit as the one-token decode forward does, so a sample can leave
+plain's path at a near-tie and end at another length: the H200 sweep of 2026-11-26 compared
+a 48-token run with a 256-token one and read 6.46x for 1.2x the tokens/s. (Most of that
+day's divergence was a bug, since fixed: each LLMEngine's model.to() replaced the RoPE
+buffer that the earlier engines' CUDA graphs read, so the plain engine decoded with freed
+memory; docs/gpu.md.) The `max` setting makes the oracle's work equal by construction, so
+there the two ratios agree. History keeps EOS (after EOS the rhyme it drafts is not a
+rollout's), so its ratio is per token and a row whose tokens are off plain's by more than
+10% gets no verdict on its target.
+
+An oracle row records its accepted tokens per verify over its cut (`cut_reached`): once a
+sample leaves plain's path every later draft of it is rejected, and a row below 80% of its
+cut measured something else: its target gets no verdict ("does not measure its target"),
+never met / not met. Batch-invariant mode would make decode and verify bitwise equal but
+changes the kernels' speed (docs/sampling.md: 1.16x at a GRPO batch on an H100), so the
+sweep measures the default mode and reports how far each oracle got.
+
+Every configuration runs once untimed first (compiles, graph captures). Per row: tokens,
+tokens/s, speedup, wall ratio, accepted tokens per verify (and its share of the cut), steps,
+and the share of samples identical to plain's. Per shape: the widened model's forward time
+beside a random-weight model's of the same shape (the widened one is partly exact zeros).
+Writes benchmarks/results/<device>/spec_sweep.{md,json} after each shape (a cut-short run
+keeps what it measured); --dry-run writes only to --out and marks the file as not a
+measurement.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ only when both generated the same tokens. On a GPU (bfloat16) a verify forward o
 tokens need not round a logit as the one-token decode forward does, so a sample can leave
 plain's path at a near-tie and end at another length: the H200 sweep of 2026-11-26 compared
 a 48-token run with a 256-token one and read 6.46x for 1.2x the tokens/s. (Most of that
-day's divergence was a bug, since fixed: each LLMEngine's model.to() replaced the RoPE
-buffer that the earlier engines' CUDA graphs read, so the plain engine decoded with freed
-memory; docs/gpu.md.) The `max` setting makes the oracle's work equal by construction, so
+day's divergence is explained by a bug found afterwards and fixed, not yet confirmed on a
+GPU: each LLMEngine's model.to() replaced the RoPE buffer that the earlier engines' CUDA
+graphs read, so the plain engine decoded with freed memory; docs/gpu.md.) The `max` setting makes the oracle's work equal by construction, so
 there the two ratios agree. History keeps EOS (after EOS the rhyme it drafts is not a
 rollout's), so its ratio is per token and a row whose tokens are off plain's by more than
 10% gets no verdict on its target.

@@ -67,10 +67,10 @@ TINY_SHAPE = "tiny=64,96,3,4,2,32,64"  # a dry run's target for the 32-wide micr
 # gpu_check first: whether the engine computes the policy at a real shape on this GPU
 # (in the H200 window of 2026-11-26 the sweep's plain runs did not stop where the CPU's do),
 # without which the speed figures after it mean little.
-GPU_CHECK = ["tests/gpu/test_widened_gpu.py",
+GPU_CHECK = ["tests/gpu/test_engine_gpu.py::test_a_second_engine_over_the_same_model_leaves_the_first_ones_graphs_right",
              "tests/gpu/test_engine_gpu.py::test_speculation_equals_plain_decoding",
              "tests/gpu/test_engine_gpu.py::test_output_matches_the_cpu_reference",
-             "tests/gpu/test_engine_gpu.py::test_a_second_engine_over_the_same_model_leaves_the_first_ones_graphs_right"]
+             "tests/gpu/test_widened_gpu.py"]  # quickest first: a cut part keeps what ran
 TEST_PARTS = ("gpu_check", "gpu_tests")  # pytest runs: a JUnit report, summarized as <name>.json/.md
 CAMPAIGN = [
     Part("gpu_check", ["-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *GPU_CHECK], 0.14,

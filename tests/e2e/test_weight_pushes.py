@@ -276,3 +276,29 @@ def test_a_push_cancelled_while_the_engine_is_busy_changes_neither_weights_nor_v
         assert client.push_weights(1, weights(seed=1)) == 1
     now = servicer.engine.model.state_dict()
     assert servicer.version == 1 and not all(torch.equal(before[k], now[k]) for k in before)
+
+
+@pytest.mark.parametrize("cluster", [{"weight_push_stall_s": 2.0}], indirect=True)
+def test_a_trainer_that_stops_sending_mid_push_gets_deadline_exceeded_and_steps_go_on(cluster):
+    """While a push streams, new steps wait for it: a trainer that sends nothing more and
+    keeps its connection used to hold them for as long as its own deadline allowed."""
+    data = weights()
+    held = threading.Event()
+
+    def stalled():
+        yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+            version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+        yield common_pb2.WeightChunk(data=data[:100])
+        held.wait(120)
+    try:
+        with grpc.insecure_channel(cluster.address) as channel, pytest.raises(grpc.RpcError) as err:
+            rollout_pb2_grpc.RolloutServiceStub(channel).PushWeights(stalled(), timeout=120)
+    finally:
+        held.set()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.value.details().startswith("data: no chunk came from the trainer for 2 s")
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.stats().policy_version == 0
+        after = client.rollout("after-stalled-push", prompts(2), n=2, sampling=GREEDY)
+        assert all(s.policy_version == 0 for s in after.samples)
+        assert client.push_weights(1, data) == 1

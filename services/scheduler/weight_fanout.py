@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator
 import grpc
 from rhymerl.v1 import common_pb2
 
+from services.common import metrics
 from services.common.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, RhymerlError,
                                     Unavailable)
 from services.scheduler.core import SchedulerCore
@@ -67,7 +68,14 @@ class WeightFanout:
         self._record_unread = False  # Redis did not answer at start: the record is still to be read
 
     async def push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
-        chunks = _paced(chunks, self.stall_s)
+        in_progress = metrics.weight_pushes_in_progress.labels(component="scheduler")
+        in_progress.inc()
+        try:
+            return await self._push(_paced(chunks, self.stall_s))
+        finally:
+            in_progress.dec()
+
+    async def _push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
         first = await anext(chunks, None)
         if first is None or not first.HasField("header"):
             raise InvalidArgument("the first message must be a header", "header")
@@ -217,9 +225,10 @@ class WeightFanout:
 
     async def _finish(self, version: int, calls: list["_WorkerCall"], *, sha256: str = "",
                       path: str = "") -> common_pb2.WeightUpdateResponse:
-        """Waits for the workers' answers (each at most ``stall_s`` after its last chunk:
-        a worker that checks and loads longer is left out); the version serves once one
-        worker took it. The others keep theirs and get no work until caught up."""
+        """Waits for the workers' answers (at most ``stall_s`` once the last chunk was
+        queued or the load asked: a worker that checks and loads longer is left out); the
+        version serves once a worker took it. The others keep theirs and get no work
+        until caught up."""
         pending = {c.task for c in calls if not c.task.done()}
         if pending:
             _, late = await asyncio.wait(pending, timeout=self.stall_s)
@@ -236,11 +245,6 @@ class WeightFanout:
             if c.response is None:
                 log.error("worker %s did not take version %d (%s); it gets no work until updated",
                           c.worker.worker_id, version, c.failure())
-        return await self._commit(version, sha256=sha256, path=path)
-
-    async def _commit(self, version: int, *, sha256: str = "", path: str = "") -> common_pb2.WeightUpdateResponse:
-        """Makes ``version`` (which a worker now serves) the fleet's, recorded with its
-        source, and acknowledges."""
         if version != self.core.policy_version or self.source[0] != version:
             self.source = (version, sha256, path)
             self.core.set_version(version)

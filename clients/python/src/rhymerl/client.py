@@ -18,14 +18,16 @@ class RolloutClient:
 
     Args:
         address: host:port of the scheduler.
-        timeout_s: deadline of each call (a whole step's stream included).
+        timeout_s: deadline of each call (a whole step's stream included); ``push_weights``
+            has its own bound, ``push_timeout_s``.
         max_retries: re-sends after UNAVAILABLE / DEADLINE_EXCEEDED; safe because
             step ids are idempotency keys (a re-submitted step replays its samples).
         token: bearer token, when the service requires one (UNAUTHENTICATED otherwise).
         tls: connect over TLS (system roots) ; implied by ``root_certificates``.
         root_certificates: PEM bytes of the CA that signed the service's certificate.
         server_name: the name to verify in the certificate, if not the address's host.
-        push_timeout_s: default bound of a whole ``push_weights`` call, retries included.
+        push_timeout_s: default bound of a whole ``push_weights`` call, retries included
+            (1200 s: it may first wait for the running steps, then streams and loads the model).
     """
 
     def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,

@@ -198,7 +198,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def _applied(self, version: int, started: float, note: str = "") -> None:
         metrics.weight_version.labels(component=self.worker_id).set(version)
         metrics.weight_update_seconds.labels(component=self.worker_id).observe(time.monotonic() - started)
-        log.info("now serving version %d %s", version, note)
+        log.info("now serving version %d%s", version, f" ({note})" if note else "")
 
     @grpc_errors
     async def GetWorkerStats(self, request, context):

@@ -51,6 +51,10 @@ class Aborted(RhymerlError):
     code = grpc.StatusCode.ABORTED
 
 
+class DeadlineExceeded(RhymerlError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class DataLoss(RhymerlError):
     code = grpc.StatusCode.DATA_LOSS
 

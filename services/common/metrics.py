@@ -71,6 +71,8 @@ worker_busy_seconds = Counter(NS + "worker_busy_seconds", "Seconds the engine ha
 worker_idle_seconds = Counter(NS + "worker_idle_seconds", "Seconds the engine had no work", ["worker"])
 weight_version = Gauge(NS + "weight_version", "Policy version being served", ["component"])
 weight_update_seconds = Histogram(NS + "weight_update_seconds", "Time to apply a weight update", ["component"])
+weight_pushes_in_progress = Gauge(NS + "weight_pushes_in_progress", "Weight pushes being received (a worker) or "
+                                  "fanned out (the scheduler), from their header to their answer", ["component"])
 
 # --- scheduler --------------------------------------------------------------------
 steps_total = Counter(NS + "steps", "Steps submitted", ["status"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -119,15 +120,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     @grpc_errors
     async def PushWeights(self, request_iterator, context):
-        async with self._weights_lock:
-            payload = await weight_receiver.receive(request_iterator, MAX_WEIGHT_BYTES)
-            current = self.sha256
-            if not current and self._initial and payload.version == self.version:  # a re-push of the start?
-                current = self.sha256 = await asyncio.to_thread(weight_receiver.checkpoint_sha256, self.model_name)
-            if weight_receiver.check_version(payload.version, self.version, payload.sha256, current):
-                await self._apply(payload.version, lambda: self._read(payload.data))
-                self.sha256 = payload.sha256
-            return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
+        receiving = metrics.weight_pushes_in_progress.labels(component=self.worker_id)
+        receiving.inc()
+        try:
+            async with self._weights_lock:
+                payload = await weight_receiver.receive(request_iterator, MAX_WEIGHT_BYTES)
+                current = self.sha256
+                if not current and self._initial and payload.version == self.version:  # a re-push of the start?
+                    current = self.sha256 = await asyncio.to_thread(weight_receiver.checkpoint_sha256,
+                                                                    self.model_name)
+                if weight_receiver.check_version(payload.version, self.version, payload.sha256, current):
+                    await self._apply(payload.version, lambda: self._read(payload.data), payload.sha256)
+                return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
+        finally:
+            receiving.dec()
 
     @grpc_errors
     async def LoadWeights(self, request, context):
@@ -141,8 +147,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     state.update(self._read(str(f)))
                 return state
 
-            await self._apply(request.version, read_all)
-            self.sha256 = ""
+            await self._apply(request.version, read_all, "")
             return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
 
     @staticmethod
@@ -154,21 +159,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except Exception as exc:  # noqa: BLE001 - a corrupt payload is the caller's input
             raise InvalidArgument(f"not a readable safetensors payload: {exc}", "data") from exc
 
-    async def _apply(self, version: int, read) -> None:
+    async def _apply(self, version: int, read, sha256: str) -> None:
+        """Reads and checks the new weights (in a thread), then loads them in the engine
+        thread once it is idle, setting the version (and the pushed bytes' SHA-256, "" for
+        a path) with them. The weights and the version change together or not at all: a
+        call cancelled (the scheduler gave up on it, the trainer's deadline) before the
+        engine began the load leaves both as they were; one cancelled after waits for the
+        load to end, so the version always says what the engine serves."""
         started = time.monotonic()
         state = await asyncio.to_thread(lambda: weight_receiver.check_finite(read()))
+        claim = threading.Lock()
+        fate: list[str] = []  # "begun" (by the engine thread) or "abandoned" (by the call), whichever came first
 
         def load() -> None:
+            with claim:
+                if fate:
+                    return
+                fate.append("begun")
             try:
                 self.engine.load_weights(state)
             except ValueError as exc:
                 raise InvalidArgument(str(exc), "data") from exc
+            self.version, self.sha256, self._initial = version, sha256, False
 
-        await self.loop.call_when_idle(load)
-        self.version, self._initial = version, False
+        task = asyncio.ensure_future(self.loop.call_when_idle(load))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with claim:
+                fate.append("abandoned")
+            if fate[0] == "begun":
+                await _outlive_cancellation(task)
+                if self.version == version:
+                    self._applied(version, started, "although its call was cancelled during the load")
+            raise
+        self._applied(version, started)
+
+    def _applied(self, version: int, started: float, note: str = "") -> None:
         metrics.weight_version.labels(component=self.worker_id).set(version)
         metrics.weight_update_seconds.labels(component=self.worker_id).observe(time.monotonic() - started)
-        log.info("now serving version %d", version)
+        log.info("now serving version %d%s", version, f" ({note})" if note else "")
 
     @grpc_errors
     async def GetWorkerStats(self, request, context):
@@ -181,6 +211,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             accepting=self.accepting)
 
 
+
+
+async def _outlive_cancellation(task: asyncio.Future) -> None:
+    """Waits for ``task`` to end even if this coroutine is cancelled again meanwhile."""
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            continue
+    if not task.cancelled():
+        task.exception()  # retrieved: the caller re-raises its own cancellation
 
 
 async def start_worker(settings: WorkerSettings, engine=None):

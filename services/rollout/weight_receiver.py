@@ -21,11 +21,16 @@ from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument
 class Payload:
     version: int
     sha256: str
-    data: bytes
+    data: bytes | bytearray
 
 
 async def receive(chunks: AsyncIterator[common_pb2.WeightChunk], max_bytes: int) -> Payload:
-    """Reads a header and the data chunks; raises a precise error for a bad stream."""
+    """Reads a header and the data chunks; raises a precise error for a bad stream.
+
+    The checksum is computed chunk by chunk as they arrive, and the payload is not copied
+    at the end: hashing a whole model (538 MB for SmolLM2) in one go blocked the worker's
+    event loop for seconds under load, long enough for the scheduler's health poll to time
+    out and mark the worker unhealthy in the middle of the push (docs/smollm2.md)."""
     first = await anext(aiter(chunks), None)
     if first is None or not first.HasField("header"):
         raise InvalidArgument("the first message must be a header", "header")
@@ -34,21 +39,21 @@ async def receive(chunks: AsyncIterator[common_pb2.WeightChunk], max_bytes: int)
         raise InvalidArgument(f"must be in [1, {max_bytes}], got {header.total_bytes}", "header.total_bytes")
     if len(header.sha256) != 64:
         raise InvalidArgument("must be a hex SHA-256 (64 characters)", "header.sha256")
-    buf = bytearray()
+    buf, digest = bytearray(), hashlib.sha256()
     async for chunk in chunks:
         if chunk.HasField("header"):
             raise InvalidArgument("only the first message may be a header", "header")
         buf += chunk.data
+        digest.update(chunk.data)
         if len(buf) > header.total_bytes:
             raise InvalidArgument(f"more than total_bytes ({header.total_bytes}) received", "data")
     if len(buf) != header.total_bytes:
         raise DataLoss(f"push of version {header.version} interrupted: {len(buf)} of {header.total_bytes} bytes "
                        "arrived; the previous version keeps serving")
-    digest = hashlib.sha256(buf).hexdigest()
-    if digest != header.sha256.lower():
-        raise DataLoss(f"checksum mismatch for version {header.version} (got {digest}); "
+    if digest.hexdigest() != header.sha256.lower():
+        raise DataLoss(f"checksum mismatch for version {header.version} (got {digest.hexdigest()}); "
                        "the previous version keeps serving", "header.sha256")
-    return Payload(header.version, digest, bytes(buf))
+    return Payload(header.version, digest.hexdigest(), buf)
 
 
 def check_finite(state: dict) -> dict:

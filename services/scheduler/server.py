@@ -142,7 +142,8 @@ async def start_scheduler(settings: SchedulerSettings):
         limits=CoreLimits(max_samples_in_flight=settings.max_samples_in_flight, max_attempts=settings.max_attempts,
                           no_worker_timeout_s=settings.worker_timeout_s, history_epochs=settings.history_epochs,
                           fair_share=settings.fair_share))
-    weights = WeightFanout(core, settings.weight_updates, WeightStore(settings.weights_dir))
+    weights = WeightFanout(core, settings.weight_updates, WeightStore(settings.weights_dir),
+                           stall_s=settings.weight_push_stall_s)
     await weights.restore()
     server_box: list[Server] = []
 

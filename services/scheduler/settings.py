@@ -50,6 +50,13 @@ class SchedulerSettings(TLSSettings):
                                    "steps, whose chunks keep dispatching) or between_chunks (bounded staleness: it "
                                    "waits only for the chunks in flight; samples spanning it report per-token "
                                    "versions).")
+    weight_push_stall_s: float = Field(
+        300.0, description="A weight push (or load) ends when it stops making progress this long: a trainer that "
+                           "sends no chunk fails it (DEADLINE_EXCEEDED); a worker that takes no chunk, or does not "
+                           "answer this long after the last one (checking and loading the weights), is left out of "
+                           "it (it gets no work until brought to the version), and a push no worker took fails "
+                           "UNAVAILABLE naming each worker and what happened to it. The previous version keeps "
+                           "serving whenever a push fails.")
     cross_step: bool = Field(
         False, description="Bounded staleness 1 (rhymerl policy): when step N+1 arrives before step N has finished, "
                            "alternate each step's order (short-first, then long-first) so one step's tail overlaps "

@@ -31,7 +31,9 @@ from collections.abc import AsyncIterator
 import grpc
 from rhymerl.v1 import common_pb2
 
-from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, RhymerlError, Unavailable
+from services.common import metrics
+from services.common.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, RhymerlError,
+                                    Unavailable)
 from services.scheduler.core import SchedulerCore
 from services.scheduler.step_log import RecordUnreadable
 from services.scheduler.weight_store import Incoming, WeightStore
@@ -39,14 +41,22 @@ from services.scheduler.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 MODES = ("after_steps", "between_chunks")
+STALL_S = 300.0  # the scheduler's weight_push_stall_s default
 _END = object()
+# A worker's answer about the payload itself (its size, checksum, values, version):
+# the trainer gets it as it is. Any other failure (a worker gone, its connection closed,
+# a call the scheduler gave up on) is the fleet's, not the payload's: UNAVAILABLE.
+_VERDICTS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS,
+                       grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 class WeightFanout:
-    def __init__(self, core: SchedulerCore, mode: str = "after_steps", store: WeightStore | None = None):
+    def __init__(self, core: SchedulerCore, mode: str = "after_steps", store: WeightStore | None = None,
+                 stall_s: float = STALL_S):
         if mode not in MODES:
             raise ValueError(f"weight update mode must be one of {MODES}, got {mode!r}")
-        self.core, self.mode = core, mode
+        self.core, self.mode, self.stall_s = core, mode, stall_s
         self.store = store if store is not None else WeightStore()
         # Where a version came from: its SHA-256 when pushed (re-push check; its bytes are
         # in the store), its path when loaded (catch-up). Only for ``source[0]``: a version
@@ -58,7 +68,15 @@ class WeightFanout:
         self._record_unread = False  # Redis did not answer at start: the record is still to be read
 
     async def push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
-        first = await anext(aiter(chunks), None)
+        in_progress = metrics.weight_pushes_in_progress.labels(component="scheduler")
+        in_progress.inc()
+        try:
+            return await self._push(_paced(chunks, self.stall_s))
+        finally:
+            in_progress.dec()
+
+    async def _push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
+        first = await anext(chunks, None)
         if first is None or not first.HasField("header"):
             raise InvalidArgument("the first message must be a header", "header")
         header = first.header
@@ -73,24 +91,20 @@ class WeightFanout:
                         await _drain(header, chunks, incoming)
                         self._keep(header.version, incoming)
                         return self._ack()
-                    queues = [asyncio.Queue(maxsize=4) for _ in workers]
-                    calls = [asyncio.ensure_future(self.core.link.stub(w).PushWeights(_forward(first, q)))
-                             for w, q in zip(workers, queues)]
+                    feeds = [_Feed(w, self.core.link.stub(w).PushWeights, first, self.stall_s) for w in workers]
                     try:
                         async for chunk in chunks:
                             if chunk.HasField("header"):
                                 raise InvalidArgument("only the first message may be a header", "header")
                             if incoming is not None:
                                 await incoming.write(chunk.data)
-                            await asyncio.gather(*(q.put(chunk) for q in queues))
-                    except BaseException:
-                        for call in calls:  # the workers' streams end short: each keeps its version
-                            call.cancel()
-                        await asyncio.gather(*calls, return_exceptions=True)
-                        raise
-                    for q in queues:
-                        await q.put(_END)
-                    response = await self._finish(header.version, workers, calls, sha256=sha256)
+                            await asyncio.gather(*(f.put(chunk) for f in feeds))
+                            if all(f.ended for f in feeds):  # no worker takes it any more: say so now
+                                raise _no_worker_took(header.version, feeds)
+                        await asyncio.gather(*(f.put(_END) for f in feeds))
+                        response = await self._finish(header.version, feeds, sha256=sha256)
+                    finally:  # a push that ends short ends the workers' streams: each keeps its version
+                        await _end_all(feeds)
                     self._keep(header.version, incoming)
                     return response
             finally:
@@ -115,8 +129,11 @@ class WeightFanout:
                 workers = self._targets(request.version)
                 if not workers:
                     return self._ack()
-                calls = [asyncio.ensure_future(self.core.link.stub(w).LoadWeights(request)) for w in workers]
-                return await self._finish(request.version, workers, calls, path=request.path)
+                calls = [_WorkerCall(w, self.core.link.stub(w).LoadWeights(request)) for w in workers]
+                try:
+                    return await self._finish(request.version, calls, path=request.path)
+                finally:
+                    await _end_all(calls)
 
     async def _probe_path(self, path: str) -> None:
         """Fails at once for a path a worker cannot read, before waiting for the running
@@ -206,19 +223,28 @@ class WeightFanout:
             core.release_held()
             core.wake()
 
-    async def _finish(self, version: int, workers: list[WorkerHandle], calls, *, sha256: str = "",
+    async def _finish(self, version: int, calls: list["_WorkerCall"], *, sha256: str = "",
                       path: str = "") -> common_pb2.WeightUpdateResponse:
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
-        for w, r in zip(workers, results):
-            if not isinstance(r, BaseException):
-                w.policy_version = r.version
-        if len(errors) == len(workers):
-            err = errors[0][1]
-            raise _as_error(err) if isinstance(err, grpc.aio.AioRpcError) else err
-        for w, err in errors:
-            log.error("worker %s did not take version %d (%s); it gets no work until updated",
-                      w.worker_id, version, err)
+        """Waits for the workers' answers (at most ``stall_s`` once the last chunk was
+        queued or the load asked: a worker that checks and loads longer is left out); the
+        version serves once a worker took it. The others keep theirs and get no work
+        until caught up."""
+        pending = {c.task for c in calls if not c.task.done()}
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self.stall_s)
+            for c in calls:
+                if c.task in late:
+                    c.give_up(f"did not answer within {self.stall_s:g} s of the last chunk")
+            await asyncio.gather(*(c.task for c in calls), return_exceptions=True)
+        took = [c for c in calls if c.response is not None]
+        for c in took:
+            c.worker.policy_version = c.response.version
+        if not took:
+            raise _no_worker_took(version, calls)
+        for c in calls:
+            if c.response is None:
+                log.error("worker %s did not take version %d (%s); it gets no work until updated",
+                          c.worker.worker_id, version, c.failure())
         if version != self.core.policy_version or self.source[0] != version:
             self.source = (version, sha256, path)
             self.core.set_version(version)
@@ -269,10 +295,118 @@ class WeightFanout:
             w.policy_version == version for w in self.core.workers.usable()))
 
 
+class _WorkerCall:
+    """One worker's weight call, and why the scheduler gave up on it, if it did."""
+
+    def __init__(self, worker: WorkerHandle, call):
+        self.worker = worker
+        self.task = asyncio.ensure_future(call)
+        self.why = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.task.done()
+
+    @property
+    def response(self) -> common_pb2.WeightUpdateResponse | None:
+        t = self.task
+        return t.result() if t.done() and not t.cancelled() and t.exception() is None else None
+
+    def give_up(self, why: str) -> None:
+        self.why = why
+        self.task.cancel()
+
+    def failure(self) -> str:
+        """What went wrong, in words (for the log and the trainer's error)."""
+        t = self.task
+        if self.why:
+            return self.why
+        if t.cancelled():
+            return "its call was cancelled (its connection closed)"
+        if not t.done():
+            return "no answer"
+        err = t.exception()
+        if err is None:
+            return "it ended its stream before the last chunk"
+        if isinstance(err, grpc.aio.AioRpcError):
+            return f"{err.code().name}: {err.details()}"
+        return f"{type(err).__name__}: {err}"
+
+    def verdict(self) -> grpc.aio.AioRpcError | None:
+        """The worker's refusal of the payload itself, if that is how it ended."""
+        t = self.task
+        err = t.exception() if t.done() and not t.cancelled() and not self.why else None
+        return err if isinstance(err, grpc.aio.AioRpcError) and err.code() in _VERDICTS else None
+
+
+class _Feed(_WorkerCall):
+    """A worker's PushWeights stream, fed chunk by chunk from a small queue. Feeding
+    never waits on a worker whose call has ended (a worker killed, its channel closed
+    under the push): that wait was a push that never returned (docs/smollm2.md). A
+    worker that takes no chunk for ``stall_s`` (stopped, wedged) is given up on."""
+
+    def __init__(self, worker: WorkerHandle, push, first: common_pb2.WeightChunk, stall_s: float):
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=4)
+        self.stall_s = stall_s
+        super().__init__(worker, push(_forward(first, self.queue)))
+
+    async def put(self, item) -> None:
+        if self.ended:
+            return
+        if not self.queue.full():
+            self.queue.put_nowait(item)
+            return
+        put = asyncio.ensure_future(self.queue.put(item))
+        try:
+            await asyncio.wait((put, self.task), timeout=self.stall_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            took = put.done()
+            if not took:
+                put.cancel()
+        if not took and not self.ended:
+            self.give_up(f"took no chunk for {self.stall_s:g} s")
+
+
+async def _end_all(calls: list[_WorkerCall]) -> None:
+    """Cancels the calls still running (a push that ends short: each worker keeps its
+    version) and waits until they have ended."""
+    for c in calls:
+        if not c.ended:
+            c.task.cancel()
+    await asyncio.gather(*(c.task for c in calls), return_exceptions=True)
+
+
+def _no_worker_took(version: int, calls: list[_WorkerCall]) -> RhymerlError:
+    """The trainer's error when no worker took ``version``: a worker's refusal of the
+    payload as it is (same code, its message naming the field), else UNAVAILABLE naming
+    every worker and what happened to it (the SDK retries it)."""
+    for c in calls:
+        if (err := c.verdict()) is not None:
+            return _as_error(err)
+    what = "; ".join(f"{c.worker.worker_id}: {c.failure()}" for c in calls)
+    return Unavailable(f"no worker took version {version} ({what}); the previous version keeps serving")
+
+
 async def _forward(first: common_pb2.WeightChunk, q: asyncio.Queue) -> AsyncIterator[common_pb2.WeightChunk]:
     yield first
     while (item := await q.get()) is not _END:
         yield item
+
+
+async def _paced(chunks: AsyncIterator[common_pb2.WeightChunk], stall_s: float
+                 ) -> AsyncIterator[common_pb2.WeightChunk]:
+    """The trainer's chunks; a trainer that sends none for ``stall_s`` (while the push
+    holds new steps back) ends the push instead of holding the fleet forever."""
+    it = aiter(chunks)
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(it, _END), stall_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"no chunk came from the trainer for {stall_s:g} s; the push is abandoned and "
+                                   "the previous version keeps serving", "data") from None
+        if chunk is _END:
+            return
+        yield chunk
 
 
 async def _drain(header: common_pb2.WeightHeader, chunks: AsyncIterator[common_pb2.WeightChunk],

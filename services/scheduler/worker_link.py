@@ -71,6 +71,10 @@ class RunEnded:
 
 LinkEvent = ChunkDone | ChunkFailed | RunEnded
 
+# How long a reset channel's calls may still run (``reset``): past every bound those calls
+# have of their own, so in practice until they end.
+RESET_GRACE_S = 3600.0
+
 _OUTCOMES = {grpc.StatusCode.INVALID_ARGUMENT: RunOutcome.REJECTED,
              grpc.StatusCode.FAILED_PRECONDITION: RunOutcome.WRONG_VERSION}
 
@@ -91,6 +95,7 @@ class GrpcWorkerLink:
     def __init__(self, tls: TLSConfig | None = None):
         self.tls = tls
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}  # worker_id -> (address, channel)
+        self._closing: dict[grpc.aio.Channel, asyncio.Task] = {}  # reset channels, until their calls end
 
     def stub(self, worker: WorkerHandle) -> worker_pb2_grpc.WorkerServiceStub:
         known = self._channels.get(worker.worker_id)
@@ -138,11 +143,19 @@ class GrpcWorkerLink:
             await ch.close()
 
     def reset(self, worker_id: str) -> None:
-        """The worker came back (a new process): the next call opens a fresh channel
-        instead of waiting out the old one's reconnect backoff."""
+        """The worker came back (likely a new process): the next call opens a fresh
+        channel instead of waiting out the old one's reconnect backoff. The calls still
+        on the old channel are left to end by themselves: a worker that was only slow to
+        answer (marked unhealthy, then back) goes on taking a weight push on it, which
+        closing the channel cut short (docs/smollm2.md: the push that never returned);
+        to a new process they fail at once. Each such call has its own bound (the weight
+        fan-out's stall bound, the others' deadlines), and keepalive ends any call whose
+        peer went silent."""
         known = self._channels.pop(worker_id, None)
         if known is not None:
-            asyncio.ensure_future(known[1].close())
+            ch = known[1]
+            self._closing[ch] = asyncio.ensure_future(ch.close(grace=RESET_GRACE_S))
+            self._closing[ch].add_done_callback(lambda _: self._closing.pop(ch, None))
 
     async def forget(self, worker_id: str) -> None:
         known = self._channels.pop(worker_id, None)
@@ -152,3 +165,6 @@ class GrpcWorkerLink:
     async def close(self) -> None:
         for worker_id in list(self._channels):
             await self.forget(worker_id)
+        for ch, task in list(self._closing.items()):  # reset channels whose calls still run: end them now
+            task.cancel()
+            await ch.close()

@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from rhymerl import RolloutClient, SamplingParams
 from rhymerl.v1 import common_pb2, rollout_pb2_grpc
 
@@ -227,3 +228,77 @@ def test_a_load_from_a_bad_path_fails_at_once_not_after_the_running_step(cluster
         assert client.stats().policy_version == 0
     step.join(200)
     assert not step.error and len(step.samples) == 12
+
+
+def test_a_push_cancelled_while_the_engine_is_busy_changes_neither_weights_nor_version(cluster):
+    """A worker's weights and version change together or not at all. A push whose call is
+    cancelled (the scheduler gave up on it, the trainer's deadline) after its payload was
+    verified, while the engine is busy, used to leave its load queued: it ran once the
+    engine was idle, and the worker served the new weights under the old version."""
+    import asyncio
+
+    from prometheus_client import REGISTRY
+    from rhymerl._calls import weight_chunks
+    from rhymerl.v1 import worker_pb2_grpc
+
+    servicer = cluster.workers["w0"][0].servicer
+    address = cluster.scheduler.core.workers.workers["w0"].address
+    before = {k: v.clone() for k, v in servicer.engine.model.state_dict().items()}
+    started, busy, reached = threading.Event(), threading.Event(), threading.Event()
+    held = asyncio.run_coroutine_threadsafe(servicer.loop.call(lambda: (started.set(), busy.wait(120))),
+                                            cluster.loop)  # the engine thread is busy until released
+    assert started.wait(60)
+    load_when_idle = servicer.loop.call_when_idle
+
+    async def spy(fn):
+        reached.set()  # the payload arrived and was verified: the load waits for the engine
+        return await load_when_idle(fn)
+    servicer.loop.call_when_idle = spy
+    try:
+        with grpc.insecure_channel(address) as channel:
+            call = worker_pb2_grpc.WorkerServiceStub(channel).PushWeights.future(
+                weight_chunks(1, weights(seed=1)), timeout=120)
+            assert reached.wait(60)
+            call.cancel()
+            deadline = time.monotonic() + 60
+            while REGISTRY.get_sample_value("rhymerl:weight_pushes_in_progress", {"component": "w0"}):
+                assert time.monotonic() < deadline, "the worker's push call never ended"
+                time.sleep(0.01)
+    finally:
+        servicer.loop.call_when_idle = load_when_idle
+        busy.set()
+    held.result(60)
+    asyncio.run_coroutine_threadsafe(load_when_idle(lambda: None), cluster.loop).result(60)  # after the queued load
+    assert servicer.version == 0
+    after = servicer.engine.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:  # the push itself still works
+        assert client.push_weights(1, weights(seed=1)) == 1
+    now = servicer.engine.model.state_dict()
+    assert servicer.version == 1 and not all(torch.equal(before[k], now[k]) for k in before)
+
+
+@pytest.mark.parametrize("cluster", [{"weight_push_stall_s": 2.0}], indirect=True)
+def test_a_trainer_that_stops_sending_mid_push_gets_deadline_exceeded_and_steps_go_on(cluster):
+    """While a push streams, new steps wait for it: a trainer that sends nothing more and
+    keeps its connection used to hold them for as long as its own deadline allowed."""
+    data = weights()
+    held = threading.Event()
+
+    def stalled():
+        yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+            version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+        yield common_pb2.WeightChunk(data=data[:100])
+        held.wait(120)
+    try:
+        with grpc.insecure_channel(cluster.address) as channel, pytest.raises(grpc.RpcError) as err:
+            rollout_pb2_grpc.RolloutServiceStub(channel).PushWeights(stalled(), timeout=120)
+    finally:
+        held.set()
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.value.details().startswith("data: no chunk came from the trainer for 2 s")
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.stats().policy_version == 0
+        after = client.rollout("after-stalled-push", prompts(2), n=2, sampling=GREEDY)
+        assert all(s.policy_version == 0 for s in after.samples)
+        assert client.push_weights(1, data) == 1

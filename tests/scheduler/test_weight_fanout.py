@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import time
 
+import grpc
 import pytest
 from rhymerl.v1 import common_pb2
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.common.redis_server import free_port
 from services.scheduler.serving import SETTLE_S
 from services.scheduler.weight_fanout import WeightFanout
@@ -85,4 +88,117 @@ async def test_a_readable_redis_without_a_record_dispatches_at_once():
     assert core.serving.dispatchable
     samples, _ = await collect(await core.submit(step("s", {"p": [1, 2, 3]}, n=2)))
     assert len(samples) == 2
+    await core.stop()
+
+
+class PushLink(FakeLink):
+    """FakeLink whose workers also take PushWeights, each as ``behaviour`` says:
+    "take" (reads it all, answers), "die" (its call fails after the header, as a killed
+    worker's), "cut" (its call is cancelled after the header, as by a closed channel),
+    "stall" (reads nothing past the header, never answers: a stopped process),
+    "silent" (reads it all, never answers: stuck loading)."""
+
+    def __init__(self, behaviour: dict[str, str]):
+        super().__init__()
+        self.behaviour = behaviour
+        self.received: dict[str, int] = {}  # worker_id -> payload bytes of a push it took
+
+    def stub(self, worker):
+        stub, link = super().stub(worker), self
+
+        async def push_weights(chunks, timeout=None):
+            how = link.behaviour.get(worker.worker_id, "take")
+            it = aiter(chunks)
+            header = (await anext(it)).header
+            if how == "die":
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           "Connection reset by peer")
+            if how == "cut":
+                raise asyncio.CancelledError
+            if how == "stall":
+                await asyncio.Event().wait()
+            size = sum([len(c.data) async for c in it])
+            if how == "silent":
+                await asyncio.Event().wait()
+            link.received[worker.worker_id] = size
+            return common_pb2.WeightUpdateResponse(version=header.version, num_workers_updated=1)
+        stub.PushWeights = push_weights
+        return stub
+
+
+def payload(n: int = 12, size: int = 1000) -> tuple[bytes, list[common_pb2.WeightChunk]]:
+    """A payload in ``n`` chunks: more than the fan-out's per-worker queue holds."""
+    data = bytes(range(256)) * (n * size // 256 + 1)
+    data = data[:n * size]
+    header = common_pb2.WeightHeader(version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    return data, [common_pb2.WeightChunk(header=header)] + [
+        common_pb2.WeightChunk(data=data[i:i + size]) for i in range(0, len(data), size)]
+
+
+async def stream(chunks, hold: asyncio.Event | None = None):
+    """The trainer's side: the chunks, then (with ``hold``) nothing more until it is set."""
+    for c in chunks:
+        yield c
+    if hold is not None:
+        await hold.wait()
+
+
+@pytest.mark.parametrize("fault", ["die", "cut", "stall"])
+@run_async
+async def test_a_push_goes_on_without_a_worker_that_dies_is_cut_off_or_stalls_mid_stream(fault):
+    """The fan-out used to wait forever on the queue of a worker whose stream had ended
+    (killed; its channel closed under the push) or that took nothing more: the trainer's
+    push never returned. Now the other worker takes the version; the faulty one keeps
+    its own and gets no work until it is caught up."""
+    link = PushLink({"w1": fault})
+    core = make_core(link)
+    fanout = WeightFanout(core, stall_s=2.0)  # reached only by the worker that takes nothing
+    data, chunks = payload()
+    response = await fanout.push(stream(chunks))
+    assert (response.version, response.num_workers_updated) == (1, 1)
+    assert core.policy_version == 1 and link.received == {"w0": len(data)}
+    assert [core.workers.workers[w].policy_version for w in ("w0", "w1")] == [1, 0]
+    assert not core.paused and not core.hold_new_steps
+    await core.stop()
+
+
+@run_async
+async def test_a_push_no_worker_took_fails_unavailable_naming_each_worker_and_what_happened():
+    """Not a hang, not a bare CANCELLED: UNAVAILABLE (the SDK retries it), each worker
+    named with its fate; the previous version keeps serving and dispatch goes on."""
+    link = PushLink({"w0": "die", "w1": "cut"})
+    core = make_core(link)
+    fanout = WeightFanout(core, stall_s=2.0)
+    with pytest.raises(Unavailable) as err:
+        await fanout.push(stream(payload()[1]))
+    message = str(err.value)
+    assert message.startswith("no worker took version 1 (")
+    assert "w0: UNAVAILABLE: Connection reset by peer" in message and "w1: its call was cancelled" in message
+    assert core.policy_version == 0 and not core.paused and not core.hold_new_steps
+
+    link.behaviour = {"w0": "silent", "w1": "silent"}  # both read it all and never answer
+    with pytest.raises(Unavailable) as err:
+        await fanout.push(stream(payload()[1]))
+    assert "w0: did not answer within 2 s of the last chunk" in str(err.value)
+
+    link.behaviour = {}  # a retry of the same version and bytes takes
+    assert (await fanout.push(stream(payload()[1]))).version == 1
+    samples, _ = await collect(await core.submit(step("after", {"p": [1, 2, 3]}, n=2)))
+    assert len(samples) == 2 and all(s.policy_version == 1 for s in samples)
+    await core.stop()
+
+
+@run_async
+async def test_a_trainer_that_stops_sending_ends_its_push_and_releases_the_fleet():
+    """While a push streams, new steps wait for it: a trainer that sends nothing more
+    (and keeps its connection) must not hold them forever."""
+    link = PushLink({})
+    core = make_core(link)
+    fanout = WeightFanout(core, stall_s=2.0)
+    with pytest.raises(DeadlineExceeded) as err:
+        await fanout.push(stream(payload()[1][:3], hold=asyncio.Event()))
+    assert str(err.value).startswith("data: no chunk came from the trainer for 2 s")
+    assert core.policy_version == 0 and not core.paused and not core.hold_new_steps
+    samples, _ = await collect(await core.submit(step("after", {"p": [1, 2, 3]}, n=2)))
+    assert len(samples) == 2 and all(s.policy_version == 0 for s in samples)
     await core.stop()

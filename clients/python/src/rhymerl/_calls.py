@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -17,6 +18,11 @@ from rhymerl.v1 import common_pb2, rollout_pb2
 # size), and re-sending the same request cannot fit it; it only adds load to a full service.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 WEIGHT_CHUNK_BYTES = 4 * 1024 * 1024
+# Default bound of a whole push_weights call, retries included. A push first waits for the
+# running steps (after_steps mode; each bounded by the client's timeout_s, 600 s by
+# default), then streams the model and waits for the workers to load it (a 538 MB model:
+# about 45 s on a loaded 2-core machine). Give more for multi-GB models on slow links.
+PUSH_TIMEOUT_S = 1200.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -52,6 +58,21 @@ def is_retryable(err: grpc.RpcError) -> bool:
     return err.code() in RETRYABLE
 
 
+def pause_before_retry(err: grpc.RpcError, attempt: int, max_retries: int, deadline: float) -> float | None:
+    """Seconds to wait before re-sending a call that failed with ``err``, or None when it
+    must not be: not retryable, out of retries, or no time left before ``deadline``
+    (``time.monotonic()``) once the pause is over."""
+    if attempt >= max_retries or not is_retryable(err):
+        return None
+    pause = backoff_s(attempt)
+    return pause if time.monotonic() + pause < deadline else None
+
+
+def remaining_s(deadline: float) -> float:
+    """The time left before ``deadline`` (``time.monotonic()``), as a gRPC timeout."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
 def step_request(step_id: str, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
                  policy_version: int) -> rollout_pb2.SubmitStepRequest:
     return rollout_pb2.SubmitStepRequest(
@@ -76,11 +97,11 @@ def logprobs_request(step_id: str, samples) -> rollout_pb2.ReportLogprobsRequest
         for p, i, lp in samples])
 
 
-def weight_chunks(version: int, data: bytes, chunk_bytes: int = WEIGHT_CHUNK_BYTES
+def weight_chunks(version: int, data: bytes, chunk_bytes: int = WEIGHT_CHUNK_BYTES, sha256: str = ""
                   ) -> Iterator[common_pb2.WeightChunk]:
-    """A header (version, size, SHA-256) followed by the payload in chunks."""
+    """A header (version, size, SHA-256: computed unless given) followed by the payload in chunks."""
     yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
-        version=version, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+        version=version, total_bytes=len(data), sha256=sha256 or hashlib.sha256(data).hexdigest()))
     view = memoryview(data)
     for start in range(0, len(data), chunk_bytes):
         yield common_pb2.WeightChunk(data=bytes(view[start:start + chunk_bytes]))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
@@ -17,9 +19,10 @@ class AsyncRolloutClient:
 
     def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,
                  token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
-                 server_name: str | None = None):
+                 server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S):
         self.address = address
         self.timeout_s = timeout_s
+        self.push_timeout_s = push_timeout_s
         self.max_retries = max_retries
         credentials, options, self._metadata = _calls.channel_target(
             address, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name)
@@ -69,16 +72,21 @@ class AsyncRolloutClient:
         response = await self._call(self._stub.ReportLogprobs, _calls.logprobs_request(step_id, samples))
         return Mismatch.from_proto(response.step)
 
-    async def push_weights(self, version: int, data: bytes) -> int:
+    async def push_weights(self, version: int, data: bytes, *, timeout_s: float | None = None) -> int:
+        """See ``RolloutClient.push_weights`` (bounded by ``timeout_s``, retries included)."""
+        deadline = time.monotonic() + (self.push_timeout_s if timeout_s is None else timeout_s)
+        sha256 = hashlib.sha256(data).hexdigest()
         for attempt in range(self.max_retries + 1):
             try:
-                chunks = _calls.weight_chunks(version, data)
-                response = await self._stub.PushWeights(chunks, timeout=self.timeout_s, metadata=self._metadata)
+                chunks = _calls.weight_chunks(version, data, sha256=sha256)
+                response = await self._stub.PushWeights(chunks, timeout=_calls.remaining_s(deadline),
+                                                        metadata=self._metadata)
                 return response.version
             except grpc.RpcError as err:
-                if attempt == self.max_retries or not _calls.is_retryable(err):
+                pause = _calls.pause_before_retry(err, attempt, self.max_retries, deadline)
+                if pause is None:
                     raise
-                await asyncio.sleep(_calls.backoff_s(attempt))
+                await asyncio.sleep(pause)
         raise AssertionError("unreachable")
 
     async def load_weights(self, version: int, path: str) -> int:

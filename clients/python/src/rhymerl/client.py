@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -17,20 +18,24 @@ class RolloutClient:
 
     Args:
         address: host:port of the scheduler.
-        timeout_s: deadline of each call (a whole step's stream included).
+        timeout_s: deadline of each call (a whole step's stream included); ``push_weights``
+            has its own bound, ``push_timeout_s``.
         max_retries: re-sends after UNAVAILABLE / DEADLINE_EXCEEDED; safe because
             step ids are idempotency keys (a re-submitted step replays its samples).
         token: bearer token, when the service requires one (UNAUTHENTICATED otherwise).
         tls: connect over TLS (system roots) ; implied by ``root_certificates``.
         root_certificates: PEM bytes of the CA that signed the service's certificate.
         server_name: the name to verify in the certificate, if not the address's host.
+        push_timeout_s: default bound of a whole ``push_weights`` call, retries included
+            (1200 s: it may first wait for the running steps, then streams and loads the model).
     """
 
     def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,
                  token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
-                 server_name: str | None = None):
+                 server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S):
         self.address = address
         self.timeout_s = timeout_s
+        self.push_timeout_s = push_timeout_s
         self.max_retries = max_retries
         credentials, options, self._metadata = _calls.channel_target(
             address, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name)
@@ -89,16 +94,27 @@ class RolloutClient:
         response = self._call(self._stub.ReportLogprobs, _calls.logprobs_request(step_id, samples))
         return Mismatch.from_proto(response.step)
 
-    def push_weights(self, version: int, data: bytes) -> int:
-        """Streams a safetensors payload to every worker; returns the version serving."""
+    def push_weights(self, version: int, data: bytes, *, timeout_s: float | None = None) -> int:
+        """Streams a safetensors payload to every worker; returns the version serving.
+
+        The whole call, retries included, ends within ``timeout_s`` (default: the
+        client's ``push_timeout_s``, 1200 s) with the version serving or an error
+        (DEADLINE_EXCEEDED once the time is spent). Re-sends after UNAVAILABLE or a
+        deadline are safe: the same version with the same bytes is acknowledged, and
+        a push that fails leaves the previous version serving.
+        """
+        deadline = time.monotonic() + (self.push_timeout_s if timeout_s is None else timeout_s)
+        sha256 = hashlib.sha256(data).hexdigest()
         for attempt in range(self.max_retries + 1):
             try:
-                chunks = _calls.weight_chunks(version, data)
-                return self._stub.PushWeights(chunks, timeout=self.timeout_s, metadata=self._metadata).version
+                chunks = _calls.weight_chunks(version, data, sha256=sha256)
+                return self._stub.PushWeights(chunks, timeout=_calls.remaining_s(deadline),
+                                              metadata=self._metadata).version
             except grpc.RpcError as err:
-                if attempt == self.max_retries or not _calls.is_retryable(err):
+                pause = _calls.pause_before_retry(err, attempt, self.max_retries, deadline)
+                if pause is None:
                     raise
-                time.sleep(_calls.backoff_s(attempt))
+                time.sleep(pause)
         raise AssertionError("unreachable")
 
     def load_weights(self, version: int, path: str) -> int:

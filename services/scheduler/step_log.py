@@ -230,8 +230,9 @@ class StepLog:
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 self._failed()
                 metrics.step_log_writes.labels(result="failed").inc(sum(len(m) for _, m, _, _ in batch))
-                held = [] if self._hold_expired() else [w for w in batch if w[3]]
-                self._resolve([w for w in batch if not w[3] or not held], False)
+                expired = self._hold_expired()
+                held = [] if expired else [w for w in batch if w[3]]
+                self._resolve([w for w in batch if not w[3] or expired], False)
                 if held:
                     if attempt == 0:
                         log.warning("step log write failed (%s); its samples wait for Redis (up to %.0f s)", exc,
@@ -239,6 +240,9 @@ class StepLog:
                     await self._pause(attempt)
                     attempt += 1
                     self._pending = held + self._pending
+                    continue
+                if not expired:  # only writes that do not wait (a summary, the serving record) failed
+                    log.warning("step log write failed (%s)", exc)
                     continue
                 log.warning("step log write failed (%s); Redis down %.0f s: skipping writes for %.0f s (a "
                             "restarted scheduler regenerates what they held)", exc,

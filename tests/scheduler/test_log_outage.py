@@ -92,10 +92,11 @@ async def test_a_write_waits_for_redis_to_come_back(durable_redis):
     try:
         await log.open("s", "fp", ["p"], 2)
         durable_redis.kill9()
+        assert await log.save_serving(1, "", "/ckpt") is False  # a write that does not wait fails at once...
         failed = failed_writes()
-        write = asyncio.ensure_future(log.append("s", [sample("p", 0)]))
-        await until(lambda: failed_writes() > failed)
-        assert log.holding and not write.done()  # not given up: the sample is not out yet
+        write = asyncio.ensure_future(log.append("s", [sample("p", 0)]))  # ...and samples still wait
+        await until(lambda: failed_writes() > failed or write.done())
+        assert not write.done() and log.holding  # not skipped, not given up: the sample is not out yet
         durable_redis.start()
         assert await write is True and not log.holding
         assert [s.sample_index for s in (await log.load("s")).samples] == [0]

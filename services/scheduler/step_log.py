@@ -114,10 +114,10 @@ class StepLog:
     def enabled(self) -> bool:
         return self._client is not None
 
-    async def load(self, step_id: str, samples: bool = True, hold: bool = True) -> LoggedStep | None:
+    async def load(self, step_id: str, samples: bool = True) -> LoggedStep | None:
         """The step's log (without its samples when ``samples`` is False), or None: never
-        logged, expired, or Redis unreachable (for ``hold_s`` when ``hold``: a step read
-        as never logged is generated again, what the trainer saw included)."""
+        logged, expired, or Redis unreachable for ``hold_s`` (retried meanwhile: a step
+        read as never logged is generated again, what the trainer saw included)."""
         if self._client is None:
             return None
         key = step_key(step_id)
@@ -132,7 +132,7 @@ class StepLog:
                 break
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
                 self._failed()
-                if not hold or self._hold_expired():
+                if self._hold_expired():
                     log.warning("step log unreadable for step %r: %s", step_id, exc)
                     return None
                 if attempt == 0:
@@ -160,7 +160,8 @@ class StepLog:
             "s:" + json.dumps([s.prompt_id, s.sample_index]): s.SerializeToString() for s in samples})
 
     async def close(self, step_id: str, summary: rollout_pb2.StepSummary) -> None:
-        """Not held: a summary lost with Redis is written again when the step is re-submitted."""
+        """Not held (the trainer waits for the summary): a restarted scheduler that finds
+        every sample logged but no summary replays them and writes it again."""
         await self._write(step_key(step_id), {"summary": summary.SerializeToString()}, hold=False)
 
     async def save_serving(self, version: int, sha256: str, path: str) -> bool:

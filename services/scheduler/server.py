@@ -138,7 +138,7 @@ async def start_scheduler(settings: SchedulerSettings):
     core = SchedulerCore(
         policy, WorkerTable(), link, history=history,
         steps=StepTable(settings.max_steps_retained, settings.max_retained_bytes),
-        step_log=StepLog(settings.redis_url, ttl_s=settings.step_log_ttl_s),
+        step_log=StepLog(settings.redis_url, ttl_s=settings.step_log_ttl_s, hold_s=settings.step_log_hold_s),
         limits=CoreLimits(max_samples_in_flight=settings.max_samples_in_flight, max_attempts=settings.max_attempts,
                           no_worker_timeout_s=settings.worker_timeout_s, history_epochs=settings.history_epochs,
                           fair_share=settings.fair_share))

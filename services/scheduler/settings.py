@@ -45,6 +45,11 @@ class SchedulerSettings(TLSSettings):
                         "that outlives the container keeps that working across scheduler restarts. Empty: a private "
                         "temporary directory, removed at exit.")
     step_log_ttl_s: float = Field(86_400.0, description="How long a step's log outlives its last sample.")
+    step_log_hold_s: float = Field(
+        30.0, description="While the step log's Redis does not answer, finished samples wait for it this long "
+                          "(retried) before they go to the trainer unlogged: a sample the trainer saw unlogged is "
+                          "generated again by a restarted scheduler, at another version after a push. 0: samples "
+                          "never wait (Redis down: no log, as if none were configured).")
     weight_updates: Literal["after_steps", "between_chunks"] = Field(
         "after_steps", description="When a weight push applies: after_steps (synchronous RL: it waits for the running "
                                    "steps, whose chunks keep dispatching) or between_chunks (bounded staleness: it "

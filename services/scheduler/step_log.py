@@ -17,16 +17,25 @@ Beside the steps, ``rhymerl:serving`` records the weight version a push made ser
 (its SHA-256 or the path it was loaded from): a restarted scheduler needs it as much as
 the samples (``serving.py``).
 
-Redis is an aid, never a dependency: while it is down, writes are skipped for
-``retry_s`` (the trainer still gets every sample live) and reads find nothing. A write
-that fails on a connection broken by a Redis restart is retried once at once, on a new
-connection, before Redis counts as down.
+While Redis does not answer, a sample waits for it: its write (and the step's record,
+and a re-submission's read) is retried for up to ``hold_s``, and only then does the
+sample go to the trainer unlogged. A sample the trainer saw without the log is
+generated again by a restarted scheduler at whatever version then serves: after a
+push, other tokens under the same (prompt, sample index), which the trainer already
+has (the chaos campaign's duplicates: Redis killed, the log skipped for 5 s while the
+samples streamed, the scheduler killed, a push before the trainer re-submitted). So
+Redis is a dependency only for ``hold_s`` (a Redis restart takes seconds): past it,
+writes are skipped (for ``retry_s`` at a time, then tried again) and reads find
+nothing until Redis answers again, and a restart in that time may regenerate what the
+trainer saw. A write that fails on a connection broken by a Redis restart is retried
+at once, on a new connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
 import time
@@ -65,16 +74,41 @@ class StepLog:
         url: the Redis to keep the log in; empty: no log (a restart loses unfinished steps).
         ttl_s: how long a step's log outlives its last write.
         timeout_s: a Redis call slower than this counts as Redis down.
-        retry_s: after a failure, writes are skipped this long (no sample waits on a dead Redis).
+        hold_s: how long samples (and reads) wait for a Redis that does not answer,
+            retried meanwhile; 0: they never wait.
+        retry_s: once an outage outlasted ``hold_s``, writes are skipped this long at a time.
     """
 
-    def __init__(self, url: str, ttl_s: float = 86_400, timeout_s: float = 1.0, retry_s: float = 5.0):
+    def __init__(self, url: str, ttl_s: float = 86_400, timeout_s: float = 1.0, retry_s: float = 5.0,
+                 hold_s: float = 30.0):
         self._client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s) \
             if url else None
-        self.ttl_s, self.timeout_s, self.retry_s = int(ttl_s), timeout_s, retry_s
-        self._down_until = 0.0
-        self._pending: list[tuple[str, dict, asyncio.Future]] = []
+        self.ttl_s, self.timeout_s, self.retry_s, self.hold_s = int(ttl_s), timeout_s, retry_s, hold_s
+        self._down_until = 0.0  # writes skipped until then (an outage longer than ``hold_s``)
+        self._outage_since: float | None = None  # the first failure since Redis last answered
+        self._pending: list[tuple[str, dict, asyncio.Future, bool]] = []  # (key, fields, done, held)
         self._flusher: asyncio.Task | None = None
+        self._closing = asyncio.Event()  # shutdown: nothing waits any more
+
+    @property
+    def holding(self) -> bool:
+        """Whether writes are waiting for Redis to answer again."""
+        return self._outage_since is not None and not self._hold_expired()
+
+    def _hold_expired(self) -> bool:
+        return self._closing.is_set() or (self._outage_since is not None
+                                          and time.monotonic() - self._outage_since >= self.hold_s)
+
+    def _failed(self) -> None:
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+
+    async def _pause(self, attempt: int) -> None:
+        """Between two tries while Redis does not answer (a shutdown ends it at once)."""
+        try:
+            await asyncio.wait_for(self._closing.wait(), min(1.0, 0.05 * 2 ** attempt))
+        except asyncio.TimeoutError:
+            pass
 
     @property
     def enabled(self) -> bool:
@@ -82,19 +116,29 @@ class StepLog:
 
     async def load(self, step_id: str, samples: bool = True) -> LoggedStep | None:
         """The step's log (without its samples when ``samples`` is False), or None: never
-        logged, expired, or Redis unreachable."""
+        logged, expired, or Redis unreachable for ``hold_s`` (retried meanwhile: a step
+        read as never logged is generated again, what the trainer saw included)."""
         if self._client is None:
             return None
         key = step_key(step_id)
-        try:
-            if samples:
-                fields = await asyncio.wait_for(self._client.hgetall(key), self.timeout_s * 5)
-            else:
-                values = await asyncio.wait_for(self._client.hmget(key, ["fp", "prompts"]), self.timeout_s * 5)
-                fields = {name: v for name, v in zip((b"fp", b"prompts"), values) if v is not None}
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
-            log.warning("step log unreadable for step %r: %s", step_id, exc)
-            return None
+        for attempt in itertools.count():
+            try:
+                if samples:
+                    fields = await asyncio.wait_for(self._client.hgetall(key), self.timeout_s * 5)
+                else:
+                    values = await asyncio.wait_for(self._client.hmget(key, ["fp", "prompts"]), self.timeout_s * 5)
+                    fields = {name: v for name, v in zip((b"fp", b"prompts"), values) if v is not None}
+                self._outage_since = None
+                break
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                self._failed()
+                if self._hold_expired():
+                    log.warning("step log unreadable for step %r: %s", step_id, exc)
+                    return None
+                if attempt == 0:
+                    log.warning("step log unreadable for step %r (%s); retrying for up to %.0f s", step_id, exc,
+                                self.hold_s)
+                await self._pause(attempt)
         if b"fp" not in fields or b"prompts" not in fields:
             return None
         prompt_ids, n = json.loads(fields[b"prompts"])
@@ -109,17 +153,22 @@ class StepLog:
     async def open(self, step_id: str, fingerprint: str, prompt_ids: list[str], n: int) -> None:
         await self._write(step_key(step_id), {"fp": fingerprint, "prompts": json.dumps([sorted(prompt_ids), n])})
 
-    async def append(self, step_id: str, samples: list[rollout_pb2.SampleResult]) -> None:
-        """Returns once the samples are in Redis (or Redis is down: then at once)."""
-        await self._write(step_key(step_id), {
+    async def append(self, step_id: str, samples: list[rollout_pb2.SampleResult]) -> bool:
+        """True once the samples are in Redis; False when Redis did not take them within
+        ``hold_s`` (or the log is off)."""
+        return await self._write(step_key(step_id), {
             "s:" + json.dumps([s.prompt_id, s.sample_index]): s.SerializeToString() for s in samples})
 
     async def close(self, step_id: str, summary: rollout_pb2.StepSummary) -> None:
-        await self._write(step_key(step_id), {"summary": summary.SerializeToString()})
+        """Not held (the trainer waits for the summary): a restarted scheduler that finds
+        every sample logged but no summary replays them and writes it again."""
+        await self._write(step_key(step_id), {"summary": summary.SerializeToString()}, hold=False)
 
     async def save_serving(self, version: int, sha256: str, path: str) -> bool:
-        """True once it is in Redis (False: Redis down or no log)."""
-        return await self._write(SERVING_KEY, {"version": str(version), "sha256": sha256, "path": path})
+        """True once it is in Redis (False: Redis down or no log). Not held (a push waits
+        on it): the watchdog writes it again until Redis takes it."""
+        return await self._write(SERVING_KEY, {"version": str(version), "sha256": sha256, "path": path},
+                                 hold=False)
 
     async def load_serving(self) -> tuple[int, str, str] | None:
         """(version, sha256, path) of the last push recorded, or None (no record, no Redis).
@@ -138,36 +187,40 @@ class StepLog:
         return int(fields[b"version"]), fields.get(b"sha256", b"").decode(), fields.get(b"path", b"").decode()
 
     async def shutdown(self) -> None:
+        self._closing.set()
         if self._flusher is not None:
             await asyncio.gather(self._flusher, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
 
-    async def _write(self, key: str, mapping: dict) -> bool:
-        """True once written; False when skipped (no log, Redis down) or failed."""
+    async def _write(self, key: str, mapping: dict, hold: bool = True) -> bool:
+        """True once written; False when skipped (no log, Redis down past ``hold_s``) or
+        failed. With ``hold``, a write Redis does not take is retried for up to ``hold_s``."""
         if self._client is None or not mapping:
             return False
         if time.monotonic() < self._down_until:
             metrics.step_log_writes.labels(result="skipped").inc(len(mapping))
             return False
         done = asyncio.get_running_loop().create_future()
-        self._pending.append((key, mapping, done))
+        self._pending.append((key, mapping, done, hold))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
         return await asyncio.shield(done)  # a cancelled waiter does not cancel the others' write
 
-    async def _execute(self, batch: list[tuple[str, dict, asyncio.Future]]) -> None:
+    async def _execute(self, batch: list[tuple[str, dict, asyncio.Future, bool]]) -> None:
         pipe = self._client.pipeline(transaction=False)
-        for key, mapping, _ in batch:
+        for key, mapping, _, _ in batch:
             pipe.hset(key, mapping=mapping)
             pipe.expire(key, self.ttl_s)
         await asyncio.wait_for(pipe.execute(), self.timeout_s * 5)
 
     async def _flush(self) -> None:
-        """Group commit: everything queued while the previous pipeline ran goes in the next."""
+        """Group commit: everything queued while the previous pipeline ran goes in the next.
+        While Redis does not answer, the held writes are tried again (with whatever was
+        queued meanwhile) until ``hold_s`` after the first failure; the others fail at once."""
+        attempt = 0
         while self._pending:
             batch, self._pending = self._pending, []
-            result = "ok"
             try:
                 try:
                     await self._execute(batch)
@@ -176,9 +229,33 @@ class StepLog:
                     # one is made for the retry (the writes are idempotent: HSET, EXPIRE).
                     await self._execute(batch)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
-                log.warning("step log write failed (%s); skipping writes for %.0f s", exc, self.retry_s)
-                self._down_until, result = time.monotonic() + self.retry_s, "failed"
-            metrics.step_log_writes.labels(result=result).inc(sum(len(m) for _, m, _ in batch))
-            for _, _, done in batch:
-                if not done.done():
-                    done.set_result(result == "ok")
+                self._failed()
+                metrics.step_log_writes.labels(result="failed").inc(sum(len(m) for _, m, _, _ in batch))
+                expired = self._hold_expired()
+                held = [] if expired else [w for w in batch if w[3]]
+                self._resolve([w for w in batch if not w[3] or expired], False)
+                if held:
+                    if attempt == 0:
+                        log.warning("step log write failed (%s); its samples wait for Redis (up to %.0f s)", exc,
+                                    self.hold_s)
+                    await self._pause(attempt)
+                    attempt += 1
+                    self._pending = held + self._pending
+                    continue
+                if not expired:  # only writes that do not wait (a summary, the serving record) failed
+                    log.warning("step log write failed (%s)", exc)
+                    continue
+                log.warning("step log write failed (%s); Redis down %.0f s: skipping writes for %.0f s (a "
+                            "restarted scheduler regenerates what they held)", exc,
+                            time.monotonic() - self._outage_since, self.retry_s)
+                self._down_until = time.monotonic() + self.retry_s
+                continue
+            attempt, self._outage_since = 0, None
+            metrics.step_log_writes.labels(result="ok").inc(sum(len(m) for _, m, _, _ in batch))
+            self._resolve(batch, True)
+
+    @staticmethod
+    def _resolve(batch: list[tuple[str, dict, asyncio.Future, bool]], ok: bool) -> None:
+        for _, _, done, _ in batch:
+            if not done.done():
+                done.set_result(ok)

@@ -93,3 +93,59 @@ def test_scheduler_kill_9_mid_step_loses_nothing_and_regenerates_only_the_missin
         assert all(got[k] == tokens for k, tokens in seen.items())
         total = sum(len(t) for t in reference.values())
         assert generated_after <= total - sum(len(t) for t in seen.values())
+
+
+def test_samples_streamed_while_redis_was_down_are_replayed_after_a_restart_and_a_push(tmp_path):
+    """Redis kill -9'd while a step streams (restarted once a step-log write met it),
+    then the scheduler kill -9'd and restarted and version 1 pushed before the trainer
+    re-submits the step id: every sample comes back as the trainer first saw it (version
+    0, its tokens), none is generated again at version 1. The long chaos run's 5
+    duplicates (issue 29): the log skipped writes for 5 s while samples streamed, and a
+    restarted scheduler generated them again at the pushed version, other tokens under
+    the same (prompt, sample index)."""
+    import threading
+
+    import grpc
+    from rhymerl import _calls
+    from rhymerl.v1 import rollout_pb2_grpc
+
+    from tests.e2e.cluster import prompts
+
+    model, other = save_tiny_model(tmp_path / "v0"), save_tiny_model(tmp_path / "v1", seed=1)
+    cluster = LocalCluster(model_dir=str(model), num_workers=2, policy="rhymerl", chunk_tokens=8,
+                           log_dir=tmp_path / "logs", separate_redis=True,
+                           extra_env={"RHYMERL_SCHEDULER_STEP_LOG_HOLD_S": "600"})  # never reached here
+    params = SamplingParams(temperature=1.0, max_tokens=64, seed=3, ignore_eos=True)
+    ps = prompts(6, offset=20)
+
+    stream_ended = threading.Event()
+
+    def restart_redis_once_a_write_failed() -> None:
+        """(or once the step ended: then every sample was logged before the kill)"""
+        while not stream_ended.wait(0.1) and not metric(
+                cluster.scrape("scheduler"), 'rhymerl:step_log_writes_total{result="failed"}'):
+            pass
+        cluster.restart("redis")
+
+    with cluster:
+        seen, restarter = {}, threading.Thread(target=restart_redis_once_a_write_failed, daemon=True)
+        with grpc.insecure_channel(cluster.scheduler_address) as channel:
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+            for event in stub.SubmitStep(_calls.step_request("outage", ps, 4, params, 0), timeout=300):
+                if event.HasField("sample"):
+                    s = event.sample
+                    seen[(s.prompt_id, s.sample_index)] = (s.policy_version, list(s.token_ids))
+                    if not restarter.is_alive() and len(seen) == 1:  # the step's record is logged: Redis goes
+                        cluster.kill("redis")
+                        restarter.start()
+        stream_ended.set()
+        restarter.join()
+        assert len(seen) == 24
+        cluster.kill("scheduler")
+        cluster.restart("scheduler", wait=False)
+        cluster.wait_registered(120)
+        with RolloutClient(cluster.scheduler_address, timeout_s=120, max_retries=10) as client:
+            assert client.load_weights(1, str(other)) == 1  # a push before the trainer re-submits
+            again = client.rollout("outage", ps, n=4, sampling=params)
+            assert client.stats().num_generated_tokens == 0  # nothing generated again
+        assert {s.key: (s.policy_version, s.token_ids) for s in again.samples} == seen

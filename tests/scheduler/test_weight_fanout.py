@@ -13,6 +13,7 @@ from rhymerl.v1 import common_pb2
 from services.common.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from services.common.redis_server import free_port
 from services.scheduler.serving import SETTLE_S
+from services.scheduler.step_log import StepLog
 from services.scheduler.weight_fanout import WeightFanout
 from tests.aio import run_async
 from tests.scheduler.fake_workers import FakeLink, collect, dispatch_pass, make_core, step
@@ -59,7 +60,10 @@ async def test_an_unreadable_record_holds_dispatch_until_the_fleets_version_sett
     fault campaign: 45 samples with two versions)."""
     link = FakeLink()
     link.versions = {"w0": 0, "w1": 3}
-    core = make_core(link, workers=0, redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    core = make_core(link, workers=0)
+    # hold_s=0: the step is submitted at once (with the default, it waits up to 30 s for
+    # Redis to know whether it was logged; test_log_outage.py)
+    core.log = StepLog(f"redis://127.0.0.1:{free_port()}/0", hold_s=0)
     await WeightFanout(core).restore()
     assert core.serving.unreadable and not core.serving.dispatchable
     core.register("w0", "fake:0", 4, 0, 96, 512)  # restarted on its initial weights: comes first

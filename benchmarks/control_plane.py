@@ -61,7 +61,8 @@ COLUMNS = [("policy", "policy", "{}"), ("workers", "workers", "{}"), ("samples",
            ("sched CPU ms / 1k samples", "sched_cpu_ms_per_1k", "{:.0f}"), ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
            ("health p99 ms", "health_p99_ms", "{:.0f}"), ("health max ms", "health_max_ms", "{:.0f}"),
            ("first sample s", "first_sample_s", "{:.2f}"), ("median sample s", "median_sample_s", "{:.2f}"),
-           ("wall s", "wall_s", "{:.1f}"), ("marked unhealthy", "marked_unhealthy", "{}"),
+           ("wall s", "wall_s", "{:.1f}"), ("marked unhealthy (in step)", "unhealthy_cell", "{}"),
+           ("chunks re-run", "chunks_rerun", "{}"),
            ("idle CPU cores", "idle_cpu_cores", "{:.3f}")]
 
 
@@ -82,14 +83,20 @@ def peak_rss_mb(pid: int) -> float:
 class SchedulerProcess:
     """``python -m services.cli scheduler`` on free ports, settings from the environment."""
 
-    def __init__(self, policy: str, log_path: Path, env: dict[str, str]):
+    def __init__(self, policy: str, log_path: Path, env: dict[str, str],
+                 channel_options: tuple[tuple[str, int], ...] = ()):
         self.port, self.log_path = free_port(), log_path
         full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "RHYMERL_SCHEDULER_HOST": "127.0.0.1", "RHYMERL_SCHEDULER_PORT": str(self.port),
                 "RHYMERL_SCHEDULER_METRICS_PORT": "0", "RHYMERL_SCHEDULER_HISTORY_ADDRESS": "",
                 "RHYMERL_SCHEDULER_REDIS_URL": "", "RHYMERL_SCHEDULER_POLICY": policy, **env}
+        argv = [sys.executable, "-m", "services.cli", "scheduler"]
+        if channel_options:  # the same CLI, its channels given these options too
+            full["RHYMERL_BENCH_CHANNEL_OPTIONS"] = json.dumps(channel_options)
+            argv[1:3] = ["-c", "from benchmarks.fake_fleet import add_channel_options; add_channel_options(); "
+                               "import sys; sys.argv[0] = 'rhymerl'; from services.cli import app; app()"]
         with open(log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler"], cwd=ROOT, env=full,
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=full,
                                          stdout=log, stderr=subprocess.STDOUT)
 
     @property
@@ -210,18 +217,19 @@ def _percentile(values: list[float], q: float) -> float:
 
 def run_row(workers: int, samples: int, policy: str, *, n: int = 16, slots: int = 256, response_tokens: int = 16,
             per_process: int = 64, settle_s: float = 3.0, step_timeout_s: float = 1800.0,
-            scheduler_env: dict[str, str] | None = None, log_dir: Path | None = None) -> dict:
+            scheduler_env: dict[str, str] | None = None, log_dir: Path | None = None,
+            channel_options: tuple[tuple[str, int], ...] = ()) -> dict:
     """One row: a fresh scheduler and fleet, one step; the measurements and the counts."""
     if samples % n:
         raise ValueError(f"samples ({samples}) must be a multiple of n ({n})")
     with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:
         log_path = (log_dir or Path(tmp)) / f"scheduler-{policy}-w{workers}-s{samples}.log"
-        sched = SchedulerProcess(policy, log_path, scheduler_env or {})
+        sched = SchedulerProcess(policy, log_path, scheduler_env or {}, channel_options)
         fleet = None
         try:
             sched.wait_serving()
             fleet = FakeFleet(FleetSpec(sched.address, workers, slots=slots, response_tokens=response_tokens,
-                                        per_process=per_process)).start()
+                                        per_process=per_process, channel_options=channel_options)).start()
             sched.wait_workers(workers, timeout_s=120 + workers / 8)
             idle_cpu = cpu_seconds(sched.proc.pid)
             time.sleep(settle_s)
@@ -235,6 +243,7 @@ def run_row(workers: int, samples: int, policy: str, *, n: int = 16, slots: int 
                 raise TimeoutError("the health prober did not start")
             parent.recv()
             before_fleet, before_cpu = fleet.stats(), cpu_seconds(sched.proc.pid)
+            unhealthy_before = sched.log_count("marked unhealthy")
             started = time.perf_counter()
             stream = submit_step(sched.address, f"bench-{policy}-{workers}-{samples}", samples // n, n,
                                  max_tokens=4 * response_tokens, timeout_s=step_timeout_s)
@@ -245,14 +254,17 @@ def run_row(workers: int, samples: int, policy: str, *, n: int = 16, slots: int 
             prober.join(10)
             after_fleet = fleet.stats()
             rss = peak_rss_mb(sched.proc.pid)
+            # counted before the fleet stops (its servers' GOAWAY fails the next polls)
+            unhealthy, dropped = sched.log_count("marked unhealthy"), sched.log_count("dropping worker")
         finally:
             if fleet is not None:
                 fleet.stop()
             sched.stop()
         chunks = after_fleet["items"] - before_fleet["items"]
+        chunks_needed = samples * -(-response_tokens // chunk_tokens(scheduler_env or {}, policy, response_tokens))
         row = {
             "policy": policy, "workers": workers, "samples": samples, "trainers": 1, "step_log": False,
-            "delivered": len(stream.keys), "lost": samples - len(stream.keys), "duplicated": stream.duplicated,
+            "chunks_rerun": chunks - chunks_needed, "delivered": len(stream.keys), "lost": samples - len(stream.keys), "duplicated": stream.duplicated,
             "aborted": stream.aborted, "summary": stream.summary is not None, "error": stream.error,
             "chunks": chunks, "run_calls": after_fleet["runs"] - before_fleet["runs"],
             "wall_s": wall, "samples_per_s": len(stream.keys) / wall, "chunks_per_s": chunks / wall,
@@ -262,11 +274,23 @@ def run_row(workers: int, samples: int, policy: str, *, n: int = 16, slots: int 
             "health_max_ms": 1e3 * max(latencies, default=float("nan")),
             "first_sample_s": stream.arrivals[0] if stream.arrivals else float("nan"),
             "median_sample_s": _percentile(stream.arrivals, 0.5),
-            "marked_unhealthy": sched.log_count("marked unhealthy"), "workers_dropped": sched.log_count("dropping worker"),
+            "marked_unhealthy": unhealthy, "marked_unhealthy_in_step": unhealthy - unhealthy_before,
+            "workers_dropped": dropped, "channel_options": [list(o) for o in channel_options],
             "idle_cpu_cores": idle_cores, "slots": slots, "response_tokens": response_tokens, "n": n,
             "scheduler_env": scheduler_env or {},
         }
+    row["unhealthy_cell"] = f"{row['marked_unhealthy']} ({row['marked_unhealthy_in_step']})"
     return row
+
+
+def chunk_tokens(env: dict[str, str], policy: str, response_tokens: int) -> int:
+    """Tokens per chunk of a sample (divided rollout), as the scheduler's settings give it."""
+    from services.scheduler.policies import make_policy, policy_options
+
+    configured = int(env.get("RHYMERL_SCHEDULER_CHUNK_TOKENS", "0"))
+    if "chunk_size" not in policy_options(policy):
+        return response_tokens  # whole requests
+    return configured or make_policy(policy).chunk_size
 
 
 def write(result: dict, out: Path, name: str) -> None:
@@ -292,10 +316,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--scheduler-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment for the scheduler (e.g. RHYMERL_SCHEDULER_CHUNK_TOKENS=8)")
     parser.add_argument("--step-timeout-s", type=float, default=1800.0, help="the trainer's deadline for the step")
+    parser.add_argument("--channel-option", action="append", default=[], metavar="KEY=INT",
+                        help="a gRPC option added to the scheduler's and the fakes' channels (e.g. "
+                             "grpc.min_reconnect_backoff_ms=200, the option removed for issue 31)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the scheduler's logs here")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--out-name", default="control_plane")
     args = parser.parse_args(argv)
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(kv.split("=", 1) for kv in args.scheduler_env)
+    options = tuple((k, int(v)) for k, v in (kv.split("=", 1) for kv in args.channel_option))
     rows = []
     for policy in args.policies.split(","):
         for workers in args.workers:
@@ -303,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row = run_row(workers, samples, policy, n=args.n, slots=args.slots,
                               response_tokens=args.response_tokens, per_process=args.per_process,
                               settle_s=args.settle_s, step_timeout_s=args.step_timeout_s,
-                              scheduler_env=env)
+                              scheduler_env=env, log_dir=args.log_dir, channel_options=options)
                 rows.append(row)
                 print(markdown_table([row], COLUMNS).splitlines()[-1], flush=True)
     load = os.getloadavg()
@@ -312,7 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
         "note": (f"{os.cpu_count()} cores shared by the scheduler, {args.per_process} fake workers per process, the "
                  f"trainer and the health prober (and other work on the machine: load average {load[0]:.1f} at the "
                  "end); the scheduler's CPU-seconds are the honest figure. Marked unhealthy: the scheduler's log over "
-                 "the row's life, start-up included."),
+                 "the row's life up to the step's end, start-up included (in the step: during the step alone). Chunks re-run: "
+                 "Run items the fleet answered beyond one per chunk of every sample (re-dispatched work)."),
         "load_average": load,
         "command": "python -m benchmarks.control_plane " + " ".join(sys.argv[1:] if argv is None else argv),
         "commit": git_commit(".", ":(exclude)benchmarks/results"), "device": f"CPU: {cpu_name()}",

@@ -35,6 +35,7 @@ class FleetSpec:
     heartbeat_s: float = 2.0  # the workers' default (RHYMERL_WORKER_HEARTBEAT_S)
     per_process: int = 64
     prefix: str = "fake"
+    channel_options: tuple[tuple[str, int], ...] = ()  # added to every channel (benchmarks compare options)
 
 
 def _tokens(position: int, count: int, sample_index: int) -> list[int]:
@@ -131,8 +132,23 @@ async def _serve(conn, spec: FleetSpec, worker_ids: list[str]) -> None:
     conn.send(dict(counts))
 
 
+def add_channel_options(options=None) -> None:
+    """Adds gRPC options to every channel this process's services open
+    (``services.common.grpc_server.CHANNEL_OPTIONS``); by default those in
+    $RHYMERL_BENCH_CHANNEL_OPTIONS (JSON pairs), which the control-plane benchmark sets
+    for the scheduler it starts."""
+    import json
+
+    from services.common import grpc_server
+
+    if options is None:
+        options = json.loads(os.environ.get("RHYMERL_BENCH_CHANNEL_OPTIONS", "[]"))
+    grpc_server.CHANNEL_OPTIONS += [(str(k), int(v)) for k, v in options]
+
+
 def _process_main(conn, spec: FleetSpec, worker_ids: list[str]) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    add_channel_options(spec.channel_options)
     asyncio.run(_serve(conn, spec, worker_ids))
 
 

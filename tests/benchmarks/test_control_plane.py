@@ -24,9 +24,9 @@ def test_benchmark_row_counts_every_sample_and_chunk(tmp_path):
     row, = result["rows"]
     assert row["error"] == "" and row["summary"]
     assert (row["delivered"], row["lost"], row["duplicated"], row["aborted"]) == (48, 0, 0, 0)
-    assert row["chunks"] == 3 * 48
+    assert row["chunks"] == 3 * 48 and row["chunks_rerun"] == 0
     assert 1 <= row["run_calls"] <= row["chunks"]
-    assert row["marked_unhealthy"] == 0 and row["workers_dropped"] == 0
+    assert row["marked_unhealthy"] == row["marked_unhealthy_in_step"] == row["workers_dropped"] == 0
     assert row["health_failures"] == 0 and row["health_checks"] >= 1
     assert row["sched_cpu_s"] >= 0 and row["peak_rss_mb"] > 0
     assert ISSUE_FIELDS <= set(row)

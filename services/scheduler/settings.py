@@ -71,11 +71,11 @@ class SchedulerSettings(TLSSettings):
         "", description="A JSON-lines file every policy call and decision is appended to, for offline replay "
                         "(python -m services.scheduler.simulator.replay FILE); empty: not recorded.")
     gc_thresholds: str = Field(
-        "700,10,100", description="The scheduler process's garbage collector: once started, every object is frozen "
-                                  "(gc.freeze: imports, servers, settings are never scanned again) and collections "
-                                  "run at these thresholds (gen0,gen1,gen2 as gc.set_threshold; CPython's are "
-                                  "700,10,10). Empty: CPython's defaults, nothing frozen. docs/architecture.md has "
-                                  "the measurement behind the default.")
+        "10000,50,100", description="The scheduler process's garbage collector: once started, every object is "
+                                    "frozen (gc.freeze: imports, servers, settings are never scanned again) and "
+                                    "collections run at these thresholds (gen0,gen1,gen2 as gc.set_threshold; "
+                                    "CPython's are 700,10,10). Empty: CPython's defaults, nothing frozen. "
+                                    "docs/architecture.md has the measurement behind the default.")
 
     @field_validator("gc_thresholds")
     @classmethod

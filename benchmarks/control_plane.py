@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "the row's life up to the step's end, start-up included (in the step: during the step alone). Chunks re-run: "
                  "Run items the fleet answered beyond one per chunk of every sample (re-dispatched work)."),
         "load_average": load,
-        "command": "python -m benchmarks.control_plane " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python -m benchmarks.control_plane", *(sys.argv[1:] if argv is None else argv)]),
         "commit": git_commit(".", ":(exclude)benchmarks/results"), "device": f"CPU: {cpu_name()}",
     }
     print(markdown_table(rows, COLUMNS))

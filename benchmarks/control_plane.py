@@ -3,16 +3,19 @@ workers that answer instantly, one trainer, real gRPC on loopback.
 
     python -m benchmarks.control_plane                        # W in {64, 512} x S in {8192, 65536}, static and rhymerl
     python -m benchmarks.control_plane --workers 1024 --samples 16384 --policies rhymerl --out-name NAME
+    python -m benchmarks.control_plane --workers 512 --samples 65536 --trainers 1,16 --step-log both
 
-Per row (workers W x samples S x policy), everything fresh:
-1. The scheduler as its CLI starts it (``python -m services.cli scheduler``, no history,
-   no step log), its own process; its log in a temporary directory.
+Per row (workers W x samples S x trainers T x step log x policy), everything fresh:
+1. The scheduler as its CLI starts it (``python -m services.cli scheduler``, no history;
+   the step log, with ``--step-log``, in a fresh redis-server), its own process; its log
+   in a temporary directory (``--log-dir`` keeps it).
 2. W fake workers (``benchmarks/fake_fleet.py``: 64 WorkerService endpoints per process,
    each registering and heartbeating as a real worker does, ``--slots`` slots,
    ``--response-tokens`` tokens per sample, answered at once).
 3. Once every worker is registered and healthy, ``--settle-s`` seconds idle (the
-   scheduler's idle CPU: heartbeats and watchdog polls), then one trainer submits one
-   step of S samples (S / ``--n`` prompts x ``--n``) and reads its stream to the summary.
+   scheduler's idle CPU: heartbeats and watchdog polls), then T trainers (threads of this
+   process) each submit a step of S / T samples (S / T / ``--n`` prompts x ``--n``) at once
+   and read their streams to the summary.
    Meanwhile a separate process polls the scheduler's gRPC health service
    (grpc.health.v1 Check, 10 s timeout, back to back with 50 ms pauses).
 
@@ -31,6 +34,7 @@ Writes benchmarks/results/<out-name>.{md,json} (``rows``, device, commit, comman
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -49,7 +53,7 @@ from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from benchmarks.fake_fleet import FakeFleet, FleetSpec
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
-from services.common.redis_server import free_port
+from services.common.redis_server import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -57,6 +61,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 HEALTH_TIMEOUT_S = 10.0
 
 COLUMNS = [("policy", "policy", "{}"), ("workers", "workers", "{}"), ("samples", "samples", "{}"),
+           ("trainers", "trainers", "{}"), ("step log", "step_log", "{}"),
            ("samples/s", "samples_per_s", "{:.0f}"), ("chunks/s", "chunks_per_s", "{:.0f}"),
            ("sched CPU ms / 1k samples", "sched_cpu_ms_per_1k", "{:.0f}"), ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
            ("health p99 ms", "health_p99_ms", "{:.0f}"), ("health max ms", "health_max_ms", "{:.0f}"),
@@ -93,8 +98,8 @@ class SchedulerProcess:
         argv = [sys.executable, "-m", "services.cli", "scheduler"]
         if channel_options:  # the same CLI, its channels given these options too
             full["RHYMERL_BENCH_CHANNEL_OPTIONS"] = json.dumps(channel_options)
-            argv[1:3] = ["-c", "from benchmarks.fake_fleet import add_channel_options; add_channel_options(); "
-                               "import sys; sys.argv[0] = 'rhymerl'; from services.cli import app; app()"]
+            argv[1:3] = ["-c", ("from benchmarks.fake_fleet import add_channel_options; add_channel_options(); "
+                                "import sys; sys.argv[0] = 'rhymerl'; from services.cli import app; app()")]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(argv, cwd=ROOT, env=full,
                                          stdout=log, stderr=subprocess.STDOUT)
@@ -111,7 +116,8 @@ class SchedulerProcess:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"the scheduler exited:\n{self.log_tail()}")
                 try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
                         return
                 except grpc.RpcError:
                     pass
@@ -183,7 +189,9 @@ class StepStream:
     error: str = ""
 
 
-def submit_step(address: str, step_id: str, prompts: int, n: int, max_tokens: int, timeout_s: float) -> StepStream:
+def submit_step(address: str, step_id: str, prompts: int, n: int, max_tokens: int, timeout_s: float,
+                started: float | None = None) -> StepStream:
+    """One trainer's step; arrivals in seconds after ``started`` (perf_counter; default: now)."""
     request = rollout_pb2.SubmitStepRequest(
         step_id=step_id, n=n, sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, logprobs=True,
                                                                  seed=1),
@@ -191,7 +199,7 @@ def submit_step(address: str, step_id: str, prompts: int, n: int, max_tokens: in
                  for i in range(prompts)])
     out = StepStream()
     with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
-        started = time.perf_counter()
+        started = time.perf_counter() if started is None else started
         try:
             for event in rollout_pb2_grpc.RolloutServiceStub(ch).SubmitStep(request, timeout=timeout_s):
                 if event.HasField("summary"):
@@ -215,16 +223,45 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_row(workers: int, samples: int, policy: str, *, n: int = 16, slots: int = 256, response_tokens: int = 16,
+def run_trainers(address: str, step_id: str, samples: int, trainers: int, n: int, max_tokens: int,
+                 timeout_s: float) -> StepStream:
+    """``trainers`` threads, each submitting its own step of samples / trainers samples at
+    once; their streams merged (arrivals from the common start, in order)."""
+    started = time.perf_counter()
+    streams: list[StepStream] = [StepStream() for _ in range(trainers)]
+
+    def one(i: int) -> None:
+        streams[i] = submit_step(address, f"{step_id}-t{i}" if trainers > 1 else step_id, samples // trainers // n, n,
+                                 max_tokens, timeout_s, started)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(trainers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    merged = StepStream(arrivals=sorted(a for s in streams for a in s.arrivals),
+                        keys={(i, *k) for i, s in enumerate(streams) for k in s.keys},
+                        duplicated=sum(s.duplicated for s in streams), aborted=sum(s.aborted for s in streams),
+                        error="; ".join(s.error for s in streams if s.error))
+    merged.summary = streams[0].summary if all(s.summary is not None for s in streams) else None
+    return merged
+
+
+def run_row(workers: int, samples: int, policy: str, *, trainers: int = 1, step_log: bool = False, n: int = 16,
+            slots: int = 256, response_tokens: int = 16,
             per_process: int = 64, settle_s: float = 3.0, step_timeout_s: float = 1800.0,
             scheduler_env: dict[str, str] | None = None, log_dir: Path | None = None,
             channel_options: tuple[tuple[str, int], ...] = ()) -> dict:
-    """One row: a fresh scheduler and fleet, one step; the measurements and the counts."""
-    if samples % n:
-        raise ValueError(f"samples ({samples}) must be a multiple of n ({n})")
+    """One row: a fresh scheduler (with a fresh Redis for its step log if ``step_log``)
+    and fleet, one step per trainer; the measurements and the counts."""
+    if samples % (n * trainers):
+        raise ValueError(f"samples ({samples}) must be a multiple of n x trainers ({n} x {trainers})")
     with tempfile.TemporaryDirectory(prefix="control-plane-") as tmp:
-        log_path = (log_dir or Path(tmp)) / f"scheduler-{policy}-w{workers}-s{samples}.log"
-        sched = SchedulerProcess(policy, log_path, scheduler_env or {}, channel_options)
+        name = f"scheduler-{policy}-w{workers}-s{samples}-t{trainers}{'-log' * step_log}.log"
+        log_path = (log_dir or Path(tmp)) / name
+        redis = EmbeddedRedis().start() if step_log else None
+        env = {**(scheduler_env or {}), **({"RHYMERL_SCHEDULER_REDIS_URL": redis.url} if redis else {})}
+        sched = SchedulerProcess(policy, log_path, env, channel_options)
         fleet = None
         try:
             sched.wait_serving()
@@ -245,8 +282,8 @@ def run_row(workers: int, samples: int, policy: str, *, n: int = 16, slots: int 
             before_fleet, before_cpu = fleet.stats(), cpu_seconds(sched.proc.pid)
             unhealthy_before = sched.log_count("marked unhealthy")
             started = time.perf_counter()
-            stream = submit_step(sched.address, f"bench-{policy}-{workers}-{samples}", samples // n, n,
-                                 max_tokens=4 * response_tokens, timeout_s=step_timeout_s)
+            stream = run_trainers(sched.address, f"bench-{policy}-{workers}-{samples}", samples, trainers, n,
+                                  max_tokens=4 * response_tokens, timeout_s=step_timeout_s)
             wall = time.perf_counter() - started
             cpu = cpu_seconds(sched.proc.pid) - before_cpu
             stop.set()
@@ -256,15 +293,20 @@ def run_row(workers: int, samples: int, policy: str, *, n: int = 16, slots: int 
             rss = peak_rss_mb(sched.proc.pid)
             # counted before the fleet stops (its servers' GOAWAY fails the next polls)
             unhealthy, dropped = sched.log_count("marked unhealthy"), sched.log_count("dropping worker")
+            logging_on = sched.log_count("step log on") == 1
         finally:
             if fleet is not None:
                 fleet.stop()
             sched.stop()
+            if redis is not None:
+                redis.stop()
         chunks = after_fleet["items"] - before_fleet["items"]
         chunks_needed = samples * -(-response_tokens // chunk_tokens(scheduler_env or {}, policy, response_tokens))
         row = {
-            "policy": policy, "workers": workers, "samples": samples, "trainers": 1, "step_log": False,
-            "chunks_rerun": chunks - chunks_needed, "delivered": len(stream.keys), "lost": samples - len(stream.keys), "duplicated": stream.duplicated,
+            "policy": policy, "workers": workers, "samples": samples, "trainers": trainers, "step_log": step_log,
+            "step_log_on": logging_on,
+            "chunks_rerun": chunks - chunks_needed, "delivered": len(stream.keys), "lost": samples - len(stream.keys),
+            "duplicated": stream.duplicated,
             "aborted": stream.aborted, "summary": stream.summary is not None, "error": stream.error,
             "chunks": chunks, "run_calls": after_fleet["runs"] - before_fleet["runs"],
             "wall_s": wall, "samples_per_s": len(stream.keys) / wall, "chunks_per_s": chunks / wall,
@@ -304,10 +346,16 @@ def write(result: dict, out: Path, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
     parser.add_argument("--workers", type=ints, default=[64, 512], help="fleet sizes, comma-separated")
     parser.add_argument("--samples", type=ints, default=[8192, 65536], help="samples per step, comma-separated")
     parser.add_argument("--policies", default="static,rhymerl", help="placement policies, comma-separated")
+    parser.add_argument("--trainers", type=ints, default=[1],
+                        help="trainers, comma-separated: each submits its own step of samples / trainers at once")
+    parser.add_argument("--step-log", default="off", choices=["off", "on", "both"],
+                        help="the scheduler's step log in a fresh redis-server (RHYMERL_SCHEDULER_REDIS_URL)")
     parser.add_argument("--n", type=int, default=16, help="samples per prompt")
     parser.add_argument("--slots", type=int, default=256, help="max_num_seqs each fake worker registers")
     parser.add_argument("--response-tokens", type=int, default=16)
@@ -330,9 +378,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for policy in args.policies.split(","):
         for workers in args.workers:
-            for samples in args.samples:
-                row = run_row(workers, samples, policy, n=args.n, slots=args.slots,
-                              response_tokens=args.response_tokens, per_process=args.per_process,
+            for samples, trainers, step_log in itertools.product(
+                    args.samples, args.trainers, {"off": [False], "on": [True], "both": [False, True]}[args.step_log]):
+                row = run_row(workers, samples, policy, trainers=trainers, step_log=step_log, n=args.n,
+                              slots=args.slots, response_tokens=args.response_tokens, per_process=args.per_process,
                               settle_s=args.settle_s, step_timeout_s=args.step_timeout_s,
                               scheduler_env=env, log_dir=args.log_dir, channel_options=options)
                 rows.append(row)
@@ -343,8 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
         "note": (f"{os.cpu_count()} cores shared by the scheduler, {args.per_process} fake workers per process, the "
                  f"trainer and the health prober (and other work on the machine: load average {load[0]:.1f} at the "
                  "end); the scheduler's CPU-seconds are the honest figure. Marked unhealthy: the scheduler's log over "
-                 "the row's life up to the step's end, start-up included (in the step: during the step alone). Chunks re-run: "
-                 "Run items the fleet answered beyond one per chunk of every sample (re-dispatched work)."),
+                 "the row's life up to the step's end, start-up included (in the step: during the step alone). Chunks "
+                 "re-run: Run items the fleet answered beyond one per chunk of every sample (re-dispatched work)."),
         "load_average": load,
         "command": " ".join(["python -m benchmarks.control_plane", *(sys.argv[1:] if argv is None else argv)]),
         "commit": git_commit(".", ":(exclude)benchmarks/results"), "device": f"CPU: {cpu_name()}",

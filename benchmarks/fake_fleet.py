@@ -60,8 +60,9 @@ def make_servicer(worker_id: str, spec: FleetSpec, counts: Counter):
                     limit = item.sampling.max_tokens or spec.response_tokens
                     n = max(0, min(item.max_new_tokens, spec.response_tokens - done, limit - done))
                     total = done + n
-                    finish = (common_pb2.FINISH_REASON_STOP if total >= spec.response_tokens else
-                              common_pb2.FINISH_REASON_LENGTH if total >= limit else common_pb2.FINISH_REASON_UNSPECIFIED)
+                    finish = (common_pb2.FINISH_REASON_STOP if total >= spec.response_tokens
+                              else common_pb2.FINISH_REASON_LENGTH if total >= limit
+                              else common_pb2.FINISH_REASON_UNSPECIFIED)
                     counts["tokens"] += n
                     counts["finished"] += finish != common_pb2.FINISH_REASON_UNSPECIFIED
                     yield worker_pb2.ChunkResult(
@@ -167,8 +168,9 @@ class FakeFleet:
         ctx = multiprocessing.get_context("spawn")
         for first in range(0, len(self.ids), self.spec.per_process):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_process_main, args=(child, self.spec, self.ids[first:first + self.spec.per_process]),
-                               daemon=True, name=f"fake-fleet-{first // self.spec.per_process}")
+            ids = self.ids[first:first + self.spec.per_process]
+            proc = ctx.Process(target=_process_main, args=(child, self.spec, ids), daemon=True,
+                               name=f"fake-fleet-{first // self.spec.per_process}")
             proc.start()
             child.close()
             self.procs.append((proc, parent))

@@ -15,14 +15,17 @@ ISSUE_FIELDS = {"workers", "samples", "trainers", "chunks_per_s", "samples_per_s
 
 @pytest.mark.slow
 def test_benchmark_row_counts_every_sample_and_chunk(tmp_path):
-    # 3 workers, 2 per process; 12 prompts x 4 samples; 10-token responses in chunks of 4
-    # tokens: each sample is 3 chunks (4 + 4 + 2), so the fleet answers 3 x 48 items.
+    # 3 workers, 2 per process; 2 trainers, each 6 prompts x 4 samples, the step log on;
+    # 10-token responses in chunks of 4 tokens: each sample is 3 chunks (4 + 4 + 2), so
+    # the fleet answers 3 x 48 items.
     result = control_plane.main([
-        "--workers", "3", "--samples", "48", "--policies", "rhymerl", "--n", "4", "--slots", "8",
+        "--workers", "3", "--samples", "48", "--trainers", "2", "--step-log", "on", "--policies", "rhymerl",
+        "--n", "4", "--slots", "8",
         "--response-tokens", "10", "--per-process", "2", "--settle-s", "0", "--step-timeout-s", "120",
         "--scheduler-env", "RHYMERL_SCHEDULER_CHUNK_TOKENS=4", "--out", str(tmp_path), "--out-name", "cp"])
     row, = result["rows"]
     assert row["error"] == "" and row["summary"]
+    assert (row["trainers"], row["step_log"], row["step_log_on"]) == (2, True, True)
     assert (row["delivered"], row["lost"], row["duplicated"], row["aborted"]) == (48, 0, 0, 0)
     assert row["chunks"] == 3 * 48 and row["chunks_rerun"] == 0
     assert 1 <= row["run_calls"] <= row["chunks"]
@@ -33,5 +36,5 @@ def test_benchmark_row_counts_every_sample_and_chunk(tmp_path):
     written = json.loads((tmp_path / "cp.json").read_text())
     assert written["rows"] == json.loads(json.dumps(result["rows"]))
     assert {"device", "commit", "command"} <= set(written)
-    assert "| rhymerl | 3 | 48 |" in (tmp_path / "cp.md").read_text()
+    assert "| rhymerl | 3 | 48 | 2 | True |" in (tmp_path / "cp.md").read_text()
 

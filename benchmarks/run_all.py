@@ -18,6 +18,7 @@ CPU = [
     ["benchmarks.engine_bench", "--device", "cpu"],
     ["benchmarks.batch_invariant_bench", "--device", "cpu"],
     ["benchmarks.e2e_bench"],
+    ["benchmarks.control_plane"],  # the scheduler process under a fake fleet (a few minutes)
     ["benchmarks.vllm_bench"],  # vLLM's engine with each proposer beside ours (make install-vllm)
     # The long fault campaign (make test runs a short one): separate processes, kill -9s.
     ["benchmarks.chaos", "--seed", "1", "--faults", "200", "--steps", "50"],

@@ -23,8 +23,12 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     # A peer that restarted (a killed pod) is reconnected within a second or two: gRPC's
     # default backoff grows to 120 s, and every call fails fast until it expires.
+    # Not grpc.min_reconnect_backoff_ms: gRPC core uses it as the connect timeout
+    # (MIN_CONNECT_TIMEOUT of doc/connection-backoff.md, grpc/grpc#12830), so 200 ms there
+    # failed every connect that took longer, as connects do under load (a 1,024-worker
+    # fleet flapped unhealthy; docs/architecture.md). Its default, 20 s, bounds a connect
+    # to an unreachable peer; a refused one fails at once and is retried after the backoff.
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 # Servers accept the clients' keepalive pings above: gRPC's default (one per 5 minutes

@@ -8,6 +8,7 @@ the process itself ("") stays SERVING while it runs (liveness).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -189,7 +190,21 @@ def _auth(settings: SchedulerSettings) -> list[BearerTokenAuth]:
     return [BearerTokenAuth(tokens, [ROLLOUT_SERVICE])]
 
 
+def tune_gc(thresholds: tuple[int, int, int] | None) -> None:
+    """Freezes what start-up allocated (the collector never scans it again) and sets the
+    collector's thresholds; None leaves CPython's defaults. Measured in
+    docs/architecture.md: a step's samples and chunks are many long-lived objects, and
+    with the default gen-2 threshold full collections rescan them again and again."""
+    if thresholds is None:
+        return
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*thresholds)
+    log.info("garbage collector: %d start-up objects frozen, thresholds %s", gc.get_freeze_count(), thresholds)
+
+
 async def serve(settings: SchedulerSettings) -> None:
     metrics.serve_metrics(settings.metrics_port)
     _, _, stop = await start_scheduler(settings)
+    tune_gc(settings.gc_threshold_values())
     await run_until_signal(stop)

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.security import TLSSettings
@@ -82,6 +82,24 @@ class SchedulerSettings(TLSSettings):
     record_events: str = Field(
         "", description="A JSON-lines file every policy call and decision is appended to, for offline replay "
                         "(python -m services.scheduler.simulator.replay FILE); empty: not recorded.")
+    gc_thresholds: str = Field(
+        "10000,50,100", description="The scheduler process's garbage collector: once started, every object is "
+                                    "frozen (gc.freeze: imports, servers, settings are never scanned again) and "
+                                    "collections run at these thresholds (gen0,gen1,gen2 as gc.set_threshold; "
+                                    "CPython's are 700,10,10). Empty: CPython's defaults, nothing frozen. "
+                                    "docs/architecture.md has the measurement behind the default.")
+
+    @field_validator("gc_thresholds")
+    @classmethod
+    def _three_thresholds(cls, value: str) -> str:
+        if value.strip():
+            parts = value.split(",")
+            if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+                raise ValueError(f"gc_thresholds: three non-negative integers gen0,gen1,gen2 or empty, not {value!r}")
+        return value
+
+    def gc_threshold_values(self) -> tuple[int, int, int] | None:
+        return tuple(int(p) for p in self.gc_thresholds.split(",")) if self.gc_thresholds.strip() else None
 
     def static_workers(self) -> list[str]:
         return [w.strip() for w in self.workers.split(",") if w.strip()]

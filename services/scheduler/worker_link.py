@@ -90,18 +90,24 @@ def outcome(code: grpc.StatusCode, details: str) -> RunOutcome:
 
 
 class GrpcWorkerLink:
-    """Channels to the workers (one per worker, opened on first use)."""
+    """Channels to the workers (one per worker, opened on first use), each with its stub:
+    building a stub binds every method of the service anew, which the scheduler would
+    otherwise pay on every Run call and every watchdog poll."""
 
     def __init__(self, tls: TLSConfig | None = None):
         self.tls = tls
-        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}  # worker_id -> (address, channel)
+        # worker_id -> (address, channel, stub); the stub goes with its channel
+        self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
         self._closing: dict[grpc.aio.Channel, asyncio.Task] = {}  # reset channels, until their calls end
 
     def stub(self, worker: WorkerHandle) -> worker_pb2_grpc.WorkerServiceStub:
         known = self._channels.get(worker.worker_id)
         if known is None or known[0] != worker.address:
-            self._channels[worker.worker_id] = (worker.address, channel(worker.address, self.tls))
-        return worker_pb2_grpc.WorkerServiceStub(self._channels[worker.worker_id][1])
+            if known is not None:  # it moved: the old channel would only wait out its backoff
+                asyncio.ensure_future(known[1].close())
+            ch = channel(worker.address, self.tls)
+            known = self._channels[worker.worker_id] = (worker.address, ch, worker_pb2_grpc.WorkerServiceStub(ch))
+        return known[2]
 
     async def run(self, worker: WorkerHandle, policy_version: int, chunks: list[Chunk]) -> AsyncIterator[LinkEvent]:
         """Sends ``chunks`` in one Run call; yields each result, then one RunEnded."""

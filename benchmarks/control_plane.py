@@ -108,38 +108,35 @@ class SchedulerProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def wait_serving(self, timeout_s: float = 60.0) -> None:
+    def _poll(self, ask, ready, timeout_s: float, interval_s: float, what: str) -> None:
+        """Calls ``ask`` until ``ready(answer)``; an RPC error counts as not ready yet."""
         deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the scheduler exited:\n{self.log_tail()}")
+            try:
+                if ready(ask()):
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} in {timeout_s} s:\n{self.log_tail()}")
+            time.sleep(interval_s)
+
+    def wait_serving(self, timeout_s: float = 60.0) -> None:
         with grpc.insecure_channel(self.address) as ch:
             stub = health_pb2_grpc.HealthStub(ch)
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the scheduler exited:\n{self.log_tail()}")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the scheduler did not serve in {timeout_s} s:\n{self.log_tail()}")
-                time.sleep(0.1)
+            self._poll(lambda: stub.Check(health_pb2.HealthCheckRequest(), timeout=1),
+                       lambda reply: reply.status == health_pb2.HealthCheckResponse.SERVING,
+                       timeout_s, 0.1, "the scheduler did not serve")
 
     def wait_workers(self, expected: int, timeout_s: float) -> None:
         """Until ``expected`` workers are registered and healthy."""
-        deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.address) as ch:
             stub = rollout_pb2_grpc.RolloutServiceStub(ch)
-            while True:
-                try:
-                    stats = stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=10)
-                    if sum(w.healthy for w in stats.workers) >= expected:
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{expected} workers not registered in {timeout_s} s:\n{self.log_tail()}")
-                time.sleep(0.25)
+            self._poll(lambda: stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=10),
+                       lambda stats: sum(w.healthy for w in stats.workers) >= expected,
+                       timeout_s, 0.25, f"{expected} workers not registered")
 
     def log_count(self, text: str) -> int:
         return sum(text in line for line in self.log_path.read_text(errors="replace").splitlines())

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import signal
 import statistics
@@ -242,17 +243,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--soak-steps", type=int, default=40, help="steps of the memory soak (0: none)")
     parser.add_argument("--soak-cap-mb", type=int, default=16, help="the scheduler's cap on kept steps in the soak")
     parser.add_argument("--only-fair-share", action="store_true",
-                        help="no campaign: only the fair-share measure, printed (nothing written)")
+                        help="no campaign: only the fair-share measure (written to fair_share.{md,json})")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="rhymerl-chaos-") as tmp:
         result = campaign(args, Path(tmp))
-    if args.only_fair_share:
-        print(json.dumps(result, indent=2))
-        return result
     result.update(command="python -m benchmarks.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
                   commit=git_commit(), device=f"CPU: {cpu_name()}")
+    if args.only_fair_share:  # its own file: chaos.json stays the whole campaign's
+        print(json.dumps(result, indent=2))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fair_share.json").write_text(json.dumps(result, indent=1) + "\n")
+        fair = result["fair_share"]
+        (args.out / "fair_share.md").write_text(
+            f"# A small step beside a huge one (fair share)\n\n`{result['command']}` at {result['commit']} on "
+            f"{result['device']} (load average {os.getloadavg()[0]:.1f} at the end)\n\n| | |\n|---|---|\n"
+            + "\n".join(f"| {k} | {v} |" for k, v in fair.items()) + "\n")
+        return result
     write(result, args.out)
     return result
 

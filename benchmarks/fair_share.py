@@ -1,7 +1,8 @@
 """How long does a small step take beside a huge one? (The chaos campaign's fair-share
 figure; the services are the campaign's real processes.)
 
-A trainer's 4 prompts x 4 samples, timed alone, then while another trainer's
+A trainer's 4 prompts x 4 samples x 64 tokens, and a very small step of 2 x 2 x 16
+tokens (the issue-29 case that once took 11x its time alone), each timed alone, then while another trainer's
 16 x 4096 = 65,536-sample step holds the fleet; meanwhile a probe times the
 scheduler's health check. Medians of ``repeats`` runs, each under its own step id (a
 re-used id would replay instead of generate). Beside each time, the workers' mean engine
@@ -23,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.local import LocalCluster
 
 SMALL = dict(temperature=1.0, max_tokens=64, seed=5, ignore_eos=True)
+TINY = dict(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)
 BIG = dict(temperature=1.0, max_tokens=64, seed=6, ignore_eos=True)
 
 
@@ -51,14 +53,15 @@ def _mean_step_ms(before: tuple[float, float], after: tuple[float, float]) -> fl
     return round(1000 * (after[0] - before[0]) / steps, 2) if steps else None
 
 
-def _time_small(client, tag: str, repeats: int) -> float:
+def _time_small(client, tag: str, repeats: int, prompts: int = 4, n: int = 4, sampling: dict = SMALL) -> float:
     from rhymerl import SamplingParams
 
     times = []
     for r in range(repeats):
         started = time.monotonic()
-        result = client.rollout(f"small/{tag}/{r}", _prompts(4, 0), n=4, sampling=SamplingParams(**SMALL))
-        assert len(result.samples) == 16
+        result = client.rollout(f"small/{tag}/{prompts}x{n}/{r}", _prompts(prompts, 0), n=n,
+                                sampling=SamplingParams(**sampling))
+        assert len(result.samples) == prompts * n
         times.append(time.monotonic() - started)
     return statistics.median(times)
 
@@ -70,6 +73,7 @@ def measure_fair_share(cluster: LocalCluster, repeats: int = 3) -> dict:
     with RolloutClient(address, timeout_s=600, max_retries=3) as client:
         mark = _engine_step_totals(cluster)
         alone = _time_small(client, "alone", repeats)
+        tiny_alone = _time_small(client, "alone", repeats, 2, 2, TINY)
         step_ms_alone = _mean_step_ms(mark, _engine_step_totals(cluster))
         got, stop, health_s = [], threading.Event(), []
 
@@ -96,6 +100,7 @@ def measure_fair_share(cluster: LocalCluster, repeats: int = 3) -> dict:
             time.sleep(0.2)
         mark = _engine_step_totals(cluster)
         beside = _time_small(client, "beside", repeats)
+        tiny_beside = _time_small(client, "beside", repeats, 2, 2, TINY)
         step_ms_beside = _mean_step_ms(mark, _engine_step_totals(cluster))
         big_done_when_small_done = len(got)
         client.cancel_step("big")
@@ -107,4 +112,6 @@ def measure_fair_share(cluster: LocalCluster, repeats: int = 3) -> dict:
             "big_samples_done_meanwhile": big_done_when_small_done,
             "engine_step_ms_alone": step_ms_alone, "engine_step_ms_beside": step_ms_beside,
             "engine_step_ratio": round(step_ms_beside / step_ms_alone, 2) if step_ms_alone and step_ms_beside else None,
-            "health_check_max_s": round(max(health_s), 3) if health_s else None}
+            "health_check_max_s": round(max(health_s), 3) if health_s else None,
+            "tiny_alone_s": round(tiny_alone, 3), "tiny_beside_big_s": round(tiny_beside, 3),
+            "tiny_ratio": round(tiny_beside / tiny_alone, 2)}

@@ -8,6 +8,7 @@ wheel bundles.
 from __future__ import annotations
 
 import atexit
+import random
 import shutil
 import socket
 import subprocess
@@ -18,8 +19,41 @@ from pathlib import Path
 import redis
 
 
+_LOW_PORT = 10000  # below the usual reserved-for-nothing-special ports
+_given: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, for a process started later to bind.
+
+    Taken below the ephemeral range: a port the OS hands out for ``bind(0)`` (what
+    vLLM, gRPC clients and every other "free port" helper get) could be taken by one of
+    them between now and the later bind, which then fails with EADDRINUSE (seen: a vLLM
+    worker's metrics port, taken while vLLM loaded). Never the same port twice in a
+    process."""
+    low, _ = _ephemeral_range()
+    rng = random.Random()
+    if low - _LOW_PORT > 1000:
+        for _ in range(200):
+            port = rng.randrange(_LOW_PORT, low)
+            if port in _given:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _given.add(port)
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: the OS's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -80,24 +80,6 @@ BREAKDOWN = [("epoch", "epoch", "{}"), ("system", "system", "{}"), ("wall s", "w
              ("eager forwards", "eager_forwards", "{:.0f}"), ("prompt tokens", "prompt_tokens", "{:.0f}")]
 
 
-def worker_counters(cluster) -> dict[str, float]:
-    """The engine counters of every worker of `cluster`, summed: steps and step seconds by
-    kind, forwards by mode, prompt tokens prefilled."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float] = {}
-    for name in [n for n in cluster.procs if n.startswith("worker")]:
-        for family in text_string_to_metric_families(cluster.scrape(name)):
-            for sample in family.samples:
-                key = {"rhymerl:engine_step_seconds_count": f"{sample.labels.get('kind')}_steps",
-                       "rhymerl:engine_step_seconds_sum": f"{sample.labels.get('kind')}_s",
-                       "rhymerl:engine_forwards_total": f"{sample.labels.get('mode')}_forwards",
-                       "rhymerl:prompt_tokens_total": "prompt_tokens"}.get(sample.name)
-                if key is not None:
-                    totals[key] = totals.get(key, 0.0) + sample.value
-    return totals
-
-
 def breakdown(epoch: int, system: str, wall_s: float, before: dict, after: dict) -> dict:
     """One system's epoch: the counters' growth over it, beside its wall time."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -292,13 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         with base, ours, RolloutClient(base.scheduler_address) as b, RolloutClient(ours.scheduler_address) as r:
             print(f"both systems up after {time.monotonic() - start:.0f} s; {args.epochs} epochs", flush=True)
 
-            counters = {"baseline": worker_counters(base), "rhymerl": worker_counters(ours)}
+            counters = {"baseline": base.engine_counters(), "rhymerl": ours.engine_counters()}
 
             def on_epoch(epoch: int, base_step: TimedStep, ours_step: TimedStep) -> None:
                 rows.append(epoch_row(epoch, base_step, ours_step))
                 rows[-1]["breakdown"] = []
                 for system, cluster, step in (("baseline", base, base_step), ("rhymerl", ours, ours_step)):
-                    now = worker_counters(cluster)
+                    now = cluster.engine_counters()
                     rows[-1]["breakdown"].append(breakdown(epoch, system, step.wall_s, counters[system], now))
                     counters[system] = now
                 print(" | ".join(f"{title} {fmt.format(rows[-1][key])}" for title, key, fmt in COLUMNS),

@@ -36,16 +36,9 @@ def _prompts(k: int, offset: int):
 
 def _engine_step_totals(cluster: LocalCluster) -> tuple[float, float]:
     """(sum of seconds, count) of every worker's engine steps so far."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = count = 0.0
-    for name in cluster.workers:
-        for family in text_string_to_metric_families(cluster.scrape(name, timeout_s=10)):
-            if family.name == "rhymerl:engine_step_seconds":
-                for sample in family.samples:
-                    total += sample.value if sample.name.endswith("_sum") else 0.0
-                    count += sample.value if sample.name.endswith("_count") else 0.0
-    return total, count
+    counters = cluster.engine_counters()
+    return (sum(v for k, v in counters.items() if k.endswith("_s")),
+            sum(v for k, v in counters.items() if k.endswith("_steps")))
 
 
 def _mean_step_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:

@@ -202,6 +202,23 @@ class LocalCluster:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_ports[name]}/metrics", timeout=timeout_s) as r:
             return r.read().decode()
 
+    def engine_counters(self) -> dict[str, float]:
+        """Every worker's engine counters now, summed: ``<kind>_steps`` and ``<kind>_s`` (the
+        engine_step_seconds histogram's count and sum by kind: prefill, decode, verify),
+        ``<mode>_forwards`` (graph, eager) and ``prompt_tokens``."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        names = {"rhymerl:engine_step_seconds_count": "{kind}_steps", "rhymerl:engine_step_seconds_sum": "{kind}_s",
+                 "rhymerl:engine_forwards_total": "{mode}_forwards", "rhymerl:prompt_tokens_total": "prompt_tokens"}
+        totals: dict[str, float] = {}
+        for name in self.workers:
+            for family in text_string_to_metric_families(self.scrape(name, timeout_s=10)):
+                for sample in family.samples:
+                    if sample.name in names:
+                        key = names[sample.name].format(**sample.labels)
+                        totals[key] = totals.get(key, 0.0) + sample.value
+        return totals
+
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.log_dir / f"{name}.log"
         return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else ""

@@ -127,14 +127,15 @@ class GPURuntime:
                                f"bundle: add it to deploy/gpu/requirements.txt")
             raise NotReady(f"{len(failed)} modules fail to import, first {name}: {kind}: {what}")
 
-    def check_redis(self) -> str:
+    def check_redis(self) -> tuple[str, str]:
+        """(the redis-server that runs, its version line)."""
         server = shutil.which("redis-server", path=self.env()["PATH"])
         if server is None:
             raise NotReady("no redis-server: neither on this machine nor in the bundle's bin/")
         done = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=10)
         if done.returncode != 0:
             raise NotReady(f"{server} does not run here: {done.stderr.strip()}")
-        return f"{server}: {done.stdout.strip()}"
+        return server, done.stdout.strip()
 
     def device(self) -> dict:
         return json.loads(self.python(_DEVICE))

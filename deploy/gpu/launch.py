@@ -122,8 +122,7 @@ def run(mode: str, runtime: GPURuntime, out: Path, extra: list[str]) -> None:
             except subprocess.TimeoutExpired:
                 child.kill()
     print(f"({mode}: exit {code} after {time.monotonic() - start:.0f} s)", flush=True)
-    summary = summarize_tests(out / "gpu_tests.xml", out, shown(command), name="gpu_tests") if mode == "test" \
-        else None
+    summary = summarize_tests(out / "gpu_tests.xml", out, shown(command)) if mode == "test" else None
     if mode == "train" and (ROOT / "models/small/train_log.json").exists():
         shutil.copy2(ROOT / "models/small/train_log.json", out / "train_small.json")
     if code != 0:
@@ -332,10 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stopped)
     try:
         runtime = GPURuntime(Path(args.bundle), Path(args.site) if args.site else None)
-        print(f"rhymerl GPU run `{args.mode}`: Python {sys.version.split()[0]} ({sys.executable}) "
-              f"+ bundle {runtime.bundle} (built at {runtime.manifest.get('commit')})", flush=True)
+        # Paths inside the checkout as the repository names them: the log is committed with the results.
+        print(f"rhymerl GPU run `{args.mode}`: Python {sys.version.split()[0]} "
+              f"+ bundle {relative(runtime.bundle)} (built at {runtime.manifest.get('commit')})", flush=True)
         runtime.install()
-        print(runtime.check_redis(), flush=True)
+        server, version = runtime.check_redis()
+        print(f"{relative(Path(server))}: {version}", flush=True)
         print("importing every module of services/, kernels/, benchmarks/ and the SDK ...", flush=True)
         runtime.check_imports()
         device = runtime.device()

@@ -19,7 +19,7 @@ from pathlib import Path
 import redis
 
 
-_LOW_PORT = 10000  # below the usual reserved-for-nothing-special ports
+_LOW_PORT = 10000  # the lowest port handed out (well-known and common service ports lie below)
 _given: set[int] = set()
 
 

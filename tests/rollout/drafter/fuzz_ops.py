@@ -59,6 +59,12 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             vals[rng.randrange(n)] = rng.choice(bad_tokens)
         return _i32(vals)
 
+    def packed(resp: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Responses as the C ABI takes them: tokens end to end (never an empty buffer) and
+        their offsets; unchecked, unlike compiled._flatten, so hostile tokens reach the core."""
+        flat = _i32(np.concatenate(resp).tolist() if resp else [0])
+        return flat, np.asarray([0] + np.cumsum([r.size for r in resp]).tolist(), dtype=np.int64)
+
     def slot(hostile: bool) -> int:
         if hostile:
             return rng.choice([-1, SLOTS, 2**31 - 1, -2**31, rng.randrange(SLOTS)])
@@ -106,9 +112,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
                 assert all(0 <= x <= K for x in out_lens[:n].tolist())
         elif op == 4:  # history
             num = rng.randint(0, 3)
-            resp = [tokens(rng.randrange(10), hostile and rng.random() < 0.3) for _ in range(num)]
-            flat = _i32(np.concatenate(resp).tolist() if resp else [0])
-            offsets = np.asarray([0] + np.cumsum([r.size for r in resp]).tolist(), dtype=np.int64)
+            flat, offsets = packed([tokens(rng.randrange(10), hostile and rng.random() < 0.3) for _ in range(num)])
             if hostile and num:
                 offsets[rng.randrange(1, num + 1)] = rng.choice([-1, 0])  # decreasing (within the array)
             ages = _i32([rng.choice([0, 1, -1]) if hostile else rng.randint(0, 3) for _ in range(max(num, 1))])
@@ -117,9 +121,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             rc = lib.rhd_load_history(h, rng.choice([1, 2]), _ptr(flat), _ptr(offsets), num, _ptr(ages), _ptr(weights))
         elif op == 5:  # global
             num = rng.randint(0, 3)
-            resp = [tokens(rng.randrange(12), hostile and rng.random() < 0.3) for _ in range(num)]
-            flat = _i32(np.concatenate(resp).tolist() if resp else [0])
-            offsets = np.asarray([0] + np.cumsum([r.size for r in resp]).tolist(), dtype=np.int64)
+            flat, offsets = packed([tokens(rng.randrange(12), hostile and rng.random() < 0.3) for _ in range(num)])
             if hostile and num:
                 offsets[0] = rng.choice([0, 1, -1])
             rc = lib.rhd_add_global(h, _ptr(flat), _ptr(offsets), num)

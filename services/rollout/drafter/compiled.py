@@ -4,8 +4,11 @@ The same lifecycle and the same drafts as the Python `HistoDrafter` (the referen
 tests hold it to, draft for draft), at a few microseconds per sequence per step:
 
 - One C call per engine step drafts for the whole batch (`propose`): requests are integer
-  slots, the inputs go through preallocated buffers whose addresses are computed once
-  (no `ctypes.data_as` per call), and the drafts come back in one flat buffer.
+  slots, the step's inputs are packed into one buffer bound to the core once (`rhd_bind`),
+  so the call itself takes only the drafter's handle, and the drafts come back back to
+  back in one buffer with their offsets. The cost threshold (`budget.gain_threshold`) is
+  computed in the core from the cost model's curve, which is handed over only when the
+  cost model says it changed (`CostModel.version`).
 - Commits are deferred: `add_tokens` and `record_acceptance` only stage the request's slot
   and tokens in two int32 arrays (validated as they are staged); the staged commits reach
   the core in one call (`flush`), which every other call runs first, so the index inserts
@@ -28,7 +31,7 @@ import json
 import os
 import sys
 from array import array
-from itertools import accumulate, chain, repeat
+from itertools import repeat
 from operator import is_not
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -37,7 +40,6 @@ from struct import error as StructError
 
 import numpy as np
 
-from services.rollout.drafter.budget import gain_threshold
 from services.rollout.drafter.config import DrafterConfig
 from services.rollout.drafter.drafter import UnknownRequestError
 from services.rollout.drafter.prompt_index import reward_factors
@@ -46,7 +48,7 @@ from services.rollout.drafter.request_state import DrafterStats
 LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
 BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_TOKEN = 2**31 - 1  # token ids the core takes: [0, MAX_TOKEN] (an int32's)
 _INT31 = 2**31 - 1
 _STATS = 6  # RHD_STAT_COUNT
@@ -71,7 +73,13 @@ _SIGNATURES = {
     "rhd_global_tokens": (ctypes.c_int64, [_P]),
     "rhd_global_bytes": (ctypes.c_int64, [_P]),
     "rhd_prompt_totals": (ctypes.c_int, [_P, _P]),
+    "rhd_bind": (ctypes.c_int, [_P, _P, _I32, _P, _P, _P]),
+    "rhd_step": (ctypes.c_int, [_P]),
+    "rhd_set_curve": (ctypes.c_int, [_P, _P, _P, _I32]),
+    "rhd_gain_threshold": (ctypes.c_int, [_P, _I64, _D, _D, _P]),
 }
+_NO_BUDGET = -2**63  # rhd_step's "no limit"
+_HEADER = 4  # rhd_step's params: n, budget, min_gain, num_seqs, then the slots and the max_lens
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
@@ -206,20 +214,22 @@ class CompiledDrafter:
         # Staged commits: 4 int32 per operation (kind, slot, a, b), and their tokens.
         self._ops = array("i")
         self._toks = array("i")
-        # Propose's buffers, allocated once; their addresses computed once.
+        # The step's buffers, allocated once and bound to the core once (rhd_bind).
         k = max(1, config.max_draft_len)
-        self._in_slots = np.zeros(max_slots, dtype=np.int32)
-        self._in_lens = np.zeros(max_slots, dtype=np.int64)
+        self._params = np.zeros(_HEADER + 2 * max_slots, dtype=np.int64)
         self._out_tokens = np.zeros(max_slots * k, dtype=np.int32)
         self._out_gains = np.zeros(max_slots * k, dtype=np.float64)
-        self._out_lens = np.zeros(max_slots, dtype=np.int32)
-        self._packs: dict[int, tuple[Struct, Struct]] = {}  # per batch size: the inputs' packers
-        addrs = (self._in_slots.ctypes.data, self._in_lens.ctypes.data, self._out_tokens.ctypes.data,
-                 self._out_gains.ctypes.data, self._out_lens.ctypes.data)
-        propose, commit = lib.rhd_propose, lib.rhd_commit
-        in_slots, in_lens, out_tokens, out_gains, out_lens = addrs
-        self._propose_call = lambda n, budget, min_gain: propose(h, n, in_slots, in_lens, budget, min_gain,
-                                                                 out_tokens, out_gains, out_lens)
+        self._out_offsets = np.zeros(max_slots + 1, dtype=np.int32)
+        self._tokens_view = memoryview(self._out_tokens)  # slices of it: .tolist() without numpy's overhead
+        self._offsets_view = memoryview(self._out_offsets)
+        self._check(lib.rhd_bind(h, self._params.ctypes.data, max_slots, self._out_tokens.ctypes.data,
+                                 self._out_gains.ctypes.data, self._out_offsets.ctypes.data))
+        # per batch size: the step's packer (made ahead for small batches: the tail's steps
+        # are short, so making one there would cost more than the step's drafting)
+        self._packs: dict[int, Struct] = {n: Struct(f"=qqdq{n}q{n}q") for n in range(min(max_slots, 64) + 1)}
+        self._curve_of: tuple[object, int] | None = None  # (cost model, its version) the core has
+        self._step = lambda step=lib.rhd_step: step(h)
+        commit = lib.rhd_commit
         self._commit_call = lambda ops, n_ops, toks, n_toks: commit(h, n_ops, ops, toks, n_toks)
 
     def _create(self, config: DrafterConfig):
@@ -415,24 +425,53 @@ class CompiledDrafter:
                                    else repeat(_NO_STOPS, n)):
                 if cached[slot] is not stops:
                     self._set_stops(slot, stops)
-        packs = self._packs.get(n) or self._packs.setdefault(n, (Struct(f"{n}i"), Struct(f"{n}q")))
-        packs[0].pack_into(self._in_slots, 0, *ids)  # a few times faster than numpy's from a list
-        try:
-            packs[1].pack_into(self._in_lens, 0, *max_lens)
-        except (StructError, TypeError) as exc:
-            raise ValueError(f"max_lens: {exc}") from None
         cfg = self._config
-        min_gain = cfg.min_gain
-        if cfg.cost_model is not None:
-            stats = self._stats
-            min_gain = max(min_gain, gain_threshold(cfg.cost_model, num_seqs or n, stats[0], stats[1]))
-        rc = self._propose_call(n, -1 if budget is None else min(max(0, int(budget)), 1 << 62), min_gain)
+        model = cfg.cost_model
+        if model is None:
+            if self._curve_of is not None:
+                self._set_curve(None)
+        elif self._curve_of is None or self._curve_of[0] is not model or self._curve_of[1] != model.version:
+            self._set_curve(model)
+        pack = self._packs.get(n) or self._packs.setdefault(n, Struct(f"=qqdq{n}q{n}q"))
+        try:
+            pack.pack_into(self._params, 0, n, _NO_BUDGET if budget is None else budget, cfg.min_gain,
+                           num_seqs or 0, *ids, *max_lens)
+        except (StructError, TypeError):
+            self._pack_slowly(pack, n, ids, max_lens, budget, num_seqs)
+        rc = self._step()
         if rc < 0:
             self._check(rc)
-        lens = self._out_lens[:n].tolist()
-        ends = list(accumulate(lens))
-        flat = self._out_tokens[:ends[-1] if ends else 0].tolist()
-        return list(map(flat.__getitem__, map(slice, chain((0,), ends), ends)))
+        ends = self._offsets_view[:n + 1].tolist()
+        flat = self._tokens_view[:ends[-1]].tolist()
+        return list(map(flat.__getitem__, map(slice, ends, ends[1:])))
+
+    def _pack_slowly(self, pack: Struct, n: int, ids: list[int], max_lens, budget, num_seqs) -> None:
+        """The step's inputs where the fast pack refused them: a budget that is not an int64
+        (clamped, as the reference does), or a ValueError naming the bad field."""
+        try:
+            lens = [int(x) for x in max_lens]
+            Struct(f"={n}q").pack(*lens)
+        except (StructError, TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"max_lens: {exc}") from None
+        try:
+            b = _NO_BUDGET if budget is None else min(max(0, int(budget)), 1 << 62)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"budget: {exc}") from None
+        if not isinstance(num_seqs or 0, int) or not 0 <= (num_seqs or 0) <= 1 << 31:
+            raise ValueError(f"num_seqs must be an int in [0, 2^31], not {num_seqs!r}")
+        pack.pack_into(self._params, 0, n, b, self._config.min_gain, num_seqs or 0, *ids, *lens)
+
+    def _set_curve(self, model) -> None:
+        """Hands the cost model's current curve to the core (None: no cost threshold)."""
+        if model is None:
+            self._check(self._lib.rhd_set_curve(self._handle, 0, 0, 0))
+            self._curve_of = None
+            return
+        curve = model.curve()
+        xs = np.asarray(curve.num_tokens, dtype=np.float64)
+        ys = np.asarray(curve.ms, dtype=np.float64)
+        self._check(self._lib.rhd_set_curve(self._handle, xs.ctypes.data, ys.ctypes.data, xs.size))
+        self._curve_of = (model, model.version)
 
     def _set_stops(self, slot: int, stops) -> None:
         values = np.fromiter((t for t in stops if 0 <= t <= MAX_TOKEN), dtype=np.int32)
@@ -468,6 +507,19 @@ class CompiledDrafter:
         s = self._stats
         return DrafterStats(int(s[2]), int(s[3]), int(s[4]), int(s[5]), int(totals[0]), int(totals[1]),
                             self.global_tokens())
+
+    def gain_threshold(self, num_seqs: int, draft_per_seq: float, gain_per_seq: float) -> float:
+        """`budget.gain_threshold` on the cost model's curve as the core computes it for a
+        step (the tests hold it to the Python function); ValueError without a cost model."""
+        model = self._config.cost_model
+        if model is None:
+            raise ValueError("no cost model: drafts are not priced")
+        if self._curve_of is None or self._curve_of[0] is not model or self._curve_of[1] != model.version:
+            self._set_curve(model)
+        out = ctypes.c_double()
+        self._check(self._lib.rhd_gain_threshold(self._handle, num_seqs, draft_per_seq, gain_per_seq,
+                                                 ctypes.addressof(out)))
+        return out.value
 
     def slot_of(self, request_id: str) -> int:
         """The request's slot (its index in the core's arrays)."""

@@ -29,6 +29,9 @@ class CostModel:
         self.min_samples = min_samples
         self.ema = ema
         self._measured: dict[int, list[float]] = {}  # bucket -> [ema_ms, num_samples]
+        # Bumped whenever the measured curve may have changed (what caches of it key on).
+        self.version = 0
+        self._curve: tuple[int, CostCurve] | None = None
 
     @classmethod
     def for_num_params(cls, num_params: int, **kw) -> "CostModel":
@@ -37,9 +40,15 @@ class CostModel:
         return cls(zip(prior.num_tokens, prior.ms), **kw)
 
     def curve(self) -> CostCurve:
-        """The measured curve once two buckets have enough samples, else the H100 prior."""
+        """The measured curve once two buckets have enough samples, else the H100 prior
+        (built once per `version`: the engine and the drafter read it several times a step)."""
+        cached = self._curve
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
         measured = [(b, ms) for b, (ms, n) in sorted(self._measured.items()) if n >= self.min_samples]
-        return CostCurve.from_points(measured) if self.measure and len(measured) >= 2 else self.prior
+        curve = CostCurve.from_points(measured) if self.measure and len(measured) >= 2 else self.prior
+        self._curve = (self.version, curve)
+        return curve
 
     def step_ms(self, num_tokens: int) -> float:
         return self.curve().forward_ms(num_tokens)
@@ -70,3 +79,4 @@ class CostModel:
         entry = self._measured.setdefault(bucket, [ms, 0])
         entry[0] = ms if entry[1] == 0 else (1 - self.ema) * entry[0] + self.ema * ms
         entry[1] += 1
+        self.version += 1

@@ -52,6 +52,15 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
     out_tokens = np.zeros(SLOTS * 4 * K, dtype=np.int32)
     out_gains = np.zeros(SLOTS * 4 * K, dtype=np.float64)
     out_lens = np.zeros(SLOTS * 4, dtype=np.int32)
+    # the batched step's buffers (rhd_bind): params for SLOTS requests, drafts, offsets
+    params = np.zeros(4 + 2 * SLOTS, dtype=np.int64)
+    step_tokens = np.zeros(SLOTS * K, dtype=np.int32)
+    step_gains = np.zeros(SLOTS * K, dtype=np.float64)
+    step_offsets = np.zeros(SLOTS + 1, dtype=np.int32)
+    assert lib.rhd_step(h) == RC_INVAL  # nothing bound yet
+    assert lib.rhd_bind(h, _ptr(params), SLOTS + 1, _ptr(step_tokens), _ptr(step_gains), _ptr(step_offsets)) \
+        == RC_INVAL  # a capacity past the drafter's slots
+    assert lib.rhd_bind(h, _ptr(params), SLOTS, _ptr(step_tokens), _ptr(step_gains), _ptr(step_offsets)) == RC_OK
 
     def tokens(n: int, hostile: bool) -> np.ndarray:
         vals = [rng.randrange(6) for _ in range(n)]
@@ -72,7 +81,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
 
     for _ in range(num_calls):
         hostile = rng.random() < 0.5
-        op = rng.randrange(9)
+        op = rng.randrange(11)
         if op == 0:  # start
             s = slot(hostile) if hostile else rng.randrange(SLOTS)
             n = rng.choice([0, 3, 100_000]) if hostile else rng.randrange(8)
@@ -133,6 +142,32 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             lib.rhd_memory_tokens(h, rng.choice([1, 2, 99]))
             lib.rhd_memory_bytes(h, rng.choice([1, 2, 99]))
             lib.rhd_global_tokens(h)
+        elif op == 9:  # the batched step, its params written as the wrapper would (or not)
+            n = rng.choice([-1, SLOTS + 1, 2**40, 0]) if hostile else rng.randint(0, len(running))
+            slots = [slot(hostile and rng.random() < 0.3) for _ in range(max(0, min(n, SLOTS)))]
+            lens = [rng.choice([0, 3, 16, -5, 2**62]) for _ in slots]
+            gain = rng.choice([0.1, 0.0, float("nan"), float("inf"), -1.0]) if hostile else 0.1
+            params[:] = 0
+            params[:4] = [n, rng.choice([-2**63, -1, 0, 3, 2**62, 2**63 - 1]),
+                          np.float64(gain).view(np.int64), rng.choice([0, 1, 256, -3, 2**40]) if hostile else 0]
+            params[4:4 + len(slots)] = slots
+            params[4 + len(slots):4 + 2 * len(slots)] = lens
+            rc = lib.rhd_step(h)
+            if rc == RC_OK:
+                offsets = step_offsets[:n + 1].tolist()
+                assert offsets[0] == 0 and all(0 <= b - a <= K for a, b in zip(offsets, offsets[1:]))
+        elif op == 10:  # cost curves, some hostile; and the threshold they give
+            num = rng.choice([0, 1, 2, 5, -1, 5000]) if hostile else rng.choice([0, 2, 5])
+            xs = np.arange(1, max(num, 2) + 1, dtype=np.float64) * rng.choice([1, 3, 64])
+            ys = np.asarray([rng.uniform(0.1, 5.0) for _ in xs], dtype=np.float64)
+            if hostile and num > 1:
+                ys[rng.randrange(num)] = rng.choice([float("nan"), 0.0, -1.0, float("inf")])
+            rc = lib.rhd_set_curve(h, _ptr(xs), _ptr(ys), num)
+            if num == 5000:
+                assert rc == RC_INVAL
+            out = ctypes.c_double()
+            lib.rhd_gain_threshold(h, rng.choice([1, 64, -1, 2**40]), rng.choice([0.5, float("nan"), -1.0]),
+                                   rng.choice([1.0, float("inf")]), ctypes.addressof(out))
         else:  # null arrays with counts
             rc = rng.choice([
                 lambda: lib.rhd_commit(h, 3, None, None, 5),
@@ -140,6 +175,8 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
                 lambda: lib.rhd_load_history(h, 1, None, None, 2, None, None),
                 lambda: lib.rhd_add_global(h, None, None, 1),
                 lambda: lib.rhd_start(h, 0, 1, None, 4, None, 0),
+                lambda: lib.rhd_set_curve(h, None, None, 3),
+                lambda: lib.rhd_gain_threshold(h, 4, 1.0, 1.0, None),
             ])()
             assert rc == RC_INVAL
         assert rc in (0, 1, RC_INVAL), (op, rc, lib.rhd_last_error(h))

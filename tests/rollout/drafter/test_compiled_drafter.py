@@ -29,7 +29,9 @@ from services.rollout.drafter.compiled import (
     DrafterLibraryError,
     load_library,
 )
+from services.rollout.drafter.budget import gain_threshold
 from services.rollout.drafter.native import build
+from services.rollout.engine.cost_model import CostModel
 from tests.rollout.drafter import fuzz_ops, parity_ops
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -257,3 +259,27 @@ def test_a_worker_without_its_library_refuses_to_start_in_one_line(tmp_path, dra
         assert "loading" not in proc.stderr.split("make install")[0].split("\n")[-1]
     else:
         assert not lines, proc.stderr
+
+
+# -- the cost threshold ---------------------------------------------------------------
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_the_cost_threshold_the_core_computes_is_the_reference_function_bit_for_bit(measured):
+    """rhd_step prices drafts with budget.gain_threshold computed in C++ on the cost model's
+    curve: it must equal the Python function exactly (Python's round-half-even of the
+    token count, the curve's bisect and its segment at the ends, the slope's clamp), on the
+    H100 prior and on a measured curve as it changes."""
+    model = CostModel(measure=measured, min_samples=1)
+    drafter = CompiledDrafter(DrafterConfig(cost_model=model), max_slots=4)
+    rng = np.random.default_rng(0)
+    for round_ in range(4):
+        if measured:  # a new measured curve each round (the core must be handed each one)
+            for bucket in (1, 8, 32, 64, 256, 1024):
+                model.observe(bucket, float(rng.uniform(0.5, 9.0)))
+        for num_seqs in [1, 2, 3, 7, 15, 16, 17, 63, 64, 255, 256, 1000, 5000]:
+            # x.5 token counts (ties round to even), integers, and arbitrary statistics
+            for draft_per_seq in (0.0, 0.5, 1.5, 2.5, 0.25, float(rng.uniform(0, 16))):
+                gain_per_seq = float(rng.uniform(0, 4))
+                want = gain_threshold(model, num_seqs, draft_per_seq, gain_per_seq)
+                assert drafter.gain_threshold(num_seqs, draft_per_seq, gain_per_seq) == want, \
+                    (round_, num_seqs, draft_per_seq)

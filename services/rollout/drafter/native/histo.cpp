@@ -1130,6 +1130,72 @@ struct Drafter {
     return true;
   }
 
+  // rhd_bind's buffers and rhd_set_curve's curve.
+  int64_t *bound_params = nullptr;
+  int32_t bound_capacity = 0;
+  int32_t *bound_tokens = nullptr, *bound_offsets = nullptr;
+  double *bound_gains = nullptr;
+  std::vector<double> curve_x, curve_y;
+  std::vector<int32_t> sc_slots;
+
+  double forward_ms(double t) const {  // cost_curve.CostCurve.forward_ms (t > 0)
+    const std::vector<double> &xs = curve_x, &ys = curve_y;
+    if (t < xs[0]) return ys[0];
+    size_t i = (size_t)(std::upper_bound(xs.begin(), xs.end(), t) - xs.begin());  // bisect_right
+    i = std::min(std::max<size_t>(i, 1), xs.size() - 1);
+    double slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]);
+    double v = ys[i - 1] + slope * (t - xs[i - 1]);
+    return 1e-6 > v ? 1e-6 : v;
+  }
+  static int64_t round_half_even(double x) {  // Python's round() of a float in [0, 2^62)
+    int64_t i = (int64_t)x;
+    double frac = x - (double)i;
+    return frac > 0.5 || (frac == 0.5 && (i & 1)) ? i + 1 : i;
+  }
+  double gain_threshold(int64_t num_seqs, double draft_per_seq_, double gain_per_seq_) const {  // budget.gain_threshold
+    if (num_seqs <= 0) return 0.0;
+    double want = (double)num_seqs * (1.0 + draft_per_seq_);
+    if (!(want < 4e18)) invalid("num_seqs too large");
+    int64_t num_tokens = std::max<int64_t>(1, round_half_even(want));
+    double ms = forward_ms((double)num_tokens);
+    double slope = (forward_ms((double)(num_tokens + 16)) - ms) / 16;
+    return (slope > 0.0 ? slope : 0.0) * (double)num_seqs * (1.0 + gain_per_seq_) / ms;
+  }
+  void set_curve(const double *xs, const double *ys, int32_t num) {
+    if (num < 0 || (num > 0 && (xs == nullptr || ys == nullptr)) || num == 1 || num > 4096)
+      invalid("a cost curve needs 0 or 2..4096 points");
+    for (int32_t k = 0; k < num; ++k) {
+      if (!std::isfinite(xs[k]) || !std::isfinite(ys[k]) || !(ys[k] > 0.0)) invalid("curve point %lld is not finite and positive", k);
+      if (k && !(xs[k] > xs[k - 1])) invalid("the curve's token counts must increase");
+    }
+    curve_x.assign(xs, xs + num);
+    curve_y.assign(ys, ys + num);
+  }
+  void step() {  // rhd_step: propose over the bound buffers
+    if (bound_params == nullptr) invalid("no buffers bound (rhd_bind)");
+    const int64_t n = bound_params[0], num_seqs = bound_params[3];
+    int64_t budget = bound_params[1];
+    double min_gain;
+    std::memcpy(&min_gain, &bound_params[2], sizeof min_gain);
+    if (n < 0 || n > bound_capacity) invalid("%lld requests in one step, more than the %lld bound", n, bound_capacity);
+    if (num_seqs < 0 || num_seqs > ((int64_t)1 << 31)) invalid("num_seqs %lld out of range", num_seqs);
+    budget = budget == INT64_MIN ? -1 : std::min(std::max<int64_t>(budget, 0), (int64_t)1 << 62);
+    sc_slots.resize((size_t)n);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t slot = bound_params[4 + i];
+      if (slot < 0 || slot >= cfg.max_slots) invalid("slot %lld out of range [0, %lld)", slot, cfg.max_slots);
+      sc_slots[(size_t)i] = (int32_t)slot;
+    }
+    if (!curve_x.empty()) {
+      double threshold = gain_threshold(num_seqs ? num_seqs : n, draft_per_seq, gain_per_seq);
+      if (threshold > min_gain) min_gain = threshold;
+    }
+    propose((int32_t)n, sc_slots.data(), bound_params + 4 + n, budget, min_gain, bound_tokens, bound_gains,
+            bound_offsets + 1);
+    bound_offsets[0] = 0;
+    for (int64_t i = 0; i < n; ++i) bound_offsets[i + 1] += bound_offsets[i];
+  }
+
   // Scratch of propose, reused from call to call: row i holds request i's draft.
   std::vector<int32_t> sc_tok, sc_len, sc_keep;
   std::vector<double> sc_gain, sc_bound, sc_ranked;
@@ -1398,6 +1464,41 @@ RHD_EXPORT int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64
                            double min_gain, int32_t *out_tokens, double *out_gains, int32_t *out_lens) {
   return guarded(h, [&](Drafter &d) {
     d.propose(n, slots, max_lens, budget, min_gain, out_tokens, out_gains, out_lens);
+    return 0;
+  });
+}
+
+RHD_EXPORT int rhd_bind(void *h, int64_t *params, int32_t capacity, int32_t *out_tokens, double *out_gains,
+                        int32_t *out_offsets) {
+  return guarded(h, [&](Drafter &d) {
+    if (params == nullptr || out_tokens == nullptr || out_gains == nullptr || out_offsets == nullptr)
+      invalid("null step buffer");
+    if (capacity < 0 || capacity > d.cfg.max_slots) invalid("capacity %lld out of range [0, max_slots]", capacity);
+    d.bound_params = params;
+    d.bound_capacity = capacity;
+    d.bound_tokens = out_tokens;
+    d.bound_gains = out_gains;
+    d.bound_offsets = out_offsets;
+    return 0;
+  });
+}
+
+RHD_EXPORT int rhd_step(void *h) {
+  return guarded(h, [&](Drafter &d) { d.step(); return 0; });
+}
+
+RHD_EXPORT int rhd_set_curve(void *h, const double *num_tokens, const double *ms, int32_t num) {
+  return guarded(h, [&](Drafter &d) { d.set_curve(num_tokens, ms, num); return 0; });
+}
+
+RHD_EXPORT int rhd_gain_threshold(void *h, int64_t num_seqs, double draft_per_seq, double gain_per_seq,
+                                  double *out) {
+  return guarded(h, [&](Drafter &d) {
+    if (out == nullptr || d.curve_x.empty()) invalid("no curve set, or a null output");
+    if (!(draft_per_seq >= 0.0 && draft_per_seq < 1e9 && gain_per_seq >= 0.0 && gain_per_seq < 1e9) ||
+        num_seqs > ((int64_t)1 << 31))
+      invalid("statistics out of range");
+    *out = d.gain_threshold(num_seqs, draft_per_seq, gain_per_seq);
     return 0;
   });
 }

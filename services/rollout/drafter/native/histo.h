@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define RHD_ABI_VERSION 1
+#define RHD_ABI_VERSION 2
 #define RHD_EINVAL (-1)
 #define RHD_ENOMEM (-2)
 #define RHD_EINTERNAL (-3)
@@ -68,6 +68,21 @@ int rhd_commit(void *h, int32_t num_ops, const int32_t *ops, const int32_t *toke
  * out_gains their gains, out_lens each draft's length. budget < 0: no limit. */
 int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64_t *max_lens, int64_t budget, double min_gain,
                 int32_t *out_tokens, double *out_gains, int32_t *out_lens);
+
+/* The batched step (what CompiledDrafter calls once per engine step): buffers bound once,
+ * then each rhd_step reads its inputs from `params` (int64 words: n, budget (INT64_MIN: no
+ * limit; < 0: none), min_gain (a double's bits), num_seqs (0: n) for the cost threshold, the
+ * n slots, the n max_lens) and writes the drafts back to back to out_tokens/out_gains
+ * (capacity * max_draft_len each) and their offsets to out_offsets (n + 1 entries). */
+int rhd_bind(void *h, int64_t *params, int32_t capacity, int32_t *out_tokens, double *out_gains,
+             int32_t *out_offsets);
+int rhd_step(void *h);
+/* The engine's cost curve (num points, increasing token counts, positive ms), from which
+ * rhd_step raises min_gain to budget.gain_threshold at the step's batch size; num = 0:
+ * no curve (min_gain as given). */
+int rhd_set_curve(void *h, const double *num_tokens, const double *ms, int32_t num);
+/* budget.gain_threshold on the curve set (what rhd_step applies), for given statistics. */
+int rhd_gain_threshold(void *h, int64_t num_seqs, double draft_per_seq, double gain_per_seq, double *out);
 
 int64_t rhd_memory_tokens(void *h, int64_t prompt);
 int64_t rhd_memory_bytes(void *h, int64_t prompt);

@@ -88,12 +88,18 @@ class _Shard(nn.Module):
         object.__setattr__(self, "fused", fused)  # a reference, not a child: the parent owns the fused layer
         self.start, self.size = start, size
 
+    @property
+    def weight(self) -> Tensor:
+        """[size, in_features], a view of the fused weight (autograd sees it)."""
+        return self.fused.weight[self.start:self.start + self.size]
+
+    @property
+    def bias(self) -> Tensor | None:
+        return None if self.fused.bias is None else self.fused.bias[self.start:self.start + self.size]
+
     def tensors(self) -> dict[str, Tensor]:
-        """{"weight": view, "bias": view}: views of the fused parameters (autograd sees them)."""
-        out = {"weight": self.fused.weight[self.start:self.start + self.size]}
-        if self.fused.bias is not None:
-            out["bias"] = self.fused.bias[self.start:self.start + self.size]
-        return out
+        """{"weight": view, "bias": view} (no bias entry without one)."""
+        return {"weight": self.weight} | ({} if self.bias is None else {"bias": self.bias})
 
     def extra_repr(self) -> str:
         return f"rows {self.start}..{self.start + self.size - 1} of a fused weight"

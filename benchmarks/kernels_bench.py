@@ -7,8 +7,9 @@ Times (triton.testing.do_bench, median) on the GPU:
   verify (1 + K query tokens per sequence): Triton eager (with Python launch cost),
   Triton in a CUDA graph (the engine's case), the PyTorch reference, and, as dense
   baselines that read contiguous (unpaged) KV, FlexAttention and SDPA;
-- sample() on a Qwen-sized vocabulary: Triton vs reference, with and without top-p
-  (eager only: choosing the truncation work costs one host sync, so it is not graphed).
+- sample() on a Qwen-sized vocabulary: Triton (split across vocabulary blocks at up to
+  SPLIT_MAX_ROWS rows) vs Triton with one program per row vs reference, with and without
+  top-p (eager only), and whether the two Triton paths agree bit for bit.
 Writes benchmarks/results/kernels.md and kernels.json with the device, commit and command.
 """
 
@@ -132,13 +133,16 @@ def sampling_rows(quick: bool):
                     torch.full((n,), top_p, device="cuda"), torch.zeros(n, device="cuda"),
                     torch.arange(n, device="cuda", dtype=torch.int64),
                     torch.full((n,), 100, dtype=torch.int64, device="cuda"))
-            tokens, _ = sp.sample_triton(logits, *args)
+            tokens, logprobs = sp.sample_triton(logits, *args)
+            unsplit = sp.sample_triton(logits, *args, split=False)
             ref_tokens, _ = sp.sample_reference(logits, *args)
             rows.append({
                 "num_rows": n, "vocab": VOCAB, "top_p": top_p,
                 "triton_ms": bench(lambda: sp.sample_triton(logits, *args)),
+                "triton_one_program_per_row_ms": bench(lambda: sp.sample_triton(logits, *args, split=False)),
                 "reference_ms": bench(lambda: sp.sample_reference(logits, *args)),
                 "tokens_equal": bool(torch.equal(tokens, ref_tokens)),
+                "split_bitwise": bool(torch.equal(tokens, unsplit[0]) and torch.equal(logprobs, unsplit[1])),
             })
             print(_fmt_row(rows[-1]), flush=True)
     return rows

@@ -6,7 +6,8 @@ with one kernel that does the same arithmetic in the same dtype steps:
     (the new residual stream), then normalised in float32, rounded, and scaled by
     ``weight`` (Hugging Face's RMSNorm, as ``kernels/rms_norm.py``);
   - ``silu_mul(gate, up)``: ``F.silu(gate) * up``, SiLU computed in float32 and rounded to
-    the input dtype before the product (as torch does on a GPU).
+    the input dtype before the product (as torch does on a GPU); gate and up are read by
+    row stride, so the two halves of the model's fused gate/up matmul need no copy.
 Results equal the references to rounding (the norm's sum and the exponential may round
 differently), not bit for bit, so the model uses them only outside batch-invariant mode,
 on CUDA (``use_triton``); the PyTorch references are the ground truth and the CPU path.
@@ -52,12 +53,15 @@ def add_rms_norm_triton(x, residual, weight, eps):
 
 def silu_mul_triton(gate, up):
     assert gate.shape == up.shape and gate.dtype == up.dtype and gate.device == up.device, (gate.shape, up.shape)
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    n = g.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](g, u, out, n, BLOCK=_ELEMENTWISE_BLOCK)
-    return out
+    cols = gate.shape[-1]
+    # Rows are read by stride: gate and up may be the two halves of one fused matmul's output.
+    g, u = (t.reshape(-1, cols) for t in (gate, up))
+    g, u = (t if t.stride(-1) == 1 else t.contiguous() for t in (g, u))
+    out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)  # [rows, cols]
+    if out.numel():
+        grid = (g.shape[0], triton.cdiv(cols, _ELEMENTWISE_BLOCK))
+        _silu_mul_kernel[grid](g, u, out, cols, g.stride(0), u.stride(0), BLOCK=_ELEMENTWISE_BLOCK)
+    return out.view(gate.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -97,10 +101,11 @@ if triton is not None:
         tl.store(normed_ptr + offs, (w * normed).to(normed_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, cols, stride_g, stride_u, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < cols
+        g = tl.load(gate_ptr + row * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * stride_u + offs, mask=ok, other=0.0).to(tl.float32)
         silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + row * cols + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=ok)

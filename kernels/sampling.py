@@ -193,13 +193,25 @@ def sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions,
     return tokens, _logprobs_reference(scaled, allowed, processed, tokens)
 
 
-def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None):
+# At most this many rows, ``sample_triton`` splits each row's vocabulary across programs
+# (``_split_*`` kernels): one program per row would leave most of a GPU idle (1 of 132 SMs
+# at batch 1, reading a 151,936-token row alone). Not tuned on a GPU; either path gives
+# the same tokens and logprobs, bit for bit.
+SPLIT_MAX_ROWS = 64
+
+
+def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None,
+                  split: bool | None = None):
     """Truncation mask from PyTorch (it needs a sort); RNG, Gumbel, argmax and
-    logsumexp fused in one pass over each row's vocabulary."""
+    logsumexp fused over each row's vocabulary: in one program per row, or, at up to
+    SPLIT_MAX_ROWS rows (``split`` None) or when ``split``, in one program per vocabulary
+    block of each row with the same arithmetic (``_launch``)."""
     _check_args(logits, temperature, top_k, top_p, min_p, processed, seeds=seeds, positions=positions)
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)  # [n]
+    if split is None:
+        split = logits.shape[0] <= SPLIT_MAX_ROWS
     return tokens, _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds, positions,
-                           truncation)
+                           truncation, split)
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None
@@ -240,9 +252,10 @@ def token_logprobs(logits, tokens, temperature, top_k, top_p, min_p, processed=N
 
 
 def _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds=None, positions=None,
-            truncation=None):
-    """Runs the sampling kernel (seeds given: ``tokens`` is written) or the logprob kernel
-    (``tokens`` is read); returns the logprobs."""
+            truncation=None, split=False):
+    """Runs the sampling kernel (seeds given: ``tokens`` is written; ``split``: the
+    split-vocabulary kernels) or the logprob kernel (``tokens`` is read); returns the
+    logprobs."""
     n, vocab = logits.shape
     assert logits.stride(1) == 1, logits.stride()
     logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)  # [n]
@@ -254,8 +267,23 @@ def _launch(logits, temperature, top_k, top_p, min_p, processed, tokens, seeds=N
     flags = (processed if processed is not None else torch.zeros(n, dtype=torch.bool, device=logits.device))
     flags = flags.to(torch.int8)  # [n]
     common = dict(HAS_MASK=allowed is not None, BLOCK_V=min(2048, triton.next_power_of_2(vocab)))
+    num_blocks = triton.cdiv(vocab, common["BLOCK_V"])
     if seeds is None:
         _logprob_kernel[(n,)](logits, mask, temperature, flags, tokens, logprobs, logits.stride(0), vocab, **common)
+    elif split and num_blocks > 1:
+        # Per (row, block): the best score and its token, the block's max of what the
+        # logsumexp sums, then the block's sum under the running max up to it; one program
+        # per row then combines the blocks in order, as the one-program loop does.
+        best = torch.empty(n, num_blocks, dtype=torch.float32, device=logits.device)  # [n, blocks]
+        best_token = torch.empty(n, num_blocks, dtype=torch.int64, device=logits.device)
+        block_max = torch.empty(n, num_blocks, dtype=torch.float32, device=logits.device)
+        block_sum = torch.empty(n, num_blocks, dtype=torch.float32, device=logits.device)
+        _split_max_kernel[(n, num_blocks)](logits, mask, temperature, flags, seeds, positions, best, best_token,
+                                           block_max, logits.stride(0), vocab, num_blocks, **common)
+        _split_sum_kernel[(n, num_blocks)](logits, mask, temperature, flags, block_max, block_sum, logits.stride(0),
+                                           vocab, num_blocks, BLOCKS=triton.next_power_of_2(num_blocks), **common)
+        _split_combine_kernel[(n,)](logits, temperature, best, best_token, block_max, block_sum, tokens, logprobs,
+                                    logits.stride(0), num_blocks)
     else:
         _sample_kernel[(n,)](logits, mask, temperature, flags, seeds, positions, tokens, logprobs,
                              logits.stride(0), vocab, **common)
@@ -373,6 +401,79 @@ if triton is not None:
             best_token = tl.where(better, (start + block_arg).to(tl.int64), best_token)
             best_score = tl.where(better, block_best, best_score)
             run_max, run_sum = _lse_step(run_max, run_sum, lse_in)
+        tl.store(tokens_ptr + row, best_token)
+        best_scaled = tl.math.div_rn(tl.load(logits_ptr + row * stride_row + best_token).to(tl.float32), t)
+        tl.store(logprobs_ptr + row, best_scaled - run_max - tl.log(run_sum))
+
+    @triton.jit
+    def _split_max_kernel(
+        logits_ptr, mask_ptr, temperature_ptr, processed_ptr, seeds_ptr, positions_ptr, best_ptr, best_token_ptr,
+        block_max_ptr, stride_row, vocab, num_blocks,
+        HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        """Block (program_id 1) of a row: ``_sample_kernel``'s loop body for that block,
+        up to the running state: its best score and token, and the max of its logsumexp
+        input. Max and argmax are exact, so any order of blocks gives the same."""
+        row, block = tl.program_id(0), tl.program_id(1)
+        temperature = tl.load(temperature_ptr + row)
+        greedy = temperature == 0.0
+        t = tl.where(greedy, 1.0, temperature)
+        processed = tl.load(processed_ptr + row)
+        seed, pos = tl.load(seeds_ptr + row), tl.load(positions_ptr + row)
+        key_hi, key_lo = _row_key_tl(seed, pos, 0x9E3779B9), _row_key_tl(seed, pos, 0x85EBCA77)
+        start = block * BLOCK_V
+        ids, scaled, allowed, lse_in = _scaled_block(logits_ptr, mask_ptr, row, stride_row, vocab, start, t,
+                                                     processed, HAS_MASK, BLOCK_V)
+        noise = tl.where(greedy, 0.0, _gumbel_tl(key_hi, key_lo, ids))
+        score = tl.where(allowed, scaled + noise, float("-inf"))
+        out = row * num_blocks + block
+        tl.store(best_ptr + out, tl.max(score, axis=0))
+        tl.store(best_token_ptr + out, (start + tl.argmax(score, axis=0)).to(tl.int64))  # ties to the lowest id
+        tl.store(block_max_ptr + out, tl.max(lse_in, axis=0))
+
+    @triton.jit
+    def _split_sum_kernel(
+        logits_ptr, mask_ptr, temperature_ptr, processed_ptr, block_max_ptr, block_sum_ptr, stride_row, vocab,
+        num_blocks,
+        HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCKS: tl.constexpr,
+    ):
+        """Block of a row: the sum ``_lse_step`` adds for it, sum(exp(x - m)), m the running
+        max after it (the max over this block and those before: exact in any order)."""
+        row, block = tl.program_id(0), tl.program_id(1)
+        temperature = tl.load(temperature_ptr + row)
+        t = tl.where(temperature == 0.0, 1.0, temperature)
+        processed = tl.load(processed_ptr + row)
+        upto = tl.arange(0, BLOCKS)
+        run_max = tl.max(tl.load(block_max_ptr + row * num_blocks + upto, mask=upto <= block, other=float("-inf")),
+                         axis=0)
+        safe_max = tl.where(run_max == float("-inf"), 0.0, run_max)
+        _, _, _, lse_in = _scaled_block(logits_ptr, mask_ptr, row, stride_row, vocab, block * BLOCK_V, t,
+                                        processed, HAS_MASK, BLOCK_V)
+        tl.store(block_sum_ptr + row * num_blocks + block, tl.sum(tl.exp(lse_in - safe_max), axis=0))
+
+    @triton.jit
+    def _split_combine_kernel(
+        logits_ptr, temperature_ptr, best_ptr, best_token_ptr, block_max_ptr, block_sum_ptr, tokens_ptr,
+        logprobs_ptr, stride_row, num_blocks,
+    ):
+        """``_sample_kernel``'s running state over the blocks, in its order and arithmetic."""
+        row = tl.program_id(0)
+        temperature = tl.load(temperature_ptr + row)
+        t = tl.where(temperature == 0.0, 1.0, temperature)
+        best_score = tl.full([], float("-inf"), tl.float32)
+        best_token = tl.full([], 0, tl.int64)
+        run_max = tl.full([], float("-inf"), tl.float32)
+        run_sum = tl.full([], 0.0, tl.float32)
+        for block in range(0, num_blocks):
+            at = row * num_blocks + block
+            block_best = tl.load(best_ptr + at)
+            better = block_best > best_score  # an earlier block keeps ties: the lowest id overall
+            best_token = tl.where(better, tl.load(best_token_ptr + at), best_token)
+            best_score = tl.where(better, block_best, best_score)
+            new_max = tl.maximum(run_max, tl.load(block_max_ptr + at))
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - safe_max) + tl.load(block_sum_ptr + at)
+            run_max = new_max
         tl.store(tokens_ptr + row, best_token)
         best_scaled = tl.math.div_rn(tl.load(logits_ptr + row * stride_row + best_token).to(tl.float32), t)
         tl.store(logprobs_ptr + row, best_scaled - run_max - tl.log(run_sum))

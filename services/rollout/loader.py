@@ -89,7 +89,8 @@ def save_model(model: CausalLM, path: str | Path, extra_config: dict | None = No
     path.mkdir(parents=True, exist_ok=True)
     if (path / WEIGHTS_INDEX_FILE).exists():
         raise FileExistsError(f"{path / WEIGHTS_INDEX_FILE}: refusing to write a single-file checkpoint over a sharded one")
-    tensors = {name: p.detach().to("cpu").contiguous() for name, p in model.expected_weights().items()}
+    # Copies: the fused layers' shards are views of one tensor, which safetensors refuses to write twice.
+    tensors = {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.expected_weights().items()}
     hf = model.config.to_hf()
     weights_dtype = _dtype_name(model.model.embed_tokens.weight.dtype)
     hf["torch_dtype"] = hf["dtype"] = weights_dtype
@@ -108,7 +109,7 @@ def init_random_model(config: ModelConfig, seed: int) -> CausalLM:
     generator = torch.Generator().manual_seed(seed)
     model = _empty_model(dataclasses.replace(config, dtype="float32"), "cpu")
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in model.expected_weights().items():  # by HF name: q/k/v drawn one by one
             noise = torch.randn(param.shape, generator=generator)
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * noise)

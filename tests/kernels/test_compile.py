@@ -57,9 +57,16 @@ build(pa._write_kv_kernel, {p: "*bf16" for p in ("k_ptr", "v_ptr", "k_cache_ptr"
       | {"slot_ptr": "*i64"}, dict(ROW_SIZE=128, BLOCK=128))
 for has_mask in (True, False):
     types = {"logits_ptr": "*bf16", "mask_ptr": "*i1", "temperature_ptr": "*fp32", "processed_ptr": "*i8",
-             "seeds_ptr": "*i64", "positions_ptr": "*i64", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32"}
-    for kernel in (sp._sample_kernel, sp._logprob_kernel):
-        compiled = build(kernel, types, dict(HAS_MASK=has_mask, BLOCK_V=2048))
+             "seeds_ptr": "*i64", "positions_ptr": "*i64", "tokens_ptr": "*i64", "logprobs_ptr": "*fp32",
+             "best_ptr": "*fp32", "best_token_ptr": "*i64", "block_max_ptr": "*fp32", "block_sum_ptr": "*fp32"}
+    for kernel, extra in ((sp._sample_kernel, {}), (sp._logprob_kernel, {}), (sp._split_max_kernel, {}),
+                          (sp._split_sum_kernel, dict(BLOCKS=128)), (sp._split_combine_kernel, None)):
+        if extra is None:  # no mask, no block size: built once
+            if not has_mask:
+                continue
+            compiled = build(kernel, types, {})
+        else:
+            compiled = build(kernel, types, dict(HAS_MASK=has_mask, BLOCK_V=2048, **extra))
         # logits / T (and the noise's log ratio) must round like torch's IEEE division, or
         # tokens drift from the reference.
         assert "div.full.f32" not in compiled.asm["ptx"], "approximate division in a sampling kernel"

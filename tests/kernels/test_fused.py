@@ -44,6 +44,20 @@ def test_silu_mul_matches_the_reference(dtype, shape):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_reads_the_halves_of_one_fused_output_by_stride(dtype):
+    """The model's gate/up is one matmul: gate and up are the two halves of its output rows,
+    non-contiguous views, read in place (a kernel that assumed contiguous rows would read
+    gate and up interleaved)."""
+    gate_up = randn(5, 2 * 300, dtype=dtype, seed=6) * 4
+    gate, up = gate_up.split(300, dim=-1)
+    got = fused.silu_mul_triton(gate, up)
+    assert got.shape == (5, 300) and got.is_contiguous()
+    want = fused.silu_mul_reference(gate, up)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
 def test_the_dispatchers_take_the_reference_off_triton():
     """On tensors Triton does not run (the CPU without RHYMERL_TRITON), the references."""
     if fused.use_triton(torch.zeros(1)):

@@ -368,3 +368,45 @@ def test_token_logprobs_are_bitwise_the_sampled_logprobs(path, monkeypatch):
     rows = torch.tensor([3, 17, 4], device=device)
     subset = sp.token_logprobs(logits[rows], tokens[rows], *(a[rows] for a in sampling), processed[rows])
     assert torch.equal(subset, logprobs[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("vocab", [2049, 5000])
+def test_split_vocabulary_sampler_is_bitwise_the_one_program_per_row_kernel(dtype, vocab, monkeypatch):
+    """At small batches each row's vocabulary is split across programs. Tokens and logprobs
+    (raw and processed rows, every truncation, greedy rows with ties across blocks, a
+    row whose first block is all -inf) are the one-program kernel's bit for bit, and the
+    tokens are the reference's: the path taken can never change a sample or a logprob."""
+    n = 9
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    logits[0, [10, vocab - 1]] = 50.0  # rows 0 and 7 are greedy (mixed_params): ties go to the lowest id
+    logits[7, [2047, 2048]] = 50.0  # across the block boundary
+    logits[3, :2048] = float("-inf")  # a whole block the logsumexp and argmax must skip
+    logits = logits.to(dtype)
+    args = (*mixed_params(n, gen), torch.arange(n) % 2 == 0)
+    on_device = (logits.to(DEVICE), *(a.to(DEVICE) for a in args))
+    whole_tokens, whole_lp = sp.sample_triton(*on_device, split=False)
+    split_tokens, split_lp = sp.sample_triton(*on_device, split=True)
+    assert torch.equal(split_tokens, whole_tokens) and torch.equal(split_lp, whole_lp)
+    assert split_tokens[0] == 10 and split_tokens[7] == 2047
+    assert torch.equal(split_tokens.cpu(), sp.sample_reference(logits, *args)[0])
+    monkeypatch.setenv("RHYMERL_TRITON", "1")  # token_logprobs' Triton kernel (the interpreter on CPU)
+    assert torch.equal(sp.token_logprobs(logits.to(DEVICE), split_tokens, *on_device[1:5], on_device[7]), split_lp)
+
+
+def test_the_sampler_splits_the_vocabulary_at_small_batches_only(monkeypatch):
+    """Up to SPLIT_MAX_ROWS rows the split kernels run (one combining program per row),
+    above it one program per row."""
+    calls = []
+    real = sp._split_combine_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+    monkeypatch.setattr(sp, "_split_combine_kernel", Spy())
+    for n in (1, sp.SPLIT_MAX_ROWS, sp.SPLIT_MAX_ROWS + 1):
+        logits = torch.randn(n, 2100, generator=torch.Generator().manual_seed(n)).to(DEVICE)
+        sp.sample_triton(logits, *(a.to(DEVICE) for a in params(n)))
+    assert calls == [(1,), (sp.SPLIT_MAX_ROWS,)]

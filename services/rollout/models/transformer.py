@@ -6,6 +6,11 @@ embeddings. The model sees a flat batch of tokens and their positions; which key
 attends to is the AttentionBackend's business, so this module knows nothing about KV
 caches, batching or sequences.
 
+q/k/v and gate/up each run as one matmul over one fused weight (FusedLinear); the
+checkpoint's separate tensors are named windows onto its rows (``_Shard``), so loading,
+pushes, ``expected_weights`` and the state_dict all speak Hugging Face's names while the
+model holds one copy of the weights.
+
 When the backend is batch-invariant (``attn.batch_invariant``), every op that reduces
 runs through a kernel whose per-row result does not depend on the number of rows
 (kernels/matmul.py, kernels/rms_norm.py) and SiLU is computed as separate elementwise
@@ -31,9 +36,96 @@ from services.rollout.models.base import AttentionBackend
 from services.rollout.models.config import ModelConfig
 
 
-def project(layer: nn.Linear, x: Tensor, invariant: bool) -> Tensor:
-    """``layer(x)``, through the batch-invariant matmul when asked."""
-    return invariant_linear(x, layer.weight, layer.bias) if invariant else layer(x)
+def project(layer: nn.Linear | FusedLinear, x: Tensor, invariant: bool) -> Tensor:
+    """``x @ layer.weight.T + layer.bias``, through the batch-invariant matmul when asked."""
+    return invariant_linear(x, layer.weight, layer.bias) if invariant else F.linear(x, layer.weight, layer.bias)
+
+
+class FusedLinear(nn.Module):
+    """Several projections of one input as one matmul: q/k/v, gate/up.
+
+    One ``weight`` [sum(sizes), in_features] (and one ``bias``) holds the projections'
+    rows stacked in the order given; there is no other copy. Checkpoints name the parts
+    (Hugging Face's ``q_proj.weight``, ...): each part is a ``_Shard`` child of the
+    fused layer's parent under its HF name, a window onto its rows of the fused
+    parameters, through which the state_dict and ``CausalLM.expected_weights`` read
+    and ``load_weights`` writes (vLLM's QKVParallelLinear and MergedColumnParallelLinear
+    do the same with a weight loader per shard).
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__()
+        self.sizes = list(parts.values())
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), in_features))
+        self.bias = nn.Parameter(torch.empty(sum(self.sizes))) if bias else None
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.shards = {name: _Shard(self, start, size) for (name, size), start in zip(parts.items(), starts)}
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.weight.shape[1]}, parts={list(self.shards)}, sizes={self.sizes}, " \
+               f"bias={self.bias is not None}"
+
+    def forward(self, x: Tensor, invariant: bool = False) -> tuple[Tensor, ...]:
+        """[..., in_features] -> one [..., size] view per part, in order (views of one output)."""
+        return project(self, x, invariant).split(self.sizes, dim=-1)
+
+    # Its state is its shards' (under their HF names): nothing of its own to save or load.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        pass
+
+
+class _Shard(nn.Module):
+    """One HF-named part of a FusedLinear (e.g. ``q_proj``): rows [start, start + size) of
+    its weight and bias. Holds no parameter; its state_dict entries are copies of those
+    rows, and loading one writes into them in place."""
+
+    def __init__(self, fused: FusedLinear, start: int, size: int):
+        super().__init__()
+        object.__setattr__(self, "fused", fused)  # a reference, not a child: the parent owns the fused layer
+        self.start, self.size = start, size
+
+    @property
+    def weight(self) -> Tensor:
+        """[size, in_features], a view of the fused weight (autograd sees it)."""
+        return self.fused.weight[self.start:self.start + self.size]
+
+    @property
+    def bias(self) -> Tensor | None:
+        return None if self.fused.bias is None else self.fused.bias[self.start:self.start + self.size]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """{"weight": view, "bias": view} (no bias entry without one)."""
+        return {"weight": self.weight} | ({} if self.bias is None else {"bias": self.bias})
+
+    def extra_repr(self) -> str:
+        return f"rows {self.start}..{self.start + self.size - 1} of a fused weight"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # Copies, so that each entry has its own storage (safetensors and torch.save would
+        # otherwise write, or refuse, the whole fused tensor for each shard).
+        for name, view in self.tensors().items():
+            destination[prefix + name] = view if keep_vars else view.detach().clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        views = self.tensors()
+        for name, view in views.items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+            elif state_dict[key].shape != view.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(state_dict[key].shape)}, the shape in current model is {tuple(view.shape)}.")
+            else:
+                with torch.no_grad():
+                    view.copy_(state_dict[key])
+        if strict:
+            unexpected_keys.extend(key for key in state_dict
+                                   if key.startswith(prefix) and key[len(prefix):] not in views)
 
 
 def silu(x: Tensor, invariant: bool) -> Tensor:
@@ -128,9 +220,9 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.attention_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
+        self.qkv_proj = FusedLinear(hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                    bias=config.attention_bias)
+        self.q_proj, self.k_proj, self.v_proj = self.qkv_proj.shards.values()
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -140,9 +232,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         num_tokens = x.shape[0]
         inv = attn.batch_invariant
-        q = project(self.q_proj, x, inv).view(num_tokens, self.num_heads, self.head_dim)
-        k = project(self.k_proj, x, inv).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = project(self.v_proj, x, inv).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x, inv)  # views of one [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q, inv), self.k_norm(k, inv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -153,12 +246,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = FusedLinear(config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=False)
+        self.gate_proj, self.up_proj = self.gate_up_proj.shards.values()
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, invariant: bool = False) -> Tensor:
-        gate, up = project(self.gate_proj, x, invariant), project(self.up_proj, x, invariant)
+        gate, up = self.gate_up_proj(x, invariant)  # views of one [num_tokens, 2 * intermediate_size]
         if invariant or torch.is_grad_enabled():
             return project(self.down_proj, silu(gate, invariant) * up, invariant)
         return project(self.down_proj, silu_mul(gate, up), invariant)  # fused on CUDA
@@ -238,12 +332,26 @@ class CausalLM(nn.Module):
         return project(self.lm_head, hidden, batch_invariant).float()
 
     def expected_weights(self) -> dict[str, Tensor]:
-        """The tensors a checkpoint must provide, by HF name (a tied lm_head is not one)."""
-        return dict(self.named_parameters())
+        """The tensors a checkpoint must provide, by HF name (a tied lm_head is not one), in
+        the model's own order: parameters, and the HF-named shards of the fused ones as
+        views into them (no copy; writing into one writes the model's weights)."""
+        out: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for module_name, module in self.named_modules():
+            prefix = module_name + "." if module_name else ""
+            if isinstance(module, _Shard):
+                out.update((prefix + name, view) for name, view in module.tensors().items())
+            elif not isinstance(module, FusedLinear):
+                for name, param in module.named_parameters(recurse=False):
+                    if id(param) not in seen:  # a tied lm_head is the embedding
+                        seen.add(id(param))
+                        out[prefix + name] = param
+        return out
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
-        """Copies HF-named tensors into the existing parameters, in place.
+        """Copies HF-named tensors into the existing parameters, in place (a fused layer's
+        parts, e.g. q_proj/k_proj/v_proj, into their rows of its one weight and bias).
 
         Everything is checked before anything is copied, so a rejected checkpoint leaves
         the model untouched; copying in place keeps the parameter storage that a running

@@ -187,7 +187,7 @@ def test_packed_positions_restart_per_sequence():
 
 def test_load_weights_rejects_missing_tensor_by_name():
     model = init_random_model(ModelConfig.from_hf({"model_type": "qwen3", **TINY}), seed=0)
-    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = model.state_dict()
     del state["model.layers.1.self_attn.k_norm.weight"]
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight"):
         model.load_weights(state)
@@ -195,19 +195,19 @@ def test_load_weights_rejects_missing_tensor_by_name():
 
 def test_load_weights_rejects_misshaped_tensor_and_leaves_model_untouched():
     model = init_random_model(ModelConfig.from_hf({"model_type": "llama", **TINY}), seed=0)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    before = model.state_dict()
     state = {name: torch.zeros_like(p) for name, p in before.items()}
     state["model.layers.0.mlp.up_proj.weight"] = torch.zeros(95, 64)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(95, 64\)"):
         model.load_weights(state)
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict().items():
         assert torch.equal(p, before[name]), name
 
 
 def test_load_weights_rejects_unknown_tensor():
     """A bias the config does not declare means the config and the weights disagree."""
     model = init_random_model(ModelConfig.from_hf({"model_type": "llama", **TINY}), seed=0)
-    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = model.state_dict()
     state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias"):
         model.load_weights(state)
@@ -222,6 +222,80 @@ def test_load_weights_copies_in_place():
     for name, p in model.named_parameters():
         assert p.data_ptr() == pointers[name], name
         assert torch.equal(p, source.get_parameter(name)), name
+
+
+def assert_fused_weights_hold(model, state: dict[str, torch.Tensor]) -> None:
+    """Each layer's fused q/k/v weight and bias and gate/up weight are the HF tensors of
+    `state`, stacked in that order, bit for bit."""
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for param, names in [
+            (layer.self_attn.qkv_proj.weight, [attn + p + "_proj.weight" for p in "qkv"]),
+            (layer.self_attn.qkv_proj.bias, [attn + p + "_proj.bias" for p in "qkv"]),
+            (layer.mlp.gate_up_proj.weight, [mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+        ]:
+            assert torch.equal(param, torch.cat([state[name] for name in names])), names
+
+
+def test_fused_projections_hold_exactly_the_checkpoints_tensors_after_a_load_and_a_push(tmp_path):
+    """q/k/v (with Qwen2's biases) and gate/up each run as one matmul over one fused
+    weight; loading a checkpoint and applying a pushed one must write every HF-named
+    tensor into its own rows of it. (The logits tests cannot see a k/v mix-up where
+    k_proj and v_proj have the same shape and random values.)"""
+    import safetensors.torch
+
+    from services.rollout import weight_receiver
+    from services.rollout.engine import LLMEngine
+    from services.rollout.loader import read_safetensors
+
+    reference = hf_model("qwen2", seed=1)
+    reference.save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.float32)
+    assert_fused_weights_hold(model, reference.state_dict())
+    # A push: HF-named safetensors bytes, read and checked as the worker does, into the engine.
+    pushed = hf_model("qwen2", seed=2).state_dict()
+    engine = LLMEngine(model, device="cpu", num_kv_blocks=16, speculative=False)
+    engine.load_weights(weight_receiver.check_finite(read_safetensors(safetensors.torch.save(pushed))))
+    assert_fused_weights_hold(engine.model, pushed)
+
+
+def test_fused_projections_keep_one_copy_of_the_weights():
+    """No q/k/v or gate/up parameter besides the fused ones: the HF-named tensors are views
+    of the fused storage, so the model holds exactly as many weights as the checkpoint."""
+    model = init_random_model(ModelConfig.from_hf({"model_type": "qwen2", **TINY}), seed=0)
+    modules = {name.split(".")[-2] for name, _ in model.named_parameters() if "layers." in name}
+    assert modules == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_layernorm",
+                       "post_attention_layernorm"}
+    assert [name for name, _ in model.named_buffers()] == ["model.rotary_emb.inv_freq"]
+    weights = model.expected_weights()
+    assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in weights.values())
+    layer = model.model.layers[1]
+    for name, fused in [("self_attn.v_proj.weight", layer.self_attn.qkv_proj.weight),
+                        ("self_attn.k_proj.bias", layer.self_attn.qkv_proj.bias),
+                        ("mlp.up_proj.weight", layer.mlp.gate_up_proj.weight)]:
+        view = weights["model.layers.1." + name]
+        assert view.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr(), name
+
+
+def test_state_dict_has_the_checkpoints_names_and_loads_back():
+    """A trainer's state_dict round trip and safetensors export see HF's names, each tensor
+    with its own storage; strict loading names what is missing or unexpected."""
+    import safetensors.torch
+
+    config = ModelConfig.from_hf({"model_type": "qwen2", **TINY})
+    source, target = init_random_model(config, seed=0), init_random_model(config, seed=1)
+    state = source.state_dict()
+    assert set(state) == set(hf_model("qwen2", seed=0).state_dict())
+    assert safetensors.torch.load(safetensors.torch.save(state)).keys() == state.keys()  # no shared storage
+    target.load_state_dict(state)
+    assert_fused_weights_hold(target, state)
+    assert all(torch.equal(p, source.get_parameter(n)) for n, p in target.named_parameters())
+    missing = dict(state)
+    del missing["model.layers.0.self_attn.k_proj.bias"]
+    with pytest.raises(RuntimeError, match=r"Missing.*model\.layers\.0\.self_attn\.k_proj\.bias"):
+        target.load_state_dict(missing)
+    with pytest.raises(RuntimeError, match=r"Unexpected.*model\.layers\.0\.mlp\.up_proj\.bias"):
+        target.load_state_dict({**state, "model.layers.0.mlp.up_proj.bias": torch.zeros(96)})
 
 
 def test_every_tensor_the_forward_reads_keeps_its_address_when_the_model_is_moved_to_where_it_is():

@@ -32,6 +32,7 @@ class CostModel:
         # Bumped whenever the measured curve may have changed (what caches of it key on).
         self.version = 0
         self._curve: tuple[int, CostCurve] | None = None
+        self._flat: tuple[tuple[int, float], int] | None = None
 
     @classmethod
     def for_num_params(cls, num_params: int, **kw) -> "CostModel":
@@ -54,7 +55,16 @@ class CostModel:
         return self.curve().forward_ms(num_tokens)
 
     def flat_tokens(self) -> int:
-        """The most tokens per forward costing at most (1 + tolerance) x a one-token forward."""
+        """The most tokens per forward costing at most (1 + tolerance) x a one-token forward
+        (searched once per curve: the engine asks every step)."""
+        cached = self._flat
+        if cached is not None and cached[0] == (self.version, self.tolerance):
+            return cached[1]
+        flat = self._search_flat_tokens()
+        self._flat = ((self.version, self.tolerance), flat)
+        return flat
+
+    def _search_flat_tokens(self) -> int:
         limit = (1 + self.tolerance) * self.step_ms(1)
         lo, hi = 1, 1
         while self.step_ms(hi * 2) <= limit and hi < 1 << 16:

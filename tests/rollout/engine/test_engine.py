@@ -256,6 +256,24 @@ def test_draft_budget_follows_the_cost_curve(model):
     assert all(b is not None and b <= 1 for b in drafter.budgets)
 
 
+def test_a_measuring_cost_model_prices_with_its_latest_curve():
+    """The curve and its flat part are cached per version (the engine reads them every
+    step): each observed step time must reach the next answer, as a model built fresh
+    from the same observations gives it."""
+    live = CostModel(measure=True, min_samples=1, tolerance=0.5)
+    steps = [(1, 1.0), (64, 1.2), (256, 1.4), (1024, 9.0), (64, 6.0), (256, 7.0), (1, 0.5), (1024, 0.6)]
+    for i, (num_tokens, ms) in enumerate(steps):
+        live.observe(num_tokens, ms)
+        fresh = CostModel(measure=True, min_samples=1, tolerance=0.5)
+        for seen in steps[:i + 1]:
+            fresh.observe(*seen)
+        assert live.curve() == fresh.curve() and live.flat_tokens() == fresh.flat_tokens(), i
+        assert live.draft_budget(8) == fresh.draft_budget(8)
+    live.tolerance = 0.0  # a changed tolerance is a different flat part
+    curve = live.curve()
+    assert live.flat_tokens() == CostModel(zip(curve.num_tokens, curve.ms), tolerance=0.0).flat_tokens()
+
+
 # ---------------------------------------------------------------------- chunks
 
 

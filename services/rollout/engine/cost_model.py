@@ -5,8 +5,8 @@ forward cost about the same as one (the H100 table in services/common/cost_curve
 step is the number of extra tokens that keep the forward within ``tolerance`` of a
 one-token forward: long drafts when few sequences decode, none when the batch alone
 fills the flat part of the curve. Optionally the curve is re-measured on the fly from
-the engine's own step times (``observe``), which replaces the table once enough token
-buckets have samples.
+the engine's own step times (``observe``; wall time on a GPU, CPU time on a CPU: see
+``engine.cost_clock``), which replaces the table once enough token buckets have samples.
 
 This module knows nothing about sequences or drafters.
 """

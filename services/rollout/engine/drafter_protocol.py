@@ -4,7 +4,9 @@ and the NullDrafter it uses when drafting is off.
 The engine calls, from its one thread:
   start_request   when a request is added (its prompt and any tokens of earlier chunks);
   propose         once per step for the decoding requests, with each one's maximum draft
-                  length and the step's total draft-token budget from the cost model;
+                  length and the step's total draft-token budget from the cost model
+                  (on a CPU, for a drafter pricing its tokens on the engine's cost model,
+                  the step's token budget: LLMEngine._held_to_flat_part);
   add_tokens      after each step with the tokens a request committed;
   record_acceptance after each verify that carried a draft;
   stop_request    when the request's chunk ends or it is aborted.

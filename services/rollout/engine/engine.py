@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -60,6 +61,7 @@ class LLMEngine:
         # drafts rarely pay). Without, draft lengths do not depend on the machine's speed.
         self.cost_model = cost_model or CostModel.for_num_params(sum(p.numel() for p in model.parameters()),
                                                                  measure=measure_cost)
+        self._cost_clock = cost_clock(self.device)  # what a step's cost is measured with
         if num_kv_blocks is None:
             num_kv_blocks = default_num_kv_blocks(self.model, self.device, block_size, max_num_batched_tokens,
                                                   kv_cache_memory_fraction, batch_invariant=batch_invariant)
@@ -135,7 +137,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward + verify iteration; returns the chunks that ended."""
-        start = time.perf_counter()
+        start, cost_start = time.perf_counter(), self._cost_clock()
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()                                      # 1. schedule
         if not batch.seqs:
@@ -144,7 +146,7 @@ class LLMEngine:
         logits = self.runner.run(batch.seqs)                                   # 3. forward
         sampling = batch.sampling_seqs()
         if not self.speculative:
-            return self._plain_step(batch, sampling, logits, outputs, start)   # 4-6 without drafts
+            return self._plain_step(batch, sampling, logits, outputs, start, cost_start)  # 4-6 no drafts
         verdicts = verify(logits, sampling, self.runner.sampling, self.runner.params,
                           self.runner.reader)                                  # 4. verify
         self.scheduler.postprocess(batch, time.perf_counter() - start)
@@ -155,11 +157,11 @@ class LLMEngine:
             if seq.chunk_done:
                 outputs.append(self._finish(seq))                              # 6. finish
         self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
-        self._record_step(batch, start, num_prompt_tokens, num_draft_tokens, num_generated)
+        self._record_step(batch, start, cost_start, num_prompt_tokens, num_draft_tokens, num_generated)
         return outputs
 
     def _plain_step(self, batch: ScheduledBatch, sampling: list[Sequence], logits, outputs: list[RequestOutput],
-                    start: float) -> list[RequestOutput]:
+                    start: float, cost_start: float) -> list[RequestOutput]:
         """Verify, commit and finish when nothing drafts: each sampling sequence appends
         its one sampled token (what ``_commit`` does with a draftless verdict, without
         making verdicts: this runs for every sequence of every step)."""
@@ -175,7 +177,7 @@ class LLMEngine:
                 outputs.append(self._finish(seq))
             else:
                 self._commit_filled_block(seq, computed)
-        self._record_step(batch, start, num_prompt_tokens, 0, len(sampling))
+        self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
         return outputs
 
     def _finish(self, seq: Sequence) -> RequestOutput:
@@ -183,24 +185,39 @@ class LLMEngine:
         self._remove(seq)
         return output
 
-    def _record_step(self, batch: ScheduledBatch, start: float, num_prompt_tokens: int, num_draft_tokens: int,
-                     num_generated: int) -> None:
+    def _record_step(self, batch: ScheduledBatch, start: float, cost_start: float, num_prompt_tokens: int,
+                     num_draft_tokens: int, num_generated: int) -> None:
         kind = "prefill" if num_prompt_tokens else ("verify" if num_draft_tokens else "decode")
         step_s = time.perf_counter() - start
-        self.cost_model.observe(batch.num_tokens + num_draft_tokens, step_s * 1e3)
+        self.cost_model.observe(batch.num_tokens + num_draft_tokens, (self._cost_clock() - cost_start) * 1e3)
         self.metrics.counters.num_preemptions += batch.num_preempted
         self.metrics.on_step(kind, step_s, num_prompt_tokens, num_generated, self.num_running(),
                              self.num_waiting(), self.kv_cache_usage(), self.runner.last_graphed)
 
     # ------------------------------------------------------------------ step parts
+    def _held_to_flat_part(self) -> bool:
+        """Whether a step's drafts must fit the cost curve's flat part (the H100 model:
+        a memory-bound forward takes extra tokens for free up to a point). Not on a CPU
+        whose drafter prices each draft token on this engine's curve (the history
+        drafter's gain rule, services/rollout/drafter/budget.py: a token is kept only if
+        its chance of acceptance pays for one more token in the forward): a CPU's forward
+        is compute-bound from the first tokens, its curve has no flat part to speak of,
+        and the cap, blind to how sure a draft is, cut every draft beside a batch of 16,
+        drafts that verify 8 tokens in one step included (issue 29)."""
+        config = getattr(self._drafter, "config", None)
+        return self.device.type != "cpu" or getattr(config, "cost_model", None) is not self.cost_model
+
     def _propose_drafts(self, batch: ScheduledBatch) -> None:
-        """Give each decoding sequence a draft within the cost model's budget and free KV."""
+        """Give each decoding sequence a draft within the cost model's budget (the token
+        budget alone where ``_held_to_flat_part`` says no) and free KV."""
         if self.max_draft_len == 0:
             return
         decodes = [s for s in batch.decode_seqs if s.request_id not in self._undrafted]
         if not decodes:
             return
-        budget = min(self.cost_model.draft_budget(batch.num_tokens), self.scheduler.budget_left(batch))
+        budget = self.scheduler.budget_left(batch)
+        if self._held_to_flat_part():
+            budget = min(budget, self.cost_model.draft_budget(batch.num_tokens))
         room = self.runner.graph_token_room(batch.num_tokens)
         if room is not None:
             budget = min(budget, room)
@@ -318,6 +335,22 @@ def run_to_completion(engine, requests) -> dict[str, RequestOutput]:
         for o in engine.step():
             out[o.request_id] = o
     return out
+
+
+def cost_clock(device: torch.device) -> Callable[[], float]:
+    """The clock a step's cost is read on, for the cost model's curve (only its shape
+    matters: the draft budget compares costs). A GPU: wall time (the forward runs on the
+    device; the step waits for its results). A CPU: the CPU time the step took, not wall
+    time: the cores are shared (the other workers, the services, any other process), and
+    wall time would write the machine's load into the curve's shape -- a 1-token step
+    timed in a quiet moment beside 32-token steps timed while the fleet was busy makes
+    every batch look past the flat part, and the draft budget flipped between none and
+    hundreds of tokens from one run to the next (issue 29: a small step beside a huge
+    one decoded a token per step in some runs, drafted 8 in others). The engine thread's
+    time when torch computes in it alone, else the process's (its intra-op threads)."""
+    if device.type != "cpu":
+        return time.perf_counter
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
 def _resolve_device(device, model) -> torch.device:

@@ -10,12 +10,14 @@ where a chunk ran.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
 
 from kernels.sampling import sample
 from services.rollout.engine import CostModel, EngineRequest, LLMEngine
+from services.rollout.engine.engine import cost_clock
 from services.rollout.engine.model_runner import CUDAGraphs
 from services.rollout.loader import init_random_model
 from services.rollout.models.base import DenseCausalAttention
@@ -272,6 +274,58 @@ def test_a_measuring_cost_model_prices_with_its_latest_curve():
     live.tolerance = 0.0  # a changed tolerance is a different flat part
     curve = live.curve()
     assert live.flat_tokens() == CostModel(zip(curve.num_tokens, curve.ms), tolerance=0.0).flat_tokens()
+
+
+def test_on_a_cpu_a_drafter_pricing_its_tokens_on_the_engines_curve_is_not_held_to_the_flat_part(model):
+    """On a CPU the engine leaves the draft length past the curve's flat part to a drafter
+    that prices each draft token on the engine's own cost model (its gain rule); one that
+    does not is held to the flat part (above). Issue 29: a CPU's curve rises from the
+    first tokens, and the flat-part cap cut every draft beside a batch of 16, sure ones too."""
+    reqs = [make_request(i, prompt_of(5, i), max_tokens=10, max_new_tokens=10) for i in range(3)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    tight = CostModel(((1, 1.0), (2, 1.0), (3, 10.0), (4, 100.0)), tolerance=0.0)  # 2 tokens per forward
+    drafter = OracleDrafter({rid: o.token_ids for rid, o in plain.items()})
+    drafter.config = dataclasses.make_dataclass("Config", ["cost_model"])(tight)
+    engine = _engine_with(model, reqs, drafter=drafter, cost_model=tight)
+    assert_same(run_to_end(engine), {rid: (o.token_ids, o.logprobs, o.finish_reason) for rid, o in plain.items()},
+                tol=1e-5)
+    assert max(drafter.budgets) > 1  # the flat part allows 1 (the test above)
+    assert engine.metrics.counters.num_accepted_tokens > 0
+    engine.device = torch.device("cuda")  # a GPU keeps the flat part: its forward is memory-bound
+    assert engine._held_to_flat_part()
+
+
+def test_a_cpu_step_is_priced_by_the_cpu_time_it_took(model, monkeypatch):
+    """On a CPU the cost curve is fed the step's CPU time, not its wall time: time the
+    engine thread spent off the cores (other processes running, here a sleep in the
+    forward) is the machine's load, not the forward's cost (issue 29: a wall-time curve
+    flipped the draft budget between none and hundreds from run to run)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the engine thread's own CPU time
+    engine = _engine_with(model, [make_request(0, prompt_of(5), max_tokens=4, max_new_tokens=4)],
+                          cost_model=CostModel(measure=True), speculative=False)
+    observed = []
+    monkeypatch.setattr(engine.cost_model, "observe", lambda tokens, ms: observed.append(ms))
+    run = engine.runner.run
+    sleep_s = 0.2
+
+    def descheduled(seqs):
+        time.sleep(sleep_s)  # off the CPU, as when other processes hold the cores
+        return run(seqs)
+
+    monkeypatch.setattr(engine.runner, "run", descheduled)
+    started = time.perf_counter()
+    engine.step()
+    wall_ms = (time.perf_counter() - started) * 1e3
+    assert len(observed) == 1
+    assert observed[0] <= wall_ms - sleep_s * 1e3  # the sleep is not priced in
+
+
+def test_the_cost_clock_is_cpu_time_on_a_cpu_and_wall_time_on_a_gpu(monkeypatch):
+    assert cost_clock(torch.device("cuda")) is time.perf_counter
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cost_clock(torch.device("cpu")) is time.thread_time
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # intra-op threads: the whole process's
+    assert cost_clock(torch.device("cpu")) is time.process_time
 
 
 # ---------------------------------------------------------------------- chunks

@@ -15,6 +15,9 @@ Lifecycle, as the worker and its engine drive it:
 3. Every engine step: `propose(request_ids, max_lens, stop_token_ids, budget)` before
    the verify forward; after it, `add_tokens(request_id, committed)` (accepted + the
    recovered/bonus token) and `record_acceptance(request_id, num_draft, num_accepted)`.
+   With `DrafterConfig.tree` the engine asks `propose_trees` instead (draft trees at
+   batches up to `tree_max_batch`, tree_walk.py; linear drafts above) and reports a
+   tree's verdict with `record_tree_acceptance(request_id, parents, path)`.
 4. `stop_request(request_id)` when the sample's chunk ends or it leaves the worker;
    `release_prompt(prompt_id)` when the prompt's group is done for the step.
 """
@@ -30,6 +33,7 @@ from services.rollout.drafter.config import DrafterConfig
 from services.rollout.drafter.global_index import GlobalIndex
 from services.rollout.drafter.prompt_index import START, HistoryResponse, LiveSequence, PromptIndex, reward_factors
 from services.rollout.drafter.request_state import DrafterStats, RequestState
+from services.rollout.drafter.tree_walk import tree_steps
 from services.rollout.drafter.walk import initial_gain, steps
 
 _NO_STOPS: frozenset[int] = frozenset()
@@ -152,6 +156,32 @@ class HistoDrafter:
         self._num_accepted += num_accepted
         request.last_gains = []
 
+    @property
+    def tree_drafts(self) -> bool:
+        """Whether the engine should ask ``propose_trees`` (DrafterConfig.tree)."""
+        return self.config.tree
+
+    def record_tree_acceptance(self, request_id: str, parents: list[int], path: list[int]) -> None:
+        """The accepted nodes (root to leaf) of the request's last tree, whose parents the
+        engine verified (a prefix of the proposed tree's): calibrates the request's gains.
+        At each verified node of the path the model expected sum(child gain / node gain)
+        over its children to be accepted, one token at most; the counts are compared as
+        for a linear draft."""
+        request = self._get(request_id)
+        gains, proposed = request.last_gains, request.last_parents
+        request.last_gains, request.last_parents = [], None
+        self._num_accepted += len(path)
+        if proposed is None or list(proposed[:len(parents)]) != list(parents) or not parents:
+            return
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(parents):
+            children.setdefault(p, []).append(i)
+        expected = 0.0
+        for node, node_gain in zip([-1] + path, [1.0] + [gains[i] for i in path]):
+            expected += sum(gains[c] for c in children.get(node, ())) / node_gain
+        request.obs += len(path)
+        request.pred += expected / request.calibration_used
+
     def stop_request(self, request_id: str) -> None:
         """The sample's chunk ended, it was aborted or left the worker. Its tokens stay
         in the prompt's index for the siblings still running.
@@ -225,10 +255,64 @@ class HistoDrafter:
         self._account(requests, drafts, all_gains)
         return drafts
 
+    def propose_trees(self, request_ids: Sequence[str], max_lens: Sequence[int],
+                      stop_token_ids: Sequence[frozenset[int]] | None = None, budget: int | None = None,
+                      max_nodes: int = 16, num_seqs: int | None = None) -> list[tuple[list[int], list[int] | None]]:
+        """``propose`` for an engine that verifies draft trees (engine/tree.py): at batches
+        of at most ``tree_max_batch`` requests (and with ``tree`` on), each request's draft
+        tree, grown best first (tree_walk.py) to at most ``max_nodes`` nodes and
+        ``max_lens[i]`` deep, the batch cut to ``budget`` nodes by gain as linear drafts
+        are; otherwise ``propose``'s linear drafts.
+
+        Returns:
+            Per request (tokens, parents): the tree flattened in topological order
+            (parents[i] < i, -1: the root), or (draft, None) for a linear draft.
+        """
+        cfg = self.config
+        n = len(request_ids)
+        if not cfg.tree or n > cfg.tree_max_batch:
+            return [(d, None) for d in self.propose(request_ids, max_lens, stop_token_ids, budget, num_seqs)]
+        if stop_token_ids is None:
+            stop_token_ids = [_NO_STOPS] * n
+        min_gain = cfg.min_gain
+        if cfg.cost_model is not None:
+            min_gain = max(min_gain, gain_threshold(cfg.cost_model, num_seqs or n, self._draft_per_seq,
+                                                    self._gain_per_seq))
+        requests = [self._get(request_id) for request_id in request_ids]
+        walks, bounds, all_parents = [], [], []
+        cap = min(max_nodes, cfg.max_draft_len * cfg.tree_width)
+        for request, max_len, stops in zip(requests, max_lens, stop_token_ids, strict=True):
+            parents: list[int] = []
+            all_parents.append(parents)
+            depth = min(max_len, cfg.max_draft_len)
+            sources = (request.sources(self._prompts[request.prompt_id].index, self._global, cfg)
+                       if depth > 0 else [])
+            request.calibration_used = calibration = request.calibration
+            if not sources:
+                walks.append(None)
+                bounds.append(0.0)
+                continue
+            gain = initial_gain(sources)
+            # drafted whole, in order: a request's global matches may catch up inside
+            # `sources`, which the trees before it in the batch must not see half done
+            walks.append(iter(list(tree_steps(sources, gain, cap, depth, stops, cfg.tree_width, cfg.smoothing,
+                                              cfg.backoff_weight, cfg.min_match_len, min_gain, calibration,
+                                              parents))))
+            bounds.append(gain * 0.99)
+        drafts, all_gains = draft_within_budget(walks, bounds, None if budget is None else max(0, budget))
+        self._account(requests, drafts, all_gains)
+        out = []
+        for request, draft, parents in zip(requests, drafts, all_parents):
+            parents = parents[:len(draft)]
+            request.last_parents = parents
+            out.append((draft, parents))
+        return out
+
     def _account(self, requests: list[RequestState], drafts: list[list[int]], all_gains: list[list[float]]) -> None:
         """A proposal's statistics: each request's gains, the empties, the running means."""
         for request, gains in zip(requests, all_gains):
             request.last_gains = gains
+            request.last_parents = None
         num_tokens = sum(map(len, drafts))
         self._num_empty += drafts.count([])
         if n := len(requests):

@@ -1,0 +1,164 @@
+"""HistoDrafter's draft trees (tree_walk.py, DrafterConfig.tree): branches where the
+sources disagree, best first within the node cap, depth cap and the batch's budget; the
+linear draft whenever trees are off or the batch is larger than tree_max_batch.
+
+If these fail, the engine gets trees that waste verify rows on unlikely branches, trees
+past max_tokens or stop tokens, or trees where a linear draft was configured."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.rollout.drafter import DrafterConfig, HistoDrafter
+from services.rollout.engine.tree import check_tree, depths
+
+# Two earlier responses that share "10 11" then go different ways.
+FORK = [[10, 11, 20, 21, 22, 23], [10, 11, 30, 31, 32, 33]]
+
+
+def _drafter(**kw) -> HistoDrafter:
+    kw.setdefault("use_global", False)
+    kw.setdefault("min_gain", 0.0)
+    return HistoDrafter(DrafterConfig(**kw))
+
+
+def _paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """Every node's tokens from the root."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tokens, parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return set(paths)
+
+
+def test_both_continuations_of_a_fork_are_branches():
+    """After "10 11" the history went to 20 and to 30: the tree holds both continuations
+    (the linear draft only one of them)."""
+    drafter = _drafter(tree=True, max_draft_len=4)
+    drafter.load_history("p", FORK)
+    drafter.start_request("r", "p", [1, 2], [10, 11])
+    [(tokens, parents)] = drafter.propose_trees(["r"], [4], max_nodes=8)
+    check_tree(tokens, parents)
+    paths = _paths(tokens, parents)
+    assert {(20, 21, 22), (30, 31, 32)} <= paths
+    assert max(depths(parents)) <= 4
+    linear = _drafter(max_draft_len=4)
+    linear.load_history("p", FORK)
+    linear.start_request("r", "p", [1, 2], [10, 11])
+    [draft] = linear.propose(["r"], [4])
+    assert tuple(draft[:3]) in {(20, 21, 22), (30, 31, 32)}
+
+
+def test_trees_off_or_a_large_batch_give_the_linear_drafts():
+    """tree=False (the default), or more requests than tree_max_batch: exactly propose's
+    drafts, as linear drafts (parents None)."""
+    for cfg in (dict(), dict(tree=True, tree_max_batch=1)):
+        a, b = _drafter(max_draft_len=5, **cfg), _drafter(max_draft_len=5)
+        for d in (a, b):
+            d.load_history("p", FORK)
+            d.start_request("r", "p", [1], [10])
+            d.start_request("s", "p", [1], [10, 11])
+        assert a.propose_trees(["r", "s"], [5, 5]) == [(d, None) for d in b.propose(["r", "s"], [5, 5])]
+    assert not HistoDrafter().tree_drafts and HistoDrafter(DrafterConfig(tree=True)).tree_drafts
+
+
+def test_a_single_continuation_is_a_chain():
+    """Where every source agrees there is nothing to branch on: the tree is the linear
+    draft (width 1 would give the same tokens)."""
+    drafter = _drafter(tree=True, max_draft_len=4, tree_width=3)
+    drafter.load_history("p", [[5, 6, 7, 8, 9, 10]])
+    drafter.start_request("r", "p", [1], [5])
+    [(tokens, parents)] = drafter.propose_trees(["r"], [4], max_nodes=8)
+    assert tokens[:4] == [6, 7, 8, 9] and parents[:4] == [-1, 0, 1, 2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(history=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=25), min_size=1, max_size=5),
+       generated=st.lists(st.lists(st.integers(0, 6), max_size=12), min_size=1, max_size=4),
+       stops=st.frozensets(st.integers(0, 6), max_size=2),
+       max_len=st.integers(0, 8), max_nodes=st.integers(0, 24), width=st.integers(1, 4),
+       budget=st.one_of(st.none(), st.integers(0, 30)))
+def test_trees_keep_every_cap(history, generated, stops, max_len, max_nodes, width, budget):
+    """For any history: each tree is a tree in topological order with distinct siblings,
+    at most max_nodes nodes and max_lens deep, no node below a stop token, the batch
+    within the budget; gains (the calibration state) stay usable by the next step."""
+    drafter = _drafter(tree=True, max_draft_len=8, tree_width=width, use_global=True)
+    drafter.add_global_responses(history[::-1])
+    drafter.load_history("p", history)
+    rids = [f"r{i}" for i in range(len(generated))]
+    for rid, gen in zip(rids, generated):
+        drafter.start_request(rid, "p", [0, 1], gen)
+    trees = drafter.propose_trees(rids, [max_len] * len(rids), [stops] * len(rids), budget, max_nodes=max_nodes)
+    for tokens, parents in trees:
+        assert parents is not None
+        check_tree(tokens, parents)
+        assert len(tokens) <= max_nodes
+        assert all(d <= max_len for d in depths(parents))
+        assert all(tokens[p] not in stops for p in parents if p >= 0)
+    if budget is not None:
+        assert sum(len(t) for t, _ in trees) <= budget
+    rng = random.Random(len(history))
+    for rid, (tokens, parents) in zip(rids, trees):  # a verdict: some path of the tree
+        path, node = [], -1
+        while True:
+            kids = [i for i, p in enumerate(parents) if p == node]
+            if not kids or rng.random() < 0.3:
+                break
+            node = rng.choice(kids)
+            path.append(node)
+        drafter.record_tree_acceptance(rid, parents, path)
+        drafter.add_tokens(rid, [tokens[i] for i in path] + [0])
+    drafter.propose_trees(rids, [max_len] * len(rids), [stops] * len(rids), budget, max_nodes=max_nodes)
+    assert drafter.stats().num_accepted_tokens >= 0
+
+
+def test_trees_grow_best_first_across_the_batch():
+    """A tight budget goes to the most likely nodes of the batch: a prefix of each tree's
+    best-first order (a tree), no request's node below another's that was cut."""
+    drafter = _drafter(tree=True, max_draft_len=6)
+    drafter.load_history("p", FORK + [[10, 11, 20, 21, 22, 23]])
+    drafter.load_history("q", [[40, 41, 42, 43, 44]])
+    drafter.start_request("r", "p", [1], [10, 11])
+    drafter.start_request("s", "q", [1], [40])
+    whole = drafter.propose_trees(["r", "s"], [6, 6], max_nodes=10)
+    drafter2 = _drafter(tree=True, max_draft_len=6)
+    drafter2.load_history("p", FORK + [[10, 11, 20, 21, 22, 23]])
+    drafter2.load_history("q", [[40, 41, 42, 43, 44]])
+    drafter2.start_request("r", "p", [1], [10, 11])
+    drafter2.start_request("s", "q", [1], [40])
+    cut = drafter2.propose_trees(["r", "s"], [6, 6], budget=5, max_nodes=10)
+    assert sum(len(t) for t, _ in cut) == 5
+    for (tokens, parents), (wt, wp) in zip(cut, whole):
+        assert tokens == wt[:len(tokens)] and parents == wp[:len(parents)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_history_tree_drafter_in_the_engine_is_lossless(temperature):
+    """The Python drafter's trees through the CPU engine: plain decoding's tokens, trees
+    really verified, and some of their tokens accepted."""
+    import torch
+
+    from tests.rollout.engine.test_engine import (CONFIG, _engine_with, init_random_model, make_request,
+                                                  prompt_of, run_to_end)
+
+    torch.manual_seed(0)
+    model = init_random_model(CONFIG, seed=1)
+    prompt = prompt_of(10)
+    reqs = [make_request(i, prompt, prompt_id="p", temperature=temperature, max_tokens=20, max_new_tokens=20)
+            for i in range(4)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    drafter = HistoDrafter(DrafterConfig(tree=True))
+    # last epoch's responses, and their variants with a token changed: forks to branch on
+    history = [plain[f"r{i}"].token_ids for i in range(4)]
+    history += [h[:5] + [(h[5] + 1) % CONFIG.vocab_size] + h[6:] for h in history]
+    drafter.load_history("p", history)
+    engine = _engine_with(model, reqs, drafter=drafter)
+    assert engine.tree_drafts
+    spec = run_to_end(engine)
+    for rid in plain:
+        assert spec[rid].token_ids == plain[rid].token_ids
+    c = engine.metrics.counters
+    assert c.num_tree_drafts > 0 and c.num_accepted_tokens > 0

@@ -162,3 +162,14 @@ def test_history_tree_drafter_in_the_engine_is_lossless(temperature):
         assert spec[rid].token_ids == plain[rid].token_ids
     c = engine.metrics.counters
     assert c.num_tree_drafts > 0 and c.num_accepted_tokens > 0
+
+
+def test_the_worker_switch_needs_the_python_drafter():
+    """RHYMERL_WORKER_TREE_DRAFTS is off by default; on, it needs the Python drafter (the
+    compiled core drafts linearly) and is refused, naming it, with the compiled one."""
+    from services.rollout.settings import WorkerSettings
+
+    assert not WorkerSettings().tree_drafts
+    with pytest.raises(ValueError, match="RHYMERL_WORKER_TREE_DRAFTS"):
+        WorkerSettings(tree_drafts=True)
+    assert WorkerSettings(tree_drafts=True, drafter="python").tree_drafts

@@ -259,7 +259,8 @@ class HistoDrafter:
                       stop_token_ids: Sequence[frozenset[int]] | None = None, budget: int | None = None,
                       max_nodes: int = 16, num_seqs: int | None = None) -> list[tuple[list[int], list[int] | None]]:
         """``propose`` for an engine that verifies draft trees (engine/tree.py): at batches
-        of at most ``tree_max_batch`` requests (and with ``tree`` on), each request's draft
+        of at most ``tree_max_batch`` sequences (``num_seqs``, else these requests; and with
+        ``tree`` on), each request's draft
         tree, grown best first (tree_walk.py) to at most ``max_nodes`` nodes and
         ``max_lens[i]`` deep, the batch cut to ``budget`` nodes by gain as linear drafts
         are; otherwise ``propose``'s linear drafts.
@@ -270,7 +271,7 @@ class HistoDrafter:
         """
         cfg = self.config
         n = len(request_ids)
-        if not cfg.tree or n > cfg.tree_max_batch:
+        if not cfg.tree or (num_seqs or n) > cfg.tree_max_batch:
             return [(d, None) for d in self.propose(request_ids, max_lens, stop_token_ids, budget, num_seqs)]
         if stop_token_ids is None:
             stop_token_ids = [_NO_STOPS] * n

@@ -173,3 +173,80 @@ def test_the_worker_switch_needs_the_python_drafter():
     with pytest.raises(ValueError, match="RHYMERL_WORKER_TREE_DRAFTS"):
         WorkerSettings(tree_drafts=True)
     assert WorkerSettings(tree_drafts=True, drafter="python").tree_drafts
+
+
+# ------------------------------------------------------------------ the replay (drafter_bench)
+
+def test_the_replay_accepts_a_tree_s_true_path_wherever_it_sits():
+    """drafter_replay with a tree drafter: a tree whose true continuation is its last
+    branch is accepted along that branch (the verifier's walk), every node counted as
+    verified; the tail columns count the steps with <= 16 sequences."""
+    from benchmarks import drafter_replay as R
+
+    traces = R.synthetic_traces(num_prompts=1, num_epochs=1, num_samples=2, seed=3)
+    truth = {f"{t.prompt_id}/{t.epoch}/{t.sample_index}": t.token_ids for t in traces}
+
+    class Fork:
+        """Two wrong children of the root, then the next 3 true tokens as a chain."""
+        tree_drafts = True
+
+        def __init__(self):
+            self.done: dict[str, int] = {}
+            self.paths: list[list[int]] = []
+
+        def start_request(self, rid, prompt_id, prompt, generated=()):
+            self.done[rid] = 0
+
+        def propose_trees(self, rids, max_lens, stops=None, budget=None, max_nodes=16, **kw):
+            out = []
+            for rid in rids:
+                seq, p = truth[rid], self.done[rid]
+                true = seq[p:p + 3]
+                wrong = [(true[0] + 1) % 6000 if true else 1, (true[0] + 2) % 6000 if true else 2]
+                out.append((wrong + true, [-1, -1] + [-1, 2, 3][:len(true)]))
+            return out
+
+        def add_tokens(self, rid, tokens):
+            self.done[rid] += len(tokens)
+
+        def record_tree_acceptance(self, rid, parents, path):
+            self.paths.append(path)
+
+        def record_acceptance(self, rid, n, a):
+            raise AssertionError("trees only")
+
+        def stop_request(self, rid):
+            pass
+
+    fork = Fork()
+    row = R.replay(traces, lambda: fork, None, "fork")
+    assert row["num_tokens"] == sum(len(t.token_ids) for t in traces)
+    assert row["mean_accepted_drafts_per_step"] > 2.5  # 3 accepted at almost every step
+    assert row["draft_tokens_per_step"] > 4.5 and row["tail_num_verify_steps"] == row["num_verify_steps"]
+    assert all(path[:1] == [2] for path in fork.paths if path)
+    assert row["num_tree_drafts"] == row["num_verify_steps"] and row["tree_width_mean"] == 3
+
+
+def test_only_trees_writes_the_tree_figures(tmp_path, monkeypatch):
+    """--only-trees: drafter_trees.{md,json} with the issue's keys per trace set."""
+    import numpy as np
+
+    from benchmarks import drafter_bench
+    from benchmarks import drafter_replay as R
+    from benchmarks.peers.suffix_decoding import PeerUnavailable
+    from services.common.traces import TraceRecord, write_traces
+
+    monkeypatch.setattr(drafter_bench, "load_peer", lambda: (_ for _ in ()).throw(PeerUnavailable("not here")))
+    synthetic = R.synthetic_traces(num_prompts=1, num_epochs=2, num_samples=2, seed=2)
+    records = [TraceRecord(t.prompt_id, t.epoch, t.sample_index, t.epoch, np.array(t.prompt_token_ids, np.int32),
+                           np.array(t.token_ids, np.int32), np.zeros(len(t.token_ids), np.float32), t.reward)
+               for t in synthetic]
+    write_traces(tmp_path / "t.npz", records)
+    summary = drafter_bench.main(["--traces", str(tmp_path / "t.npz"), "--out", str(tmp_path), "--only-trees"])
+    assert (tmp_path / "drafter_trees.json").exists() and (tmp_path / "drafter_trees.md").exists()
+    (entry,) = summary["trace_sets"]
+    assert entry["rhymerl_tree_mean_accepted"] > 0 and entry["rhymerl_tree_verified_per_step"] > 0
+    assert entry["peer_suffix_tail_mean_accepted"] is None
+    assert set(entry["modeled_speedup"]) == {"1", "16", "64", "256"}
+    assert all(v["rhymerl_tree"] > 0 for v in entry["modeled_speedup"].values())
+    assert {r["config"] for r in entry["rows"]} == {"rhymerl", "rhymerl/tree"}

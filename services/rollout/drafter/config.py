@@ -46,6 +46,9 @@ class DrafterConfig:
         tree_max_batch: trees only when a step drafts for at most this many sequences
             (the tail, where a forward over a few dozen tokens costs what one does);
             larger batches get the linear draft.
+        tree_min_gain: min_gain for tree nodes (None: min_gain); the cost threshold
+            still applies. A tree spends its verified tokens on several branches, so
+            its floor sets how many it verifies (docs/drafter.md, "Draft trees").
     """
 
     use_history: bool = True
@@ -72,6 +75,7 @@ class DrafterConfig:
     tree: bool = False
     tree_width: int = 3
     tree_max_batch: int = 16
+    tree_min_gain: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_prompt < 16 or self.global_max_tokens < 16:

@@ -275,7 +275,7 @@ class HistoDrafter:
             return [(d, None) for d in self.propose(request_ids, max_lens, stop_token_ids, budget, num_seqs)]
         if stop_token_ids is None:
             stop_token_ids = [_NO_STOPS] * n
-        min_gain = cfg.min_gain
+        min_gain = cfg.min_gain if cfg.tree_min_gain is None else cfg.tree_min_gain
         if cfg.cost_model is not None:
             min_gain = max(min_gain, gain_threshold(cfg.cost_model, num_seqs or n, self._draft_per_seq,
                                                     self._gain_per_seq))

@@ -250,3 +250,19 @@ def test_only_trees_writes_the_tree_figures(tmp_path, monkeypatch):
     assert set(entry["modeled_speedup"]) == {"1", "16", "64", "256"}
     assert all(v["rhymerl_tree"] > 0 for v in entry["modeled_speedup"].values())
     assert {r["config"] for r in entry["rows"]} == {"rhymerl", "rhymerl/tree"}
+
+
+def test_tree_min_gain_sets_the_tree_s_floor_only():
+    """tree_min_gain bounds the tree's nodes (a higher floor: a sub-tree of the lower
+    floor's, best first); linear drafts keep min_gain."""
+    def trees(**kw):
+        drafter = _drafter(tree=True, max_draft_len=6, **kw)
+        drafter.load_history("p", FORK + [[10, 11, 20, 21, 22, 23]] * 3)
+        drafter.start_request("r", "p", [1], [10, 11])
+        return drafter.propose_trees(["r"], [6], max_nodes=16)[0], drafter.propose(["r"], [6])[0]
+
+    (low, low_parents), linear_low = trees(tree_min_gain=0.0)
+    (high, high_parents), linear_high = trees(tree_min_gain=0.5)
+    assert 0 < len(high) < len(low)
+    assert (high, high_parents) == (low[:len(high)], low_parents[:len(high)])
+    assert linear_low == linear_high  # min_gain (0.0 here) still rules linear drafts

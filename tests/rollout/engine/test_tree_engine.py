@@ -273,3 +273,25 @@ def test_depth_and_node_caps_hold(model):
     spec = run_to_end(engine)
     assert {r: o.token_ids for r, o in spec.items()} == {r: o.token_ids for r, o in plain.items()}
     assert fed and all(n <= 4 and d <= left - 1 for n, d, left in fed)
+
+
+def test_stop_tokens_before_min_tokens_are_masked_by_depth(model):
+    """Before min_tokens a stop token is masked out of a row by the position the row
+    samples (its depth), not by its index in the flat tree: the true branch sits behind
+    wrong siblings (high row indices at small depths) and the output is plain decoding's."""
+    import dataclasses
+
+    from tests.rollout.engine.test_engine import reference_generate
+
+    reqs = []
+    for i in range(4):
+        base = make_request(i, prompt_of(5, i), temperature=0.0, max_tokens=16, max_new_tokens=16)
+        free_run = reference_generate(model, base)[0]
+        k = 3 + i
+        reqs.append(dataclasses.replace(base, stop_token_ids=frozenset({free_run[k]}), min_tokens=k + 3))
+    plain = plain_outputs(model, reqs)
+    drafter = TreeOracleDrafter({rid: o.token_ids for rid, o in plain.items()}, 9, true_last=True, max_wrong=3)
+    drafter.rng.randrange = lambda a, b=None: (b - 1) if b is not None else a - 1  # whole truth, most wrongs
+    spec = run_to_end(_engine_with(model, reqs, drafter=drafter, max_draft_len=8))
+    for rid, out in plain.items():
+        assert spec[rid].token_ids == out.token_ids and spec[rid].finish_reason == out.finish_reason, rid

@@ -32,7 +32,7 @@ class RequestState:
     """What the drafter keeps per running request: its sequence, its global matches and
     the evidence that calibrates its gains."""
 
-    __slots__ = ("calibration_used", "glob", "last_gains", "last_parents", "obs", "pred", "prompt_id", "seq")
+    __slots__ = ("calibration_used", "glob", "last_gains", "obs", "pred", "prompt_id", "seq")
 
     def __init__(self, prompt_id: str, seq: LiveSequence, glob: GlobalMatch | None) -> None:
         self.prompt_id = prompt_id
@@ -41,7 +41,6 @@ class RequestState:
         self.obs = 0.0  # decayed count of draft tokens accepted
         self.pred = 0.0  # decayed sum of their modelled acceptance probabilities
         self.last_gains: list[float] = []
-        self.last_parents: list[int] | None = None  # its last draft tree's (None: a linear draft)
         self.calibration_used = 1.0
 
     def decay(self) -> None:

@@ -259,10 +259,10 @@ class LLMEngine:
         """A drafter's tree, checked (a bad one is no draft: a drafter bug must not crash
         the step), cut to ``max_depth`` and to the step's node budget; a chain is returned as
         a linear draft (parents None)."""
-        tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
         try:
+            tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
             check_tree(tokens, parents)
-        except ValueError:
+        except (TypeError, ValueError):
             log.warning("drafter proposed a malformed tree; decoding without it", exc_info=True)
             return [], None
         tokens, parents = prune(tokens, parents, max_depth, min(budget, self.max_draft_len))

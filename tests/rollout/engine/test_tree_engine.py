@@ -241,7 +241,7 @@ def test_malformed_trees_cost_speed_never_samples(model):
             tokens, parents = super()._tree(rid, max_depth, max_nodes)
             kind = Broken.calls % 5
             if kind == 3 and tokens:
-                return tokens, ["x"] + parents[1:]  # not a parent index at all
+                return tokens, [None] + parents[1:]  # not a parent index at all
             if kind == 0 and tokens:
                 return tokens + [tokens[0]], parents + [parents[0]]  # a repeated sibling
             if kind == 1 and tokens:

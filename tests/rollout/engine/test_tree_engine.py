@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.rollout.engine.tree import depths
-from tests.rollout.engine.test_engine import (CONFIG, EagerGraphs, _engine_with, make_request, new_engine, prompt_of,
-                                              run_to_end)
+from tests.rollout.engine.test_engine import (CONFIG, EagerGraphs, _engine_with, init_random_model, make_request,
+                                              new_engine, prompt_of, run_to_end)
 
 VOCAB = CONFIG.vocab_size
 
@@ -297,3 +297,53 @@ def test_stop_tokens_before_min_tokens_are_masked_by_depth(model):
     spec = run_to_end(_engine_with(model, reqs, drafter=drafter, max_draft_len=8))
     for rid, out in plain.items():
         assert spec[rid].token_ids == out.token_ids and spec[rid].finish_reason == out.finish_reason, rid
+
+
+class EveryTokenDrafter(TreeOracleDrafter):
+    """A tree of every vocabulary token as a child of the root: the token after the
+    root's sample is always drawn at a tree row (depth 1)."""
+
+    def __init__(self, vocab: int):
+        super().__init__({}, 0)
+        self.vocab = vocab
+
+    def _tree(self, rid, max_depth, max_nodes):
+        n = min(self.vocab, max_nodes) if max_depth >= 1 else 0
+        return list(range(n)), [-1] * n
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_tokens_sampled_at_tree_rows_follow_the_exact_distribution(temperature):
+    """The statistical test at T=1 (and 0.7) through tree rows: the third token of 3,000
+    seeded samples, drawn at the depth-1 node matching the second, against the exact
+    softmax of an independent dense forward, for the two most frequent first pairs."""
+    from collections import Counter
+
+    from services.rollout.engine import CostModel, LLMEngine, run_to_completion
+    from tests.rollout.engine.test_sampling_contract import (CHI2_999, CONFIG as SMALL, PROMPT, exact_distribution,
+                                                             model_logits, request)
+
+    small = init_random_model(SMALL, seed=3)
+    with torch.no_grad():
+        small.lm_head.weight.mul_(4.0)
+    n = 3000
+    drafter = EveryTokenDrafter(SMALL.vocab_size)
+    engine = LLMEngine(small, device="cpu", num_kv_blocks=1024, block_size=8, max_num_seqs=32,
+                       max_num_batched_tokens=1024, drafter=drafter, max_draft_len=SMALL.vocab_size,
+                       cost_model=CostModel(tolerance=1000.0), measure_cost=False)
+    outs = run_to_completion(engine, [request(i, seed=5000 + i, max_tokens=3, temperature=temperature)
+                                      for i in range(n)])
+    assert engine.metrics.counters.num_tree_drafts > n // 2  # most third tokens came from tree rows
+    by_pair: dict[tuple[int, int], list[int]] = {}
+    for o in outs.values():
+        by_pair.setdefault(tuple(o.token_ids[:2]), []).append(o.token_ids[2])
+    for pair, thirds in sorted(by_pair.items(), key=lambda kv: -len(kv[1]))[:2]:
+        expected = exact_distribution(model_logits(small, PROMPT + list(pair))[-1], temperature, 0, 1.0)
+        m, counts = len(thirds), Counter(thirds)
+        big = [v for v, p in expected.items() if m * p >= 5]  # the rest pooled in one bin
+        rest_p = 1.0 - sum(expected[v] for v in big)
+        bins = [(counts[v], m * expected[v]) for v in big] + ([(m - sum(counts[v] for v in big), m * rest_p)]
+                                                            if rest_p * m >= 5 else [])
+        assert len(bins) >= 2 and m >= 200, (pair, m)
+        chi2 = sum((o - e) ** 2 / e for o, e in bins)
+        assert chi2 < CHI2_999[len(bins) - 1], (pair, chi2, counts, expected)

@@ -9,7 +9,14 @@ prompt) and vLLM's n-gram lookup. Then the rollout speedup each would bring at a
 batch of 1, 16, 64 and 256 sequences, from the engine's cost curve (rhymerl replayed with
 its cost threshold at that batch size; the peer drafts the same whatever the batch).
 
-    python -m benchmarks.drafter_bench [--traces A.npz B.npz ...] [--out benchmarks/results]
+Draft trees (`rhymerl/tree`: the Python drafter with DrafterConfig.tree, trees at batches of
+at most 16) are compared with the peer on the epochs' tails (steps with at most 16
+sequences left): accepted and verified draft tokens per sequence and step there
+(`rhymerl_tree_mean_accepted`, `rhymerl_tree_verified_per_step`), and the modeled speedup
+at each batch size (`modeled_speedup[B]["rhymerl_tree"]`). --only-trees replays just
+those rows (the peer, rhymerl, rhymerl/tree) and writes drafter_trees.{md,json}.
+
+    python -m benchmarks.drafter_bench [--traces A.npz B.npz ...] [--out benchmarks/results] [--only-trees]
 
 The peer is built by `python -m benchmarks.peers.build_suffix_decoding` (make bench);
 without it its rows are left out and the results say why. Without --traces, a synthetic
@@ -46,6 +53,7 @@ from services.rollout.engine.cost_model import CostModel
 BATCH_SIZES = (1, 16, 64, 256)
 RHYMERL = "rhymerl"  # the product configuration, as a worker runs it (the compiled core)
 RHYMERL_PYTHON = "rhymerl/python"  # the same on the Python reference (HistoDrafter): same drafts, its speed
+RHYMERL_TREE = "rhymerl/tree"  # draft trees at the tail (Python drafter, DrafterConfig.tree)
 PEER, PEER_PER_PROMPT = "vllm-suffix", "vllm-suffix/per-prompt"
 ORACLE, ORACLE_LONGEST = "oracle/any-context", "oracle/longest-context"
 COMMITTED = ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz"]
@@ -64,11 +72,11 @@ def backend(config: str) -> str:
         return "peer"
     if config.startswith(("ngram", "oracle")):
         return config.split("/")[0]
-    return "python" if config == RHYMERL_PYTHON else "compiled"
+    return "python" if config in (RHYMERL_PYTHON, RHYMERL_TREE) else "compiled"
 
 
-def configs(peer) -> dict[str, object]:
-    """name -> drafter factory, in table order."""
+def configs(peer, only_trees: bool = False) -> dict[str, object]:
+    """name -> drafter factory, in table order (``only_trees``: the rows the tree figures need)."""
     fixed = {"min_gain": 0.0}
     out = {f"ngram/{k}": (lambda k=k: R.NgramDrafter(k)) for k in (4, 8, 16)}
     out |= {
@@ -81,12 +89,64 @@ def configs(peer) -> dict[str, object]:
         "all+reward/adaptive": _ours(reward_weighting=True, cost_model=CostModel()),
         RHYMERL: _ours(cost_model=CostModel()),
         RHYMERL_PYTHON: _ours("python", cost_model=CostModel()),
+        RHYMERL_TREE: _ours("python", cost_model=CostModel(), tree=True),
     }
+    if only_trees:
+        out = {k: out[k] for k in (RHYMERL, RHYMERL_TREE)}
     if peer is not None:
         cache = lambda: peer(MAX_TREE_DEPTH, MAX_CACHED_REQUESTS)  # noqa: E731
         out[PEER] = lambda: PeerSuffixDrafter(cache)
         out[PEER_PER_PROMPT] = lambda: PeerSuffixDrafter(cache, per_prompt=True)
     return out
+
+
+def tree_figures(traces: list[R.Trace], stop: int | None, by_name: dict) -> dict:
+    """The tree drafter against the peer and the linear drafter on the epochs' tails, and
+    its modeled speedup at each batch size (replayed with its cost threshold there: trees
+    up to batch 16, its linear drafts above)."""
+    tree, linear, peer = by_name[RHYMERL_TREE], by_name[RHYMERL], by_name.get(PEER)
+    speedup = {}
+    for batch in BATCH_SIZES:
+        row = R.replay(traces, _ours("python", cost_model=CostModel(), tree=True), stop, f"{RHYMERL_TREE}@{batch}",
+                       num_seqs=batch)
+        speedup[str(batch)] = {
+            "rhymerl_tree": R.modeled_speedup(batch, row["draft_tokens_per_step"], row["mean_accepted_drafts_per_step"]),
+            "rhymerl_tree_accepted_per_verify": row["mean_accepted_drafts_per_step"],
+            "rhymerl_tree_draft_per_verify": row["draft_tokens_per_step"],
+        }
+    tail = "tail_mean_accepted_drafts_per_step"
+    return {
+        "tail_batch": R.TAIL_BATCH,
+        "rhymerl_tree_mean_accepted": tree[tail],
+        "rhymerl_tree_verified_per_step": tree["tail_draft_tokens_per_step"],
+        "rhymerl_tree_all_steps_mean_accepted": tree["mean_accepted_drafts_per_step"],
+        "rhymerl_tree_width_mean": tree["tree_width_mean"],
+        "rhymerl_tree_depth_mean": tree["tree_depth_mean"],
+        "rhymerl_tail_mean_accepted": linear[tail],
+        "rhymerl_tail_draft_per_verify": linear["tail_draft_tokens_per_step"],
+        "peer_suffix_tail_mean_accepted": peer[tail] if peer else None,
+        "peer_suffix_tail_draft_per_verify": peer["tail_draft_tokens_per_step"] if peer else None,
+        "rhymerl_tree_vs_peer_tail_mean_accepted": tree[tail] / peer[tail] if peer and peer[tail] else None,
+        "tree_speedup": speedup,
+    }
+
+
+def run_trees_only(name: str, traces: list[R.Trace], peer) -> dict:
+    """The tree figures of one trace set, without the other rows (--only-trees)."""
+    stop = R.stop_token(traces)
+    rows = []
+    for config, make in configs(peer, only_trees=True).items():
+        rows.append({**R.replay(traces, make, stop, config), "backend": backend(config)})
+        print(f"  {name} {config}: tail {rows[-1]['tail_mean_accepted_drafts_per_step']:.3f} accepted / "
+              f"{rows[-1]['tail_draft_tokens_per_step']:.2f} verified", file=sys.stderr, flush=True)
+    by_name = {r["config"]: r for r in rows}
+    peer_row = by_name.get(PEER)
+    figures = tree_figures(traces, stop, by_name)
+    linear = {str(b): {"peer": R.modeled_speedup(b, peer_row["draft_tokens_per_step"],
+                                                 peer_row["mean_accepted_drafts_per_step"]) if peer_row else None}
+              for b in BATCH_SIZES}
+    return {"name": name, "num_traces": len(traces), **figures,
+            "modeled_speedup": {b: {**linear[b], **figures["tree_speedup"][b]} for b in linear}, "rows": rows}
 
 
 def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
@@ -115,6 +175,9 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
             "rhymerl_accepted_per_verify": row["mean_accepted_drafts_per_step"],
             "rhymerl_draft_per_verify": row["draft_tokens_per_step"],
         }
+    trees = tree_figures(traces, stop, by_name)
+    for batch, figures in trees.pop("tree_speedup").items():
+        speedup[batch].update(figures)
     peer_pp = by_name.get(PEER_PER_PROMPT)
     python = by_name[RHYMERL_PYTHON]
     same = [a == b for x, y in zip(drafts[RHYMERL], drafts[RHYMERL_PYTHON]) for a, b in zip(x, y)]
@@ -151,6 +214,7 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
                                         / max(1e-12, python["mean_accepted_drafts_per_step"])),
         "memory_tokens_per_prompt_max": ours["memory_tokens_max"],
         "global_tokens_max": ours["global_tokens_max"],
+        **trees,
         "rows": rows,
     }
 
@@ -203,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--traces", nargs="*", default=None, help="trace files; default: synthetic")
     parser.add_argument("--out", default="benchmarks/results", help="where drafter.md/.json go")
     parser.add_argument("--seed", type=int, default=0, help="synthetic traces' seed")
+    parser.add_argument("--only-trees", action="store_true",
+                        help="only the draft-tree figures (the peer, rhymerl, rhymerl/tree): drafter_trees.{md,json}")
     args = parser.parse_args(argv)
     try:
         peer, peer_note = load_peer(), "built from the arctic-inference sdist"
@@ -214,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
         sets = [(f"synthetic(seed={args.seed})", R.synthetic_traces(seed=args.seed))]
     started, load_before = time.time(), os.getloadavg()[0]
     command = "python -m benchmarks.drafter_bench" + (" --traces " + " ".join(args.traces) if args.traces else "")
+    if args.only_trees:
+        return _trees_only(sets, peer, peer_note, command + " --only-trees", started, load_before, Path(args.out))
     trace_sets = [{**run_trace_set(name, traces, peer), "command": command} for name, traces in sets]
     summary = {
         **_legacy_keys(trace_sets[0]),
@@ -238,6 +306,52 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "drafter.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "drafter.md").write_text(_markdown(summary, text))
+    return summary
+
+
+def _trees_only(sets, peer, peer_note: str, command: str, started: float, load_before: float, out: Path) -> dict:
+    trace_sets = [{**run_trees_only(name, traces, peer), "command": command} for name, traces in sets]
+    summary = {
+        "trace_sets": trace_sets,
+        "peer": {"name": "vLLM method=suffix (arctic-inference SuffixDecodingCache)", "available": peer is not None,
+                 "note": peer_note},
+        "cpu": cpu_name(),
+        "device": "CPU, one core (drafting is host-side); speedups are modeled on the engine's H100 cost curve",
+        "python": platform.python_version(),
+        "git_commit": git_commit("services/rollout/drafter", "services/rollout/engine/tree.py",
+                                 "benchmarks/drafter_bench.py", "benchmarks/drafter_replay.py"),
+        "command": command,
+        "wall_s": time.time() - started,
+        "load_average_1min": [load_before, os.getloadavg()[0]],
+    }
+    fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    lines = ["| trace set | tree accepted / verified (tail) | rhymerl linear (tail) | vLLM suffix (tail) | "
+             "tree vs peer | tree width / depth (mean) |", "|---|---|---|---|---|---|"]
+    speed = ["| trace set | batch | rhymerl/tree accepted / drafted | rhymerl/tree speedup | vLLM suffix speedup |",
+             "|---|---|---|---|---|"]
+    for s in trace_sets:
+        lines.append(f"| {s['name']} | {fmt(s['rhymerl_tree_mean_accepted'])} / "
+                     f"{fmt(s['rhymerl_tree_verified_per_step'])} | {fmt(s['rhymerl_tail_mean_accepted'])} / "
+                     f"{fmt(s['rhymerl_tail_draft_per_verify'])} | {fmt(s['peer_suffix_tail_mean_accepted'])} / "
+                     f"{fmt(s['peer_suffix_tail_draft_per_verify'])} | "
+                     f"{fmt(s['rhymerl_tree_vs_peer_tail_mean_accepted'])}x | "
+                     f"{fmt(s['rhymerl_tree_width_mean'])} / {fmt(s['rhymerl_tree_depth_mean'])} |")
+        for b, v in s["modeled_speedup"].items():
+            speed.append(f"| {s['name']} | {b} | {fmt(v['rhymerl_tree_accepted_per_verify'])} / "
+                         f"{fmt(v['rhymerl_tree_draft_per_verify'])} | {fmt(v['rhymerl_tree'])} | {fmt(v['peer'])} |")
+    text = "\n".join(lines) + "\n\nModeled rollout speedup at a steady batch (engine cost curve):\n\n" + "\n".join(speed)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "drafter_trees.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "drafter_trees.md").write_text(
+        f"# Draft trees on the replay's tail\n\nCommand: `{command}` (OMP_NUM_THREADS=1), commit "
+        f"{summary['git_commit']}, CPU: {summary['cpu']}, wall {summary['wall_s']:.0f} s. Peer: "
+        f"{summary['peer']['name']}, {peer_note}.\n\nThe lockstep replay of drafter.md; `tail` = the steps "
+        f"with at most {R.TAIL_BATCH} sequences left in their epoch; accepted / verified = accepted and verified "
+        f"draft tokens per sequence and verify step there (a tree's nodes are all verified; its accepted tokens "
+        f"are the path the engine's verifier follows). rhymerl/tree = the Python drafter with "
+        f"DrafterConfig(tree=True) and the cost threshold at the replay's batch; at batch > 16 it drafts "
+        f"linearly.\n\n{text}\n")
     return summary
 
 

@@ -9,7 +9,11 @@ ground truth); each step commits the accepted tokens plus one bonus/recovered to
 
 One function, `replay`, drives every drafter (rhymerl's, vLLM's n-gram, vLLM's suffix
 method) through the engine-facing calls (start_request, propose, add_tokens,
-record_acceptance, stop_request), so they are compared on exactly the same steps.
+record_acceptance, stop_request), so they are compared on exactly the same steps. A
+drafter with draft trees on (`tree_drafts`, services/rollout/engine/tree.py) is asked
+`propose_trees`; a tree's accepted tokens are the path the engine's verifier would follow
+(the trace's token at each depth), and every node counts as a verified draft token. The
+tail columns count only the steps with at most `TAIL_BATCH` sequences left.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ import numpy as np
 
 from services.rollout.drafter import NgramContext, propose_ngram
 from services.rollout.engine.cost_model import CostModel
+from services.rollout.engine.tree import accept_path, depths, shape
 
 MAX_TOKENS = 2048
 HISTORY_EPOCHS = 3  # epochs of history loaded per prompt (ages 0..2)
 NGRAM_MIN, NGRAM_MAX = 2, 4  # vLLM's prompt_lookup_min / prompt_lookup_max
 EOS = 2
 COST = CostModel()  # the engine's H100 curve for the 0.5B model (services/rollout/engine/cost_model.py)
+TAIL_BATCH = 16  # the epoch's tail: steps with at most this many sequences left
+MAX_TREE_NODES = 16  # a draft tree's nodes per sequence and step (the engine's max_draft_len)
 
 
 @dataclass
@@ -182,7 +189,10 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
     # The compiled drafter stages commits and applies them in one call (flush): timed as commits.
     flush = getattr(drafter, "flush", None)
     stops = frozenset([stop]) if stop is not None else frozenset()
+    trees_on = bool(getattr(drafter, "tree_drafts", False)) and callable(getattr(drafter, "propose_trees", None))
     num_steps = num_committed = num_drafted = num_accepted = 0
+    tail_steps = tail_drafted = tail_accepted = 0
+    tree_shapes: list[tuple[int, int]] = []  # (width, depth) of each tree draft
     propose_ns: list[float] = []
     add_ns: list[float] = []
     spec_ms = no_spec_ms = 0.0
@@ -212,7 +222,13 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
         while active:
             max_lens = [MAX_TOKENS - pos[r] - 1 for r in active]
             start = time.thread_time_ns()
-            drafts = drafter.propose(active, max_lens, [stops] * len(active), **at_batch)
+            if trees_on:
+                trees = drafter.propose_trees(active, max_lens, [stops] * len(active), max_nodes=MAX_TREE_NODES,
+                                              **at_batch)
+                drafts = [tokens for tokens, _ in trees]
+            else:
+                drafts = drafter.propose(active, max_lens, [stops] * len(active), **at_batch)
+                trees = None
             elapsed = time.thread_time_ns() - start
             if drafts_log is not None:
                 drafts_log.append(drafts)
@@ -221,16 +237,31 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
             calls.append((elapsed, len(active), num_draft_tokens))
             spec_ms += COST.step_ms(len(active) + num_draft_tokens)
             still, add_time = [], 0
-            for rid, draft in zip(active, drafts):
+            tail = len(active) <= TAIL_BATCH
+            for i, (rid, draft) in enumerate(zip(active, drafts)):
                 seq, p = truth[rid], pos[rid]
-                accepted = 0
-                while accepted < len(draft) and p + accepted < len(seq) and draft[accepted] == seq[p + accepted]:
-                    accepted += 1
+                parents = trees[i][1] if trees is not None and draft else None
+                if parents is None:
+                    accepted = 0
+                    while accepted < len(draft) and p + accepted < len(seq) and draft[accepted] == seq[p + accepted]:
+                        accepted += 1
+                else:  # the verifier's walk: the trace's token at each depth is the sampled one
+                    sampled = [seq[p + d] if p + d < len(seq) else -1 for d in [0] + depths(parents)]
+                    path = accept_path(draft, parents, sampled)
+                    accepted = len(path)
+                    tree_shapes.append(shape(parents))
                 committed = seq[p:p + accepted + 1]
                 start = time.thread_time_ns()
                 drafter.add_tokens(rid, committed)
-                drafter.record_acceptance(rid, len(draft), accepted)
+                if parents is None:
+                    drafter.record_acceptance(rid, len(draft), accepted)
+                else:
+                    drafter.record_tree_acceptance(rid, parents, path)
                 add_time += time.thread_time_ns() - start
+                if tail:
+                    tail_steps += 1
+                    tail_drafted += len(draft)
+                    tail_accepted += accepted
                 num_steps += 1
                 num_committed += len(committed)
                 num_drafted += len(draft)
@@ -277,6 +308,14 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
         "mean_accepted_drafts_per_step": num_accepted / max(1, num_steps),
         "acceptance_rate": num_accepted / max(1, num_drafted),
         "draft_tokens_per_step": num_drafted / max(1, num_steps),
+        # the epoch's tail (steps with <= TAIL_BATCH sequences): accepted and verified draft
+        # tokens per sequence and verify step
+        "tail_num_verify_steps": tail_steps,
+        "tail_mean_accepted_drafts_per_step": tail_accepted / max(1, tail_steps),
+        "tail_draft_tokens_per_step": tail_drafted / max(1, tail_steps),
+        "num_tree_drafts": len(tree_shapes),
+        "tree_width_mean": float(np.mean([w for w, _ in tree_shapes])) if tree_shapes else None,
+        "tree_depth_mean": float(np.mean([d for _, d in tree_shapes])) if tree_shapes else None,
         "propose_us_p50": float(np.percentile(propose_ns, 50)) / 1e3,
         "propose_us_p90": float(np.percentile(propose_ns, 90)) / 1e3,
         "propose_us_p99": float(np.percentile(propose_ns, 99)) / 1e3,

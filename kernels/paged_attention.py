@@ -6,6 +6,11 @@ K different per sequence) and chunked prefill: sequence s owns the query rows
 KV is already in the cache (``write_kv`` runs first). Query row i of sequence s sits at
 position ``seq_lens[s] - query_len_s + i`` and sees cache positions up to its own.
 
+With a ``tree_mask`` (a draft tree's verify, services/rollout/engine/tree.py) row i sees
+the positions before its sequence's query and, among its query's rows j <= i, only those
+whose bit j is set in ``tree_mask[row]`` (its ancestors and itself); a row whose mask is
+-1 is causal as without one. Bits reach query rows 0..62: rows past that see causally.
+
 This module knows nothing about sequences, schedulers or models: it sees tensors.
 Each op has a Triton kernel, a checked wrapper (``*_triton``), a PyTorch reference
 (``*_reference``, the ground truth) and a dispatcher that picks between them.
@@ -99,6 +104,7 @@ def paged_attention_reference(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     max_query_len: int | None = None,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens] int64, see the module's docstring
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype
     """Gather the sequences' contexts from their blocks into dense, padded K/V and attend
     in float32, a batch of sequences per matmul (no Python loop over sequences).
@@ -119,8 +125,20 @@ def paged_attention_reference(
     groups += [[s] for s in range(num_seqs) if query_lens[s] > _SHORT_QUERY]
     for group in groups:
         _attend_group(q, k_cache, v_cache, block_tables, group, [cu_q[s] for s in group],
-                      [query_lens[s] for s in group], [context_lens[s] for s in group], scale, out)
+                      [query_lens[s] for s in group], [context_lens[s] for s in group], scale, out, tree_mask)
     return out
+
+
+TREE_BITS = 63  # query rows a tree mask reaches (bits of an int64 but its sign)
+
+
+def tree_visible(row_masks: torch.Tensor, query_offsets: torch.Tensor) -> torch.Tensor:
+    """Whether a key at query offset j (its position minus the query's first) is allowed by
+    a row's tree mask: bit j set, or j outside [0, TREE_BITS) (the context before the query,
+    or rows no mask reaches). Broadcasts ``row_masks`` (int64) against ``query_offsets``."""
+    outside = (query_offsets < 0) | (query_offsets >= TREE_BITS)
+    bit = torch.bitwise_right_shift(row_masks, query_offsets.clamp(0, TREE_BITS - 1)) & 1
+    return outside | (bit != 0)
 
 
 _SHORT_QUERY = 64  # query rows up to which a sequence is batched with the others
@@ -128,7 +146,8 @@ _MAX_GROUP = 256  # sequences per batched matmul (bounds the padded scores' memo
 
 
 def _attend_group(q, k_cache, v_cache, block_tables, seqs: list[int], starts: list[int], query_lens: list[int],
-                  context_lens: list[int], scale: float, out: torch.Tensor) -> None:
+                  context_lens: list[int], scale: float, out: torch.Tensor,
+                  tree_mask: torch.Tensor | None = None) -> None:
     """Causal attention of the sequences ``seqs``, all at once over dense padded K/V."""
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -159,6 +178,9 @@ def _attend_group(q, k_cache, v_cache, block_tables, seqs: list[int], starts: li
     # (padding rows see the whole context: finite, and discarded).
     q_pos = (ctx - qlen)[:, None] + q_idx[None, :]  # [n, max_q]
     visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < ctx[:, None, None])
+    if tree_mask is not None:  # a tree's rows see their ancestors only among the query's rows
+        offsets = kv_pos[None, None, :] - (ctx - qlen)[:, None, None]  # [n, 1, max_ctx]
+        visible &= tree_visible(tree_mask[rows].where(q_ok, -1)[:, :, None], offsets)
     visible = visible[:, None, :, None, :].expand(n, 1, max_q, group, max_ctx).reshape(n, 1, max_q * group, max_ctx)
     scores = torch.matmul(qs, k.transpose(-1, -2)) * scale  # [n, kvh, max_q * group, max_ctx]
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
@@ -170,6 +192,7 @@ def _attend_group(q, k_cache, v_cache, block_tables, seqs: list[int], starts: li
 def paged_attention_triton(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
     max_query_len: int | None = None, num_kv_splits: int | None = None, batch_invariant: bool = False,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton path; ``num_kv_splits`` overrides the split-KV heuristic (tests).
 
@@ -190,6 +213,9 @@ def paged_attention_triton(
     assert block_tables.dtype == seq_lens.dtype == query_start_loc.dtype == torch.int32
     assert query_start_loc.shape == (num_seqs + 1,)
     assert q.device == k_cache.device == block_tables.device == seq_lens.device == query_start_loc.device
+    if tree_mask is not None:
+        assert tree_mask.shape == (num_tokens,) and tree_mask.dtype == torch.int64, (tree_mask.shape, tree_mask.dtype)
+        assert tree_mask.device == q.device
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -220,6 +246,7 @@ def paged_attention_triton(
     grid = (num_seqs + 1, num_kv_heads, num_m_tiles * num_kv_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
+        tree_mask if tree_mask is not None else seq_lens,  # (not read without a mask)
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -227,6 +254,7 @@ def paged_attention_triton(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64 if head_dim <= 128 else 32,
         NUM_KV_SPLITS=num_kv_splits, MERGE=merge, INVARIANT=batch_invariant, SPLIT_TOKENS=KV_SPLIT_TOKENS,
+        HAS_TREE=tree_mask is not None, TREE_BITS=TREE_BITS,
         # Triton's CPU interpreter multiplies bf16 dot operands as their raw uint16 bits.
         DOT_F32=not q.is_cuda,
         # float32 caches (tests, debugging) get exact products, not TF32.
@@ -260,7 +288,7 @@ def _num_kv_splits(device: torch.device, num_programs: int) -> int:
 
 def paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale: float,
-    max_query_len: int | None = None, batch_invariant: bool = False,
+    max_query_len: int | None = None, batch_invariant: bool = False, tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the ragged query rows over their sequences' paged KV.
 
@@ -277,16 +305,18 @@ def paged_attention(
         batch_invariant: make each query row's output bitwise independent of its batch
             mates, its sequence's other query rows and the padding (see
             ``paged_attention_triton`` and ``kernels/paged_attention_invariant.py``).
+        tree_mask: [num_tokens] int64 or None, the rows of its query each row may see
+            (a draft tree's verify; see the module's docstring).
 
     Returns:
         [num_tokens, num_heads, head_dim] in q's dtype.
     """
     args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
     if use_triton(q):
-        return paged_attention_triton(*args, batch_invariant=batch_invariant)
+        return paged_attention_triton(*args, batch_invariant=batch_invariant, tree_mask=tree_mask)
     if batch_invariant:
-        return paged_attention_invariant_reference(*args[:7])
-    return paged_attention_reference(*args)
+        return paged_attention_invariant_reference(*args[:7], tree_mask=tree_mask)
+    return paged_attention_reference(*args, tree_mask=tree_mask)
 
 
 # ------------------------------------------------------------------------ Triton kernels
@@ -313,7 +343,7 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-        block_tables_ptr, seq_lens_ptr, cu_q_ptr,
+        block_tables_ptr, seq_lens_ptr, cu_q_ptr, tree_mask_ptr,
         scale_log2,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_c_block, stride_c_slot, stride_c_head, stride_bt_seq,
@@ -321,6 +351,7 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_KV_SPLITS: tl.constexpr, MERGE: tl.constexpr, INVARIANT: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+        HAS_TREE: tl.constexpr, TREE_BITS: tl.constexpr,
         DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -367,6 +398,9 @@ if triton is not None:
             q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
             if DOT_F32:
                 q = q.to(tl.float32)
+            if HAS_TREE:  # each row's bitmask of the query rows it sees (-1: causal)
+                row_mask = tl.load(tree_mask_ptr + q_start + token, mask=row_ok, other=-1)  # [BLOCK_M] int64
+                q_base = context_len - query_len  # the position of the query's first row
 
             # Keys past the tile's last query position are masked for every row; the
             # remaining key tiles are cut into NUM_KV_SPLITS contiguous runs, one per program.
@@ -395,7 +429,14 @@ if triton is not None:
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-                s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+                visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+                if HAS_TREE:  # among the query's rows, only those in the row's mask
+                    j = k_pos - q_base  # [BLOCK_N], query offsets
+                    outside = (j < 0) | (j >= TREE_BITS)
+                    shift = tl.minimum(tl.maximum(j, 0), TREE_BITS - 1).to(tl.int64)
+                    bit = (row_mask[:, None] >> shift[None, :]) & 1  # [BLOCK_M, BLOCK_N]
+                    visible = visible & ((bit != 0) | outside[None, :])
+                s = tl.where(visible, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 # A row may have seen no visible key yet (causal mask): keep exp2 finite.
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -14,6 +14,12 @@ order that no shape of the batch enters:
 The default path (``paged_attention_reference``) batches sequences through matmuls and
 is faster, but a row's last bits there depend on its batch mates.
 
+A draft tree's rows (``tree_mask``, kernels/paged_attention.py) keep the same property:
+a node at depth d sees the context and its d ancestors, which sit at scattered rows of
+the query; here they are read as the contiguous positions they stand for (the k-th
+visible row of the query at position q_base + k), so the node goes through exactly the
+tiles and lanes of a plain decode of the same tokens, bit for bit.
+
 This module knows nothing about sequences or models: it sees tensors.
 """
 
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 KV_TILE = 64  # key positions per online-softmax step
+TREE_BITS = 63  # query rows a tree mask reaches (kernels/paged_attention.py)
 ROW_CHUNK = 64  # query rows per pass (memory only: rows never interact)
 
 
@@ -48,6 +55,7 @@ def paged_attention_invariant_reference(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens] int64: rows of its query each row sees (-1: all)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] in q's dtype; rows past the last sequence are 0
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -62,7 +70,20 @@ def paged_attention_invariant_reference(
     seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens), device=dev), query_lens,
                                          output_size=num_rows)  # [num_rows]
     index_in_query = torch.arange(num_rows, device=dev) - cu[seq_of_row]  # [num_rows]
-    positions = (seq_lens.long() - query_lens)[seq_of_row] + index_in_query  # [num_rows]
+    q_base = (seq_lens.long() - query_lens)[seq_of_row]  # [num_rows], each row's query's first position
+    positions = q_base + index_in_query  # [num_rows]
+    # A tree row's ancestors (and itself) in depth order: offsets within the query of the
+    # set bits of its mask, the k-th standing for position q_base + k.
+    rank = None
+    if tree_mask is not None:
+        bits_at = torch.arange(TREE_BITS, device=dev)  # [TREE_BITS]
+        masks = tree_mask[:num_rows]
+        set_bits = ((torch.bitwise_right_shift(masks[:, None], bits_at[None, :]) & 1) != 0) \
+            & (bits_at[None, :] <= index_in_query[:, None])  # [num_rows, TREE_BITS]
+        tree_row = (masks != -1) & (index_in_query < TREE_BITS)  # [num_rows]
+        rank = torch.where(set_bits, bits_at, TREE_BITS + bits_at).sort(dim=1).values  # [num_rows, TREE_BITS]
+        depth = set_bits.sum(1) - 1
+        positions = torch.where(tree_row, q_base + depth, positions)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kvh, d]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     width = block_tables.shape[1]
@@ -78,8 +99,14 @@ def paged_attention_invariant_reference(
         for start in range(0, int(pos.max()) + 1, KV_TILE):
             kv_pos = start + torch.arange(KV_TILE, device=dev)  # [KV_TILE]
             visible = kv_pos[None, :] <= pos[:, None]  # [r, KV_TILE]
-            blocks = tables.gather(1, (kv_pos // block_size).clamp(max=width - 1).expand(n, -1))  # [r, KV_TILE]
-            slots = blocks * block_size + kv_pos % block_size  # [r, KV_TILE]
+            where = kv_pos.expand(n, -1)  # [r, KV_TILE], the cache position each key is read from
+            if rank is not None:  # a tree row's k-th key past its query's start: its k-th visible row
+                k = kv_pos[None, :] - q_base[rows, None]  # [r, KV_TILE]
+                in_tree = (k >= 0) & (k < TREE_BITS) & tree_row[rows, None]
+                mapped = q_base[rows, None] + rank[rows].gather(1, k.clamp(0, TREE_BITS - 1))
+                where = torch.where(in_tree, mapped, where)
+            blocks = tables.gather(1, (where // block_size).clamp(max=width - 1))  # [r, KV_TILE]
+            slots = blocks * block_size + where % block_size  # [r, KV_TILE]
             # Invisible slots may hold anything (other sequences' KV, even NaN): their scores
             # are replaced by -inf below, and their values zeroed, so that a zero
             # probability times them is an exact 0.

@@ -119,7 +119,22 @@ def speculation_row(d: Dashboard) -> Dashboard:
                         .min(0).max(1))
             .with_panel(graph("Drafts without a history match",
                               "Share of draft requests for which the drafter found no match.", "percentunit",
-                              query("rhymerl:drafter_no_match_ratio:rate1m", "no match")).min(0).max(1)))
+                              query("rhymerl:drafter_no_match_ratio:rate1m", "no match")).min(0).max(1))
+            .with_panel(graph("Draft trees by batch size",
+                              "Tokens accepted per draft tree and per verified tree node, by the step's batch-size "
+                              "bucket: where trees pay (docs/drafter.md, Draft trees). Empty with trees off.", "none",
+                              query("sum by (batch) (rate(rhymerl:spec_tree_accepted_tokens_total[$__rate_interval])) "
+                                    "/ sum by (batch) (rate(rhymerl:spec_tree_drafts_total[$__rate_interval]))",
+                                    "accepted per tree, batch <= {{batch}}"),
+                              query("sum by (batch) (rate(rhymerl:spec_tree_accepted_tokens_total[$__rate_interval])) "
+                                    "/ sum by (batch) (rate(rhymerl:spec_tree_nodes_total[$__rate_interval]))",
+                                    "accepted per node, batch <= {{batch}}")).min(0))
+            .with_panel(graph("Draft tree shape", "Median width (most nodes at one depth) and depth of the trees.",
+                              "none",
+                              query("histogram_quantile(0.5, sum by (le) "
+                                    "(rate(rhymerl:spec_tree_width_bucket[$__rate_interval])))", "width p50"),
+                              query("histogram_quantile(0.5, sum by (le) "
+                                    "(rate(rhymerl:spec_tree_depth_bucket[$__rate_interval])))", "depth p50")).min(0)))
 
 
 def workers_row(d: Dashboard) -> Dashboard:

@@ -54,6 +54,16 @@ spec_num_accepted_tokens_per_pos = Counter(
 drafter_misses = Counter(NS + "drafter_no_match", "Decoding sequences that got no draft in a step", ["worker"])
 drafter_errors = Counter(NS + "drafter_errors", "Drafter calls that raised (the request decodes undrafted)",
                          ["worker"])
+tree_drafts = Counter(NS + "spec_tree_drafts", "Draft trees verified (drafts with a branch), by batch-size bucket",
+                      ["worker", "batch"])
+tree_nodes = Counter(NS + "spec_tree_nodes", "Nodes of the verified draft trees, by batch-size bucket",
+                     ["worker", "batch"])
+tree_accepted = Counter(NS + "spec_tree_accepted_tokens", "Tokens accepted from draft trees, by batch-size bucket",
+                        ["worker", "batch"])
+tree_width = Histogram(NS + "spec_tree_width", "Most nodes at one depth of a draft tree", ["worker"],
+                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
+tree_depth = Histogram(NS + "spec_tree_depth", "Deepest node of a draft tree", ["worker"],
+                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
 
 # --- engine (rollout workers) ---------------------------------------------------
 generation_tokens = Counter(NS + "generation_tokens", "Tokens generated", ["worker"])

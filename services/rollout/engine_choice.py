@@ -29,7 +29,8 @@ def build_engine(settings: WorkerSettings, worker_id: str):
     from services.rollout.drafter.compiled import make_drafter
     from services.rollout.engine import LLMEngine
 
-    drafter = make_drafter(settings.drafter, DrafterConfig(max_draft_len=settings.max_draft_len))
+    drafter = make_drafter(settings.drafter, DrafterConfig(max_draft_len=settings.max_draft_len,
+                                                           tree=settings.tree_drafts))
     engine = LLMEngine.from_path(
         settings.model_path, device=settings.device, dtype=None if settings.dtype == "auto" else settings.dtype, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,

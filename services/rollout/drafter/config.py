@@ -39,6 +39,17 @@ class DrafterConfig:
         max_draft_len: the longest draft for one request.
         cost_model: the engine's cost curve; with it a draft token is kept only if its
             gain pays for one more token in the forward at the step's batch size.
+    Trees (tree_walk.py; the Python drafter only: the compiled core drafts linearly):
+        tree: offer the engine draft trees (``propose_trees``) instead of linear drafts.
+            Off by default until trees are shown to pay (docs/drafter.md).
+        tree_width: the most children of a node (the candidates where sources disagree).
+        tree_max_batch: trees only when a step drafts for at most this many sequences
+            (the tail, where a forward over a few dozen tokens costs what one does);
+            larger batches get the linear draft.
+        tree_min_gain: min_gain for tree nodes (None: min_gain); the cost threshold
+            still applies. A tree spends its verified tokens on several branches, so
+            its floor sets how many it verifies: 0.15 verifies fewer tokens per step at
+            the tail than vLLM's suffix method drafts (docs/drafter.md, "Draft trees").
     """
 
     use_history: bool = True
@@ -62,6 +73,10 @@ class DrafterConfig:
     min_gain: float = 0.1
     max_draft_len: int = 16
     cost_model: CostModel | None = None
+    tree: bool = False
+    tree_width: int = 3
+    tree_max_batch: int = 16
+    tree_min_gain: float | None = 0.15
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_prompt < 16 or self.global_max_tokens < 16:
@@ -70,3 +85,5 @@ class DrafterConfig:
             raise ValueError("max_draft_len must be >= 0 and min_match_len >= 1")
         if not 0.0 < self.history_fraction <= 1.0:
             raise ValueError("history_fraction must be in (0, 1]")
+        if self.tree_width < 1 or self.tree_max_batch < 0:
+            raise ValueError("tree_width must be >= 1 and tree_max_batch >= 0")

@@ -4,7 +4,8 @@ The model (services/rollout/models) sees only ``attn(layer_idx, q, k, v)``; this
 backend holds the KV cache of every layer and the current step's metadata (where each
 new token's KV goes, each sequence's block table, context and query lengths), set by
 the model runner before the forward. Decode, ragged verify and chunked prefill are the
-same call. It knows nothing about sequences or scheduling.
+same call, and so is a draft tree's verify (the metadata's ``tree_mask``). It knows
+nothing about sequences or scheduling.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, context length including the new tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cu offsets of each sequence's new tokens
     max_query_len: int
+    # [num_tokens] int64, per new token the rows of its sequence's query it sees (a draft
+    # tree's ancestors, engine/tree.py; -1: all earlier rows); None: causal everywhere
+    tree_mask: torch.Tensor | None = None
 
 
 class KVCache:
@@ -62,4 +66,4 @@ class PagedAttention:
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         write_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, md.slot_mapping)
         return paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                               self.scale, md.max_query_len, self.batch_invariant)
+                               self.scale, md.max_query_len, self.batch_invariant, md.tree_mask)

@@ -11,6 +11,11 @@ The engine calls, from its one thread:
   record_acceptance after each verify that carried a draft;
   stop_request    when the request's chunk ends or it is aborted.
 The server, not the engine, calls load_history before adding a prompt's requests.
+
+Draft trees (engine/tree.py) are optional: a drafter that has ``propose_trees`` and
+``record_tree_acceptance`` and whose ``tree_drafts`` is true is asked for trees instead
+of linear drafts (``TreeDrafter``); the engine then reports a tree's verdict with
+``record_tree_acceptance`` and a linear one (parents None) with ``record_acceptance``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,22 @@ class Drafter(Protocol):
     def record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
 
     def stop_request(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    tree_drafts: bool  # whether to ask it for trees (a config switch: off, it drafts linearly)
+
+    def propose_trees(self, request_ids: list[str], max_lens: list[int], stop_token_ids=None,
+                      budget: int | None = None, max_nodes: int = 16) -> list[tuple[list[int], list[int] | None]]:
+        """Per request (tokens, parents): a flattened tree in topological order (parents
+        None: a linear draft), at most ``max_lens[i]`` deep and ``max_nodes`` nodes, at most
+        ``budget`` nodes over the batch."""
+        ...
+
+    def record_tree_acceptance(self, request_id: str, parents: list[int], path: list[int]) -> None:
+        """The nodes of the request's last tree (``parents``) that were accepted, root to leaf."""
+        ...
 
 
 class NullDrafter:

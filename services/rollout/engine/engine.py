@@ -10,6 +10,7 @@ thread. One step:
      matching draft prefix, plus the recovered/bonus token;
   5. commit: append tokens (stop tokens, max_tokens and the chunk budget applied one
      token at a time), roll back rejected drafts' KV, share newly full blocks;
+     a draft tree's accepted path has its KV moved into place first (engine/tree.py).
   6. finish: return a RequestOutput for each request whose chunk ended.
 The engine knows nothing about gRPC, history storage or other workers.
 """
@@ -32,6 +33,7 @@ from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
 from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.engine.sequence import Sequence
+from services.rollout.engine.tree import MAX_TREE_ROWS, check_tree, is_chain, kv_moves, prune, shape
 from services.rollout.engine.verifier import Verdict, sample_rows, verify
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,18 @@ class LLMEngine:
         self.max_draft_len = max_draft_len if drafting else 0
         self.speculative = drafting
         self._drafter: Drafter = drafter if drafting else NullDrafter()
+        # Draft trees (engine/tree.py) when the drafter offers them (``propose_trees``, with
+        # ``tree_drafts`` on: HistoDrafter's DrafterConfig.tree). Not in batch-invariant mode
+        # on a GPU: the Triton kernel masks a tree's rows correctly, but a node's keys sit in
+        # other lanes than in a plain decode's, so its bits could differ (the CPU reference
+        # reads them in a plain decode's order: trees stay bitwise there).
+        device_kind = _resolve_device(device, model).type
+        self.tree_drafts = (drafting and callable(getattr(drafter, "propose_trees", None))
+                            and callable(getattr(drafter, "record_tree_acceptance", None))
+                            and bool(getattr(drafter, "tree_drafts", False))
+                            and not (batch_invariant and device_kind == "cuda"))
+        if self.tree_drafts and max_draft_len + 1 > MAX_TREE_ROWS:
+            raise ValueError(f"max_draft_len: draft trees hold at most {MAX_TREE_ROWS - 1} nodes, got {max_draft_len}")
         # Requests the drafter failed on: they decode without drafts (still lossless).
         # A drafter bug costs speed, never a sample.
         self._undrafted: set[str] = set()
@@ -70,7 +84,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.device, num_kv_blocks=num_kv_blocks, block_size=block_size,
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                                   max_draft_len=self.max_draft_len, use_cuda_graphs=use_cuda_graphs,
-                                  batch_invariant=batch_invariant)
+                                  batch_invariant=batch_invariant, tree_drafts=self.tree_drafts)
         self.batch_invariant = batch_invariant
         self.metrics = EngineMetrics(worker_id)
         self.seqs: dict[str, Sequence] = {}
@@ -149,6 +163,8 @@ class LLMEngine:
             return self._plain_step(batch, sampling, logits, outputs, start, cost_start)  # 4-6 no drafts
         verdicts = verify(logits, sampling, self.runner.sampling, self.runner.params,
                           self.runner.reader)                                  # 4. verify
+        if self.tree_drafts:
+            self._move_tree_kv(sampling, verdicts)
         self.scheduler.postprocess(batch, time.perf_counter() - start)
         num_draft_tokens = sum(len(s.draft_token_ids) for s in sampling)
         num_prompt_tokens, num_generated = batch.num_prompt_tokens(), 0
@@ -157,6 +173,8 @@ class LLMEngine:
             if seq.chunk_done:
                 outputs.append(self._finish(seq))                              # 6. finish
         self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
+        if self.tree_drafts:
+            self.metrics.on_tree_verdicts(verdicts, len(batch.seqs))
         self._record_step(batch, start, cost_start, num_prompt_tokens, num_draft_tokens, num_generated)
         return outputs
 
@@ -225,31 +243,76 @@ class LLMEngine:
         if budget <= 0 or not any(max_lens):
             return
         try:
-            drafts = self._drafter.propose([s.request_id for s in decodes], max_lens,
-                                           stop_token_ids=[s.stop_token_ids for s in decodes], budget=budget)
+            request_ids, stops = [s.request_id for s in decodes], [s.stop_token_ids for s in decodes]
+            if self.tree_drafts:
+                trees = self._drafter.propose_trees(request_ids, max_lens, stop_token_ids=stops, budget=budget,
+                                                    max_nodes=self.max_draft_len)
+            else:
+                trees = [(d, None) for d in self._drafter.propose(request_ids, max_lens, stop_token_ids=stops,
+                                                                  budget=budget)]
         except Exception:  # noqa: BLE001 - not one request's fault: this step goes undrafted
             log.exception("drafter.propose failed; decoding this step without drafts")
             self.metrics.on_drafter_error()
             return
         vocab = self.model.config.vocab_size
-        for seq, draft, max_len in zip(decodes, drafts, max_lens):
-            draft = [int(t) for t in draft[:min(max_len, budget)]]
+        for seq, (draft, parents), max_len in zip(decodes, trees, max_lens):
+            if parents is None:
+                draft = [int(t) for t in draft[:min(max_len, budget)]]
+            else:
+                draft, parents = self._checked_tree(draft, parents, max_len, budget)
             if any(not 0 <= t < vocab for t in draft):
-                draft = []  # a drafter bug must not crash the step
+                draft, parents = [], None  # a drafter bug must not crash the step
             if draft and not self.block_manager.ensure_slots(seq, seq.num_tokens + len(draft)):
-                draft = []  # no free KV for the draft: decode plainly this step
+                draft, parents = [], None  # no free KV for the draft: decode plainly this step
             seq.draft_token_ids = draft
+            seq.draft_parents = parents
             budget -= len(draft)
             if not draft:
                 self.metrics.on_draft_miss()
+            elif parents is not None:
+                self.metrics.on_tree(*shape(parents))
+
+    def _checked_tree(self, tokens, parents, max_depth: int, budget: int) -> tuple[list[int], list[int] | None]:
+        """A drafter's tree, checked (a bad one is no draft: a drafter bug must not crash
+        the step), cut to ``max_depth`` and to the step's node budget; a chain is returned as
+        a linear draft (parents None)."""
+        try:
+            tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
+            check_tree(tokens, parents)
+        except (TypeError, ValueError):
+            log.warning("drafter proposed a malformed tree; decoding without it", exc_info=True)
+            return [], None
+        tokens, parents = prune(tokens, parents, max_depth, min(budget, self.max_draft_len))
+        return tokens, None if is_chain(parents) else parents
+
+    def _move_tree_kv(self, sampling: list[Sequence], verdicts: list[Verdict]) -> None:
+        """The accepted paths' KV into place (node rows -> consecutive positions), in one copy
+        for the step; the other nodes' slots are past the committed tokens, dropped by
+        ``_commit``'s truncate."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.block_manager.block_size
+        for seq, verdict in zip(sampling, verdicts):
+            if verdict.path:
+                table = seq.block_table
+                for a, b in kv_moves(verdict.path, seq.num_tokens - 1):
+                    src.append(table[a // bs] * bs + a % bs)
+                    dst.append(table[b // bs] * bs + b % bs)
+        if src:
+            self.runner.move_kv(src, dst)
 
     def _commit(self, seq: Sequence, verdict: Verdict) -> int:
         """Append the verdict's tokens up to the first that ends the chunk; returns how many.
         Runs only when drafting (a draftless engine commits in ``_plain_step``)."""
         if verdict.num_draft:
             seq.record_verify(verdict.num_draft, verdict.num_accepted)
-            self._drafter_call(self._drafter.record_acceptance, seq.request_id, verdict.num_draft,
-                               verdict.num_accepted)
+            if verdict.path is not None:
+                self._drafter_call(self._drafter.record_tree_acceptance, seq.request_id, seq.draft_parents,
+                                   verdict.path)
+                seq.draft_parents = None
+            else:
+                self._drafter_call(self._drafter.record_acceptance, seq.request_id, verdict.num_draft,
+                                   verdict.num_accepted)
             seq.draft_token_ids = []
         # KV is now valid for the fed tokens and the accepted drafts
         computed = seq.num_computed_tokens

@@ -20,6 +20,22 @@ class EngineCounters:
     num_draft_misses: int = 0
     num_drafter_errors: int = 0
     num_eager_forwards: int = 0  # forwards that replayed no CUDA graph (every forward on the CPU)
+    num_tree_drafts: int = 0  # drafts that were trees (a branch somewhere): engine/tree.py
+    num_tree_nodes: int = 0
+    num_tree_accepted: int = 0
+    tree_width_sum: int = 0  # over the tree drafts: most nodes at one depth
+    tree_depth_sum: int = 0  # over the tree drafts: the deepest node's depth
+
+
+TREE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # the batch-size label of the tree series
+
+
+def batch_bucket(num_seqs: int) -> str:
+    """The tree series' batch label: the smallest bucket holding ``num_seqs`` (or 'more')."""
+    for b in TREE_BATCH_BUCKETS:
+        if num_seqs <= b:
+            return str(b)
+    return "more"
 
 
 class EngineMetrics:
@@ -41,11 +57,37 @@ class EngineMetrics:
         self._busy = m.worker_busy_seconds.labels(w)
         self._misses = m.drafter_misses.labels(w)
         self._drafter_errors = m.drafter_errors.labels(w)
+        self._tree_width = m.tree_width.labels(w)
+        self._tree_depth = m.tree_depth.labels(w)
 
     def on_draft_miss(self) -> None:
         """A decoding sequence got no draft this step (no match, or cut by the budget)."""
         self.counters.num_draft_misses += 1
         self._misses.inc()
+
+    def on_tree(self, width: int, depth: int) -> None:
+        """A draft tree went into the step's forward (its shape)."""
+        c = self.counters
+        c.num_tree_drafts += 1
+        c.tree_width_sum += width
+        c.tree_depth_sum += depth
+        self._tree_width.observe(width)
+        self._tree_depth.observe(depth)
+
+    def on_tree_verdicts(self, verdicts, num_seqs: int) -> None:
+        """A step's tree verdicts (``path`` set), by the step's batch-size bucket: nodes
+        verified and tokens accepted, where trees pay and where they do not."""
+        trees = [v for v in verdicts if v.path is not None]
+        if not trees:
+            return
+        nodes, accepted = sum(v.num_draft for v in trees), sum(v.num_accepted for v in trees)
+        self.counters.num_tree_nodes += nodes
+        self.counters.num_tree_accepted += accepted
+        bucket = batch_bucket(num_seqs)
+        m.tree_drafts.labels(self._worker, bucket).inc(len(trees))
+        m.tree_nodes.labels(self._worker, bucket).inc(nodes)
+        if accepted:
+            m.tree_accepted.labels(self._worker, bucket).inc(accepted)
 
     def on_drafter_error(self) -> None:
         self.counters.num_drafter_errors += 1

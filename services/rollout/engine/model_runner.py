@@ -9,7 +9,9 @@ and, when it samples, a draft to verify), the runner
      does: decode and verify steps, and short prefills such as a divided rollout's chunk
      resuming on its cached prefix; longer prefills and the CPU run eagerly);
   3. returns the logits of the rows that sample: the last fed token of each sequence
-     that has fed all its tokens, plus one row per draft token.
+     that has fed all its tokens, plus one row per draft token (a draft tree's nodes
+     included: their rows are masked to their ancestors, step_inputs.py);
+and, after a tree verify, copies the accepted paths' KV into place (``move_kv``).
 It knows nothing about scheduling, stop conditions or acceptance.
 """
 
@@ -36,7 +38,8 @@ GRAPH_TOKEN_BUCKETS = GRAPH_SEQ_BUCKETS + (288, 320, 384, 448, 512)
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, *, num_kv_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_draft_len: int, use_cuda_graphs: bool, batch_invariant: bool = False):
+                 max_num_seqs: int, max_draft_len: int, use_cuda_graphs: bool, batch_invariant: bool = False,
+                 tree_drafts: bool = False):
         cfg = model.config
         self.model = model
         self.device = device
@@ -55,7 +58,7 @@ class ModelRunner:
         self.last_graphed = False  # whether the last run replayed a CUDA graph (else eager)
         self.graphs: CUDAGraphs | None = None
         if use_cuda_graphs and device.type == "cuda":
-            self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype)
+            self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype, tree_drafts)
             with torch.inference_mode():
                 self.graphs.capture_all()
 
@@ -89,6 +92,17 @@ class ModelRunner:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden[inputs.sample_rows], self.attn.batch_invariant).float()
 
+    @torch.inference_mode()
+    def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copies the KV of cache rows ``src_slots`` to ``dst_slots`` in every layer, all
+        sources read before any write (a draft tree's accepted path, engine/tree.py)."""
+        cache = self.kv_cache
+        src = torch.tensor(src_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = torch.tensor(dst_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        for pool in (cache.k, cache.v):
+            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [layers, slots, kvh, d]
+            flat.index_copy_(1, dst, flat.index_select(1, src))
+
 
 class CUDAGraphs:
     """Decode/verify forwards captured as CUDA graphs, one per (seq bucket, token bucket,
@@ -98,11 +112,14 @@ class CUDAGraphs:
     A graph reads static buffers: the step's tokens are copied in packed at the front,
     the padding rows get slot -1 (no KV write) and belong to no sequence, and padding
     sequences get query length 0 (skipped by the kernel). Pure decode steps use a graph
-    launched for query length 1; verify steps one launched for 1 + max_draft_len.
+    launched for query length 1; verify steps one launched for 1 + max_draft_len. With
+    draft trees the verify graphs also read a static tree mask (-1, causal, for the rows
+    of linear drafts and padding), so a tree step replays the graph of its token count
+    like a linear one (a tree of n nodes feeds n + 1 tokens, as an n-token draft does).
     """
 
     def __init__(self, runner: ModelRunner, max_num_seqs: int, max_draft_len: int, hidden_size: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, tree_drafts: bool = False):
         self.runner = runner
         self.seq_buckets = [b for b in GRAPH_SEQ_BUCKETS if b < max_num_seqs] + [min(max_num_seqs, 256)]
         # No step feeds more than every sequence's last token plus a full draft.
@@ -118,6 +135,7 @@ class CUDAGraphs:
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=dev)
+        self.tree_mask = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev) if tree_drafts else None
         self.graphs: dict[tuple[int, int, int], Callable[[], None]] = {}  # bucket -> replay
         self._keep_alive: list = []  # the captured torch.cuda.CUDAGraph objects
         self.pool = None
@@ -143,7 +161,7 @@ class CUDAGraphs:
     def replay(self, inputs: StepInputs) -> torch.Tensor | None:  # [num_tokens, hidden] or None: run eagerly
         md = inputs.metadata
         key = self.bucket(inputs.num_seqs, inputs.num_tokens, md.max_query_len)
-        if key is None or self.failed:
+        if key is None or self.failed or (md.tree_mask is not None and self.tree_mask is None):
             return None
         if key not in self.graphs and not self._capture(*key):
             return None
@@ -159,14 +177,20 @@ class CUDAGraphs:
         self.seq_lens[:num_seqs].copy_(md.seq_lens)
         self.query_start_loc[num_seqs + 1:seq_bucket + 1].fill_(num_tokens)
         self.query_start_loc[:num_seqs + 1].copy_(md.query_start_loc)
+        if self.tree_mask is not None and key[2] > 1:  # a verify graph reads the mask
+            self.tree_mask[:token_bucket].fill_(-1)
+            if md.tree_mask is not None:
+                self.tree_mask[:num_tokens].copy_(md.tree_mask)
         self.graphs[key]()
         self.num_replays += 1
         return self.hidden[:num_tokens]
 
     def _capture(self, seq_bucket: int, token_bucket: int, max_query_len: int) -> bool:
         runner = self.runner
+        tree_mask = self.tree_mask[:token_bucket] if self.tree_mask is not None and max_query_len > 1 else None
         md = AttentionMetadata(self.slot_mapping[:token_bucket], self.block_tables[:seq_bucket],
-                               self.seq_lens[:seq_bucket], self.query_start_loc[:seq_bucket + 1], max_query_len)
+                               self.seq_lens[:seq_bucket], self.query_start_loc[:seq_bucket + 1], max_query_len,
+                               tree_mask)
         # Warm-up and capture over an empty batch: nothing is written to or read from the cache.
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()

@@ -40,6 +40,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (committed ones only)
         self.num_scheduled_tokens = 0  # this step: tokens of token_ids fed to the model
         self.draft_token_ids: list[int] = []  # this step: draft fed after the last token
+        # this step: the draft's parents when it is a tree (engine/tree.py), None: a chain
+        self.draft_parents: list[int] | None = None
         self.finish_reason: str | None = None
         # this chunk's result
         self.out_token_ids: list[int] = []

@@ -10,6 +10,11 @@ then, if that reaches its end (it samples), its draft. The step concatenates the
 and the sampler's rows (``StepSampling``): each logits row's request slot
 (input_batch.SlotParams) and absolute position, and the stop tokens masked out of the
 rows before min_tokens (as flat indices row * vocab + token).
+A draft tree (``seq.draft_parents``, engine/tree.py) is fed the same way, its nodes in
+order after the last token, one KV slot each; but a node's position (RoPE and sampling)
+is its depth past the last token's, and the step carries ``metadata.tree_mask``: per fed
+token the rows of its sequence's query it may see (its ancestors; -1 for every token of
+a sequence without a tree). A step with no tree has no mask (plain causal attention).
 
 This runs on the host before every forward, so it is written for the common decode
 step of a large batch: per sequence a few list operations (slot mappings are ranges per
@@ -28,6 +33,7 @@ import torch
 from services.rollout.engine.attention import AttentionMetadata
 from services.rollout.engine.input_batch import SlotParams, Staging, StepSampling
 from services.rollout.engine.sequence import Sequence
+from services.rollout.engine.tree import CAUSAL, depths, row_masks
 
 
 @dataclass
@@ -70,6 +76,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
     tables: list[int] = []
     num_tokens, max_query_len = 0, 1  # every scheduled sequence feeds a token at least
     is_prefill = False
+    trees: list[tuple[int, list[int]]] = []  # (first token's index, row masks) of each tree sequence
     for seq in seqs:
         start, n, table, token_ids = seq.num_computed_tokens, seq.num_scheduled_tokens, seq.block_table, seq.token_ids
         length = len(token_ids)
@@ -82,10 +89,13 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             row_positions.append(length)
             num_tokens += 1
             num_rows = 1
+            end = start + 1
+            row_depths = None
         else:
             end = start + n
             input_ids.extend(token_ids[start:end])
             num_rows = 0
+            row_depths = None
             if end == length:  # samples: its draft follows; rows: its last fed token's, the draft's
                 draft = seq.draft_token_ids
                 input_ids.extend(draft)
@@ -93,27 +103,42 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
                 sample_rows.extend(range(num_tokens + n - 1, num_tokens + end - start))
                 num_rows = 1 + len(draft)
                 row_slots.extend([seq.slot] * num_rows)
-                row_positions.extend(range(length, length + num_rows))
+                if seq.draft_parents is None:
+                    row_positions.extend(range(length, length + num_rows))
+                else:  # a tree: positions by depth, rows masked to their ancestors
+                    row_depths = [0] + depths(seq.draft_parents)
+                    row_positions.extend([length + d for d in row_depths])
+                    trees.append((num_tokens, row_masks(seq.draft_parents, n)))
             for b in range(start // bs, (end - 1) // bs + 1):  # the block's run of positions
                 first = b * bs
                 base = table[b] * bs - first
                 slots.extend(range(base + max(start, first), base + min(end, first + bs)))
-            positions.extend(range(start, end))
+            if row_depths is None:
+                positions.extend(range(start, end))
+            else:
+                positions.extend(range(start, length))
+                positions.extend([length - 1 + d for d in row_depths[1:]])
             num_tokens += end - start
             max_query_len = max(max_query_len, end - start)
             is_prefill |= n > 1
         if num_rows and length < seq.mask_stops_below:
-            _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, vocab_size, masked)
+            _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, vocab_size, masked, row_depths)
         cu_q.append(num_tokens)
-        seq_lens.append(positions[-1] + 1)
+        seq_lens.append(end)
         tables.extend(table)
         tables.extend(zeros[len(table):])
     int64, int32 = staging
-    ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t, masked_t = int64.stage(
-        [input_ids, positions, slots, sample_rows, row_slots, row_positions, masked])
+    tree_mask: list[int] = []
+    if trees:
+        tree_mask = [CAUSAL] * num_tokens
+        for first, row_mask in trees:
+            tree_mask[first:first + len(row_mask)] = row_mask
+    ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t, masked_t, tree_mask_t = int64.stage(
+        [input_ids, positions, slots, sample_rows, row_slots, row_positions, masked, tree_mask])
     tables_t, lens_t, cu_t = int32.stage([tables, seq_lens, cu_q])
     md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(len(seqs), width), seq_lens=lens_t,
-                           query_start_loc=cu_t, max_query_len=max_query_len)
+                           query_start_loc=cu_t, max_query_len=max_query_len,
+                           tree_mask=tree_mask_t if trees else None)
     sampling = None
     if row_slots:
         sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=masked_t if masked else None,
@@ -160,13 +185,17 @@ def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
                       num_tokens=n, is_prefill=False, sampling=sampling)
 
 
-def _mask_stop_tokens(seq: Sequence, first_row: int, num_rows: int, vocab_size: int, masked: list[int]) -> None:
+def _mask_stop_tokens(seq: Sequence, first_row: int, num_rows: int, vocab_size: int, masked: list[int],
+                      row_depths: list[int] | None = None) -> None:
     """Stop tokens out of seq's rows before min_tokens (Sequence.masked_token_ids): row j
-    samples the token at generated index (num_tokens - num_prompt_tokens) + j."""
-    num_masked = min(num_rows, seq.req.min_tokens - (len(seq.token_ids) - seq.num_prompt_tokens))
+    samples the token at generated index (num_tokens - num_prompt_tokens) + j (a tree's
+    row: + its depth, ``row_depths[j]``)."""
+    num_masked = seq.req.min_tokens - (len(seq.token_ids) - seq.num_prompt_tokens)
     if num_masked > 0 and seq.stop_token_ids:
         ids = [t for t in sorted(seq.stop_token_ids) if t < vocab_size]
-        masked.extend((first_row + j) * vocab_size + t for j in range(num_masked) for t in ids)
+        rows = (range(min(num_rows, num_masked)) if row_depths is None
+                else [j for j, d in enumerate(row_depths) if d < num_masked])
+        masked.extend((first_row + j) * vocab_size + t for j in rows for t in ids)
 
 
 def sampling_of(seqs: list[Sequence], params: SlotParams, device: torch.device) -> StepSampling:
@@ -179,8 +208,10 @@ def sampling_of(seqs: list[Sequence], params: SlotParams, device: torch.device) 
     for seq in seqs:
         slot, num_rows, length = params.assign(seq.req), 1 + len(seq.draft_token_ids), len(seq.token_ids)
         row_slots.extend([slot] * num_rows)
-        row_positions.extend(range(length, length + num_rows))
-        _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, params.vocab_size, masked)
+        row_depths = None if seq.draft_parents is None else [0] + depths(seq.draft_parents)
+        row_positions.extend(range(length, length + num_rows) if row_depths is None
+                             else [length + d for d in row_depths])
+        _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, params.vocab_size, masked, row_depths)
     int64 = Staging(torch.int64, device)
     row_slots_t, row_pos_t, masked_t = int64.stage([row_slots, row_positions, masked])
     return StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=masked_t if masked else None,

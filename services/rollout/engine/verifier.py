@@ -18,6 +18,10 @@ come from the step's ``StepSampling`` (step_inputs.py): each row's request slot,
 sampling parameters stay on the device (input_batch.SlotParams), and its position; the
 trainer's reference builds the same per-row values with ``SamplingRows`` (logprobs.py).
 
+A tree draft (``seq.draft_parents``, engine/tree.py) is verified the same way: row r at
+depth d samples the token at L + d, and the walk from the root follows the child equal to
+the sampled token (``tree.accept_path``); a chain gives the linear verdict exactly.
+
 The sampled tokens and logprobs come back to the host in one read (the step's only wait
 for the device); the acceptance walk runs on the host lists.
 
@@ -34,14 +38,16 @@ from kernels.sampling import sample
 from services.rollout.engine.input_batch import HostReader, SlotParams, StepSampling
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.step_inputs import sampling_of
+from services.rollout.engine.tree import accept_path
 
 
 @dataclass(slots=True)
 class Verdict:
     token_ids: list[int]  # s_0..s_a: the accepted drafts then the recovered/bonus token
     logprobs: list[float]  # the policy's logprob of each
-    num_draft: int
+    num_draft: int  # draft tokens verified (a tree's nodes)
     num_accepted: int
+    path: list[int] | None = None  # a tree's accepted nodes, root to leaf (None: a linear draft)
 
 
 def num_accepted(draft: list[int], sampled: list[int]) -> int:
@@ -96,7 +102,19 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | 
             row += 1
             continue
         sampled = tokens_l[row:row + 1 + len(draft)]
-        a = num_accepted(draft, sampled)
-        verdicts.append(Verdict(sampled[:a + 1], logprobs_l[row:row + a + 1], len(draft), a))
+        if seq.draft_parents is None:
+            a = num_accepted(draft, sampled)
+            verdicts.append(Verdict(sampled[:a + 1], logprobs_l[row:row + a + 1], len(draft), a))
+        else:
+            verdicts.append(tree_verdict(draft, seq.draft_parents, sampled, logprobs_l[row:row + 1 + len(draft)]))
         row += 1 + len(draft)
     return verdicts
+
+
+def tree_verdict(tokens: list[int], parents: list[int], sampled: list[int], logprobs: list[float]) -> Verdict:
+    """A tree's verdict from the token and logprob sampled at each of its rows (row 0 the
+    root, row i + 1 node i): the accepted path's tokens, then the token sampled at its
+    last node (the recovered or bonus token)."""
+    path = accept_path(tokens, parents, sampled)
+    rows = [0] + [i + 1 for i in path]
+    return Verdict([sampled[r] for r in rows], [logprobs[r] for r in rows], len(tokens), len(path), path)

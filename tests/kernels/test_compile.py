@@ -33,14 +33,15 @@ def build(kernel, types, constexprs):
 
 for dtype in ("bf16", "fp16", "fp32"):
     precision = "ieee" if dtype == "fp32" else "tf32"
-    for splits, invariant in ((1, False), (4, False), (64, True)):
+    for (splits, invariant), tree in zip(((1, False), (4, False), (64, True), (1, False), (4, False)),
+                                         (False, False, False, True, True)):  # draft trees: their mask
         types = {p: "*" + dtype for p in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
         types.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                     cu_q_ptr="*i32", scale_log2="fp32")
+                     cu_q_ptr="*i32", tree_mask_ptr="*i64", scale_log2="fp32")
         build(pa._paged_attention_kernel, types, dict(
             GROUP=7, HEAD_DIM=64, BLOCK_D=64, BLOCK_SIZE=16, BLOCK_M=64 if invariant else 16, BLOCK_N=64,
             NUM_KV_SPLITS=splits, MERGE=splits > 1 or invariant, INVARIANT=invariant, SPLIT_TOKENS=512,
-            DOT_F32=False, DOT_PRECISION=precision))
+            HAS_TREE=tree, TREE_BITS=pa.TREE_BITS, DOT_F32=False, DOT_PRECISION=precision))
     build(mm._linear_kernel, {"x_ptr": "*" + dtype, "w_ptr": "*" + dtype, "b_ptr": "*" + dtype,
                               "out_ptr": "*" + dtype}, dict(HAS_BIAS=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
                                                             DOT_F32=False, DOT_PRECISION=precision))

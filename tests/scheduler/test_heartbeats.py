@@ -1,0 +1,151 @@
+"""One heartbeat per worker, O(1) each: the worker table's order and counts, the
+watchdog's verdicts on silent workers, draining beats, and a worker adopting the
+interval its scheduler names."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+from rhymerl.v1 import worker_pb2, worker_pb2_grpc
+
+from services.common import metrics
+from services.rollout.registration import keep_registered
+from services.rollout.settings import WorkerSettings
+from services.scheduler.watchdog import MISSED_BEATS, Watchdog
+from services.scheduler.weight_fanout import WeightFanout
+from services.scheduler.workers import WorkerTable
+from tests.aio import run_async
+from tests.scheduler.fake_workers import FakeLink, collect, dispatch_pass, make_core, step
+
+
+def _gauge(healthy: str) -> float:
+    return metrics.workers_registered.labels(healthy=healthy)._value.get()
+
+
+def test_the_tables_counts_follow_every_change():
+    """Readiness and the metrics read counts the table keeps as workers change (a beat
+    must not scan the fleet); after any sequence of changes they equal a recount, and
+    the beat order holds the registered workers, the longest silent first."""
+    rng, table = random.Random(7), WorkerTable()
+    ids, stale = [f"w{i}" for i in range(6)], []
+    for _ in range(3000):
+        wid, op = rng.choice(ids), rng.randrange(7)
+        w = table.workers.get(wid)
+        if op == 0:
+            table.add(wid, f"a:{wid}:{rng.randrange(2)}", 4, rng.randrange(3), 96, 512,
+                      draining=rng.random() < 0.2, polled=rng.random() < 0.2)
+        elif op == 1:
+            table.mark_unhealthy(wid)
+        elif op == 2 and w is not None:
+            table.set_version(w, rng.randrange(3))
+        elif op == 3 and w is not None:
+            table.stop_accepting(w)
+        elif op == 4 and w is not None:
+            stale.append(table.remove(wid))
+        elif op == 5 and w is not None:
+            table.mark_healthy(w, rng.randrange(3), rng.random() < 0.8)
+        elif op == 6 and stale:  # a late answer about a worker dropped meanwhile
+            table.set_version(rng.choice(stale), rng.randrange(3))
+        for version in range(3):
+            assert table.any_serving(version) == bool(table.serving(version))
+        healthy = sum(w.state.healthy for w in table.workers.values())
+        assert (_gauge("true"), _gauge("false")) == (healthy, len(table.workers) - healthy)
+        assert set(table.draining) == {i for i, w in table.workers.items() if not w.accepting}
+        beats = list(table._by_beat.values())
+        assert {w.worker_id for w in beats} == {i for i, w in table.workers.items() if not w.polled}
+        assert [w.last_seen for w in beats] == sorted(w.last_seen for w in beats)
+    assert table.silent(time.monotonic() + 1) == beats
+
+
+@run_async
+async def test_a_worker_that_misses_its_beats_is_lost_and_its_chunks_run_elsewhere():
+    """w1 falls silent with chunks on it: after MISSED_BEATS intervals the watchdog marks
+    it unhealthy and re-queues its chunks, which w0 (beating) finishes; every sample
+    arrives once. Not while the watchdog itself was stuck: beats that came meanwhile
+    wait unread, so nobody is lost until every worker has had an interval to be heard."""
+    link = FakeLink()
+    link.gate = asyncio.Event()  # chunks wait on the workers
+    core = make_core(link, workers=2, capacity=4)
+    watchdog = Watchdog(core, WeightFanout(core), [], 30.0, _noop, heartbeat_s=5.0)
+    run = await core.submit(step("s", {"a": [5, 6], "b": [7, 8]}, n=4, max_tokens=12))
+    collecting = asyncio.create_task(collect(run))
+    while len(core.workers.workers["w1"].state.running) == 0:
+        await dispatch_pass(core)
+    w0, w1 = core.workers.workers["w0"], core.workers.workers["w1"]
+    w1.last_seen -= MISSED_BEATS * 5.0 + 1  # silent for more than three beats...
+    core.register("w0", "fake:0", 4, 0, 96, 512)  # ...while w0 beats
+    on_w1 = set(w1.state.running)
+
+    watchdog._last_round = time.monotonic() - 60  # the watchdog's previous round was a minute ago
+    await watchdog.check_once()
+    assert w1.state.healthy and w1.state.running, "lost while the scheduler could not hear it"
+    watchdog._hold_until = 0.0  # an interval since: the beats would have been read
+    await watchdog.check_once()
+    assert not w1.state.healthy and w0.state.healthy
+    while w1.state.running:  # its Run calls, cancelled, hand their chunks back
+        await asyncio.sleep(0)
+    link.gate.set()
+    samples, summary = await asyncio.wait_for(collecting, 30)
+    assert sorted((s.prompt_id, s.sample_index) for s in samples) == [(p, i) for p in "ab" for i in range(4)]
+    assert all(link.chunks_started[k] >= 2 for k in on_w1)  # each ran again, on w0
+    await core.stop()
+
+
+@run_async
+async def test_a_draining_worker_beats_until_drained_and_a_draining_stranger_is_not_added():
+    link = FakeLink()
+    core = make_core(link, workers=2)
+    watchdog = Watchdog(core, WeightFanout(core), [], 30.0, _noop, heartbeat_s=5.0)
+    assert core.register("w9", "fake:9", 4, 0, 96, 512, draining=True) is None
+    assert "w9" not in core.workers.workers
+    w0 = core.register("w0", "fake:0", 4, 0, 96, 512, draining=True)
+    assert not w0.accepting and not w0.can_take_work and core.workers.draining == {"w0": w0}
+    await watchdog.check_once()  # nothing runs on it: drained
+    assert "w0" not in core.workers.workers and core.workers.any_serving(0)
+    await core.stop()
+
+
+async def _noop(ready: bool) -> None:
+    pass
+
+
+class _Registry(worker_pb2_grpc.RegistryServiceServicer):
+    def __init__(self, interval_s: float):
+        self.interval_s, self.beats = interval_s, []
+
+    async def Register(self, request, context):  # noqa: N802 - gRPC's name
+        self.beats.append((request.worker_id, request.draining))
+        return worker_pb2.RegisterResponse(policy_version=0, heartbeat_s=self.interval_s)
+
+
+class _Worker:
+    worker_id, version, accepting = "w", 0, True
+    config = type("Config", (), {"vocab_size": 96, "max_position_embeddings": 512})()
+
+
+@run_async
+async def test_a_worker_beats_at_the_interval_its_scheduler_names_and_says_when_it_drains():
+    """The worker's own setting is an hour: only the scheduler's answer (10 ms) can bring
+    a second beat. Once it drains, its beats say so."""
+    registry = _Registry(0.01)
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    worker = _Worker()
+    beating = asyncio.create_task(keep_registered(
+        WorkerSettings(scheduler_address=f"127.0.0.1:{port}", heartbeat_s=3600.0), worker, "127.0.0.1:1"))
+    try:
+        while len(registry.beats) < 3:
+            await asyncio.sleep(0.01)
+        assert registry.beats[:3] == [("w", False)] * 3
+        worker.accepting = False
+        while registry.beats[-1] != ("w", True):
+            await asyncio.sleep(0.01)
+    finally:
+        beating.cancel()
+        await asyncio.gather(beating, return_exceptions=True)
+        await server.stop(0)

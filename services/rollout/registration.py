@@ -1,8 +1,8 @@
-"""A worker's membership of the fleet: it registers with the scheduler, keeps
-re-registering for as long as it runs (registration is its heartbeat, at the interval
-the scheduler names, so a restarted scheduler gets it back within one interval and a
-dead worker is noticed within three), goes on beating while it drains (marked
-draining), and leaves on SIGTERM.
+"""A worker's membership of the fleet: it registers with the scheduler and beats on
+one stream (RegistryService.Heartbeat) for as long as it runs, at the interval the
+scheduler names: a restarted scheduler gets it back within one interval (the stream
+breaks, the worker opens another), a dead worker is noticed within three. It goes on
+beating while it drains (marked draining), and leaves on SIGTERM.
 """
 
 from __future__ import annotations
@@ -22,36 +22,61 @@ log = logging.getLogger(__name__)
 
 
 async def keep_registered(settings: WorkerSettings, servicer, address: str) -> None:
-    """Registers with the scheduler, and again every interval for as long as the worker
-    runs (until cancelled): the interval the scheduler's answer names
-    (``RHYMERL_SCHEDULER_HEARTBEAT_S``), or ``heartbeat_s`` until one answered. Each
-    beat says whether the worker drains (``servicer.accepting`` false). Beats come
-    early by up to a fifth of the interval, at random, so a fleet started at once does
-    not beat at once. Unanswered attempts back off exponentially, with jitter, up to
-    the interval; a beat may take two intervals to be answered (a scheduler busy with
-    a huge step reads it late, and it still counts)."""
+    """Registers with the scheduler and beats until cancelled: one Heartbeat stream,
+    whose first message registers the worker; then a message every interval, the one
+    the scheduler's answers name (``RHYMERL_SCHEDULER_HEARTBEAT_S``; ``heartbeat_s``
+    until one answered). Each beat says whether the worker drains
+    (``servicer.accepting`` false). Beats come early by up to a fifth of the interval,
+    at random, so a fleet started at once does not beat at once. A stream that ends,
+    breaks or goes unanswered (the first beat, two intervals) is opened again, backing
+    off exponentially, with jitter, up to the interval."""
     request = worker_pb2.RegisterRequest(
         worker_id=servicer.worker_id, address=address, max_num_seqs=settings.max_num_seqs,
         vocab_size=servicer.config.vocab_size, max_model_len=servicer.config.max_position_embeddings)
     ch = channel(settings.scheduler_address, settings.tls())
     stub = worker_pb2_grpc.RegistryServiceStub(ch)
-    failures, registered, interval = 0, False, settings.heartbeat_s
+    state = {"interval": settings.heartbeat_s}
+    failures, registered = 0, False
+
+    def beat() -> worker_pb2.RegisterRequest:
+        request.policy_version = servicer.version
+        request.draining = not getattr(servicer, "accepting", True)
+        return request
+
+    async def answers(call) -> None:
+        """The scheduler's answers, until the stream ends (the interval may change)."""
+        while (response := await call.read()) is not grpc.aio.EOF:
+            state["interval"] = response.heartbeat_s or settings.heartbeat_s
+
     try:
         while True:
-            request.policy_version = servicer.version
-            request.draining = not getattr(servicer, "accepting", True)
+            call, reader = stub.Heartbeat(), None
             try:
-                response = await stub.Register(request, timeout=max(5.0, 2 * interval))
+                await call.write(beat())
+                first = await asyncio.wait_for(call.read(), max(5.0, 2 * state["interval"]))
+                if first is grpc.aio.EOF:
+                    raise ConnectionError("the scheduler ended the heartbeat stream")
+                state["interval"] = first.heartbeat_s or settings.heartbeat_s
                 if failures or not registered:
                     log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
-                interval = response.heartbeat_s or settings.heartbeat_s
-                registered, failures, delay = True, 0, interval * random.uniform(0.8, 1.0)
-            except grpc.RpcError as err:
+                registered, failures = True, 0
+                reader = asyncio.ensure_future(answers(call))
+                while True:
+                    await asyncio.wait({reader}, timeout=state["interval"] * random.uniform(0.8, 1.0))
+                    if reader.done():
+                        reader.result()  # an error, or the end of the stream
+                        raise ConnectionError("the scheduler ended the heartbeat stream")
+                    await call.write(beat())
+            except (grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, ConnectionError) as err:
                 failures += 1
                 if failures == 1 or failures % 30 == 0:
-                    log.info("scheduler %s not answering (%s); retrying", settings.scheduler_address, err.code())
-                delay = min(interval, 0.05 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
-            await asyncio.sleep(delay)
+                    log.info("scheduler %s not answering (%s); retrying", settings.scheduler_address,
+                             err.code() if isinstance(err, grpc.RpcError) else type(err).__name__)
+                await asyncio.sleep(min(state["interval"], 0.05 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0))
+            finally:
+                if reader is not None:
+                    reader.cancel()
+                call.cancel()
     finally:
         await ch.close()
 

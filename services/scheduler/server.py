@@ -89,7 +89,20 @@ class RegistryServicer(worker_pb2_grpc.RegistryServiceServicer):
 
     @grpc_errors
     async def Register(self, request, context):
-        """A registration, and every worker's heartbeat: O(1) (``workers.py``)."""
+        return await self._beat(request)
+
+    @grpc_errors
+    async def Heartbeat(self, request_iterator, context):
+        """A worker's beats on one stream: each a Register, answered when the answer changed."""
+        answered = None
+        async for request in request_iterator:
+            response = await self._beat(request)
+            if (response.policy_version, response.heartbeat_s) != answered:
+                answered = (response.policy_version, response.heartbeat_s)
+                yield response
+
+    async def _beat(self, request: worker_pb2.RegisterRequest) -> worker_pb2.RegisterResponse:
+        """A registration, or a heartbeat: O(1) (``workers.py``)."""
         check_id(request.worker_id, "worker_id")
         check_id(request.address, "address")
         w = self.core.register(request.worker_id, request.address, request.max_num_seqs or 1,

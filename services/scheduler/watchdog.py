@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from services.scheduler.core import SchedulerCore
@@ -44,7 +45,7 @@ class Watchdog:
         self.sweep_s = min(1.0, heartbeat_s)
         self._ready: bool | None = None
         self._last_round = time.monotonic()
-        self._hold_until = 0.0  # no worker is declared lost before this (the loop was stuck)
+        self._lags: deque[tuple[float, float]] = deque()  # (round, seconds it came late), the last lost_after_s
         self._next_poll = 0.0
 
     async def run(self) -> None:
@@ -57,23 +58,16 @@ class Watchdog:
 
     async def check_once(self) -> None:
         core, table, now = self.core, self.core.workers, time.monotonic()
-        if now - self._last_round > self.sweep_s + self.heartbeat_s:
-            # This round came a beat interval late or more (the event loop was stuck: a
-            # huge step's work, a pause): the beats that came meanwhile wait unread behind
-            # it. Nobody is lost until every worker has had an interval to be heard again.
-            self._hold_until = now + 1.5 * self.heartbeat_s
-        self._last_round = now
+        for w in table.silent(now - self.lost_after_s - self._lagged(now)):
+            if w.state.healthy:
+                log.warning("worker %s missed %d heartbeats (%.1f s silent)", w.worker_id, MISSED_BEATS,
+                            now - w.last_seen)
+                core.worker_lost(w)
+            if now - w.last_seen > self.timeout_s:
+                await self.remove(w, "silent")
         if self.static and now >= self._next_poll:
             self._next_poll = now + self.heartbeat_s
             await self._poll_static()
-        if now >= self._hold_until:
-            for w in table.silent(now - self.lost_after_s):
-                if w.state.healthy:
-                    log.warning("worker %s missed %d heartbeats (%.1f s silent)", w.worker_id, MISSED_BEATS,
-                                now - w.last_seen)
-                    core.worker_lost(w)
-                if now - w.last_seen > self.timeout_s:
-                    await self.remove(w, "silent")
         for w in list(table.draining.values()):
             if not w.state.running:
                 await self.remove(w, "drained")
@@ -83,6 +77,22 @@ class Watchdog:
         core.abort_if_no_workers()
         core.wake()
         await self.refresh()
+
+    def _lagged(self, now: float) -> float:
+        """Seconds this loop was stuck (its rounds came late: a huge step's work, a
+        pause) over the last ``lost_after_s``: beats that came meanwhile wait unread
+        behind it, so a worker silent that much longer is not lost yet. Bounded by the
+        window, so a dead worker is lost within twice ``lost_after_s`` however busy the
+        loop stays."""
+        late = now - self._last_round - self.sweep_s
+        self._last_round = now
+        if late > 0.1 * self.sweep_s:
+            self._lags.append((now, late))
+            if late > self.heartbeat_s:
+                log.info("the fleet check came %.1f s late: workers get as long again to be heard", late)
+        while self._lags and self._lags[0][0] < now - self.lost_after_s:
+            self._lags.popleft()
+        return sum(late for _, late in self._lags)
 
     async def refresh(self) -> None:
         """Readiness, published when it changes: O(1)."""

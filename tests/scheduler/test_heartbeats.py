@@ -65,7 +65,7 @@ async def test_a_worker_that_misses_its_beats_is_lost_and_its_chunks_run_elsewhe
     """w1 falls silent with chunks on it: after MISSED_BEATS intervals the watchdog marks
     it unhealthy and re-queues its chunks, which w0 (beating) finishes; every sample
     arrives once. Not while the watchdog itself was stuck: beats that came meanwhile
-    wait unread, so nobody is lost until every worker has had an interval to be heard."""
+    wait unread, so a worker gets as long again as the loop was stuck."""
     link = FakeLink()
     link.gate = asyncio.Event()  # chunks wait on the workers
     core = make_core(link, workers=2, capacity=4)
@@ -82,7 +82,7 @@ async def test_a_worker_that_misses_its_beats_is_lost_and_its_chunks_run_elsewhe
     watchdog._last_round = time.monotonic() - 60  # the watchdog's previous round was a minute ago
     await watchdog.check_once()
     assert w1.state.healthy and w1.state.running, "lost while the scheduler could not hear it"
-    watchdog._hold_until = 0.0  # an interval since: the beats would have been read
+    watchdog._lags.clear()  # long since: the beats that waited would have been read
     await watchdog.check_once()
     assert not w1.state.healthy and w0.state.healthy
     while w1.state.running:  # its Run calls, cancelled, hand their chunks back
@@ -113,12 +113,22 @@ async def _noop(ready: bool) -> None:
 
 
 class _Registry(worker_pb2_grpc.RegistryServiceServicer):
-    def __init__(self, interval_s: float):
-        self.interval_s, self.beats = interval_s, []
+    """Answers a heartbeat stream's first beat, naming the interval; ends a stream
+    after ``end_after`` beats (a scheduler restarting)."""
 
-    async def Register(self, request, context):  # noqa: N802 - gRPC's name
-        self.beats.append((request.worker_id, request.draining))
-        return worker_pb2.RegisterResponse(policy_version=0, heartbeat_s=self.interval_s)
+    def __init__(self, interval_s: float, end_after: int = 0):
+        self.interval_s, self.end_after, self.beats, self.streams = interval_s, end_after, [], 0
+
+    async def Heartbeat(self, request_iterator, context):  # noqa: N802 - gRPC's name
+        self.streams += 1
+        beats = 0
+        async for request in request_iterator:
+            self.beats.append((request.worker_id, request.draining))
+            if not beats:
+                yield worker_pb2.RegisterResponse(policy_version=0, heartbeat_s=self.interval_s)
+            beats += 1
+            if beats == self.end_after:
+                return
 
 
 class _Worker:
@@ -129,8 +139,9 @@ class _Worker:
 @run_async
 async def test_a_worker_beats_at_the_interval_its_scheduler_names_and_says_when_it_drains():
     """The worker's own setting is an hour: only the scheduler's answer (10 ms) can bring
-    a second beat. Once it drains, its beats say so."""
-    registry = _Registry(0.01)
+    a second beat. A stream the scheduler ends is opened again (a restarted scheduler
+    gets the worker back). Once it drains, its beats say so."""
+    registry = _Registry(0.01, end_after=4)
     server = grpc.aio.server()
     worker_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -142,6 +153,8 @@ async def test_a_worker_beats_at_the_interval_its_scheduler_names_and_says_when_
         while len(registry.beats) < 3:
             await asyncio.sleep(0.01)
         assert registry.beats[:3] == [("w", False)] * 3
+        while registry.streams < 2:  # the stream ended after 4 beats: the worker opened another
+            await asyncio.sleep(0.01)
         worker.accepting = False
         while registry.beats[-1] != ("w", True):
             await asyncio.sleep(0.01)

@@ -45,7 +45,7 @@ class Watchdog:
         self.sweep_s = min(1.0, heartbeat_s)
         self._ready: bool | None = None
         self._last_round = time.monotonic()
-        self._lags: deque[tuple[float, float]] = deque()  # (round, seconds it came late), the last lost_after_s
+        self._beats: deque[tuple[float, int]] = deque()  # (round, beats read since the one before), one interval
         self._next_poll = 0.0
 
     async def run(self) -> None:
@@ -58,12 +58,13 @@ class Watchdog:
 
     async def check_once(self) -> None:
         core, table, now = self.core, self.core.workers, time.monotonic()
-        for w in table.silent(now - self.lost_after_s - self._lagged(now)):
+        self._advance_heard_clock(now)
+        for w in table.silent(table.heard_clock - self.lost_after_s):
             if w.state.healthy:
-                log.warning("worker %s missed %d heartbeats (%.1f s silent)", w.worker_id, MISSED_BEATS,
-                            now - w.last_seen)
+                log.warning("worker %s missed %d heartbeats (%.1f s silent, %.1f s of them heard)", w.worker_id,
+                            MISSED_BEATS, now - w.last_seen, table.heard_clock - w.last_heard)
                 core.worker_lost(w)
-            if now - w.last_seen > self.timeout_s:
+            if table.heard_clock - w.last_heard > self.timeout_s:
                 await self.remove(w, "silent")
         if self.static and now >= self._next_poll:
             self._next_poll = now + self.heartbeat_s
@@ -78,21 +79,33 @@ class Watchdog:
         core.wake()
         await self.refresh()
 
-    def _lagged(self, now: float) -> float:
-        """Seconds this loop was stuck (its rounds came late: a huge step's work, a
-        pause) over the last ``lost_after_s``: beats that came meanwhile wait unread
-        behind it, so a worker silent that much longer is not lost yet. Bounded by the
-        window, so a dead worker is lost within twice ``lost_after_s`` however busy the
-        loop stays."""
-        late = now - self._last_round - self.sweep_s
+    def _advance_heard_clock(self, now: float) -> None:
+        """Advances the table's heard clock by the time since the last round, as far as
+        the scheduler could hear: fully when this round came on time (the event loop
+        free: silence is the workers') or when the beats read over the last interval
+        number at least half the healthy fleet; in proportion below that. A scheduler
+        whose loop is swamped (a huge step's Run traffic queued ahead of the beats, which
+        leaves its timers roughly on time but its beats unread for tens of seconds, seen
+        at 512 and 1,024 fake workers) reads few beats from anyone: its clock slows or
+        stops, and no worker is lost for the scheduler's own deafness. A fleet that
+        truly went silent is lost on time: an idle loop's rounds come on time. A round
+        counts for two at most."""
+        table = self.core.workers
+        elapsed, late = now - self._last_round, now - self._last_round - self.sweep_s
         self._last_round = now
-        if late > 0.1 * self.sweep_s:
-            self._lags.append((now, late))
-            if late > self.heartbeat_s:
-                log.info("the fleet check came %.1f s late: workers get as long again to be heard", late)
-        while self._lags and self._lags[0][0] < now - self.lost_after_s:
-            self._lags.popleft()
-        return sum(late for _, late in self._lags)
+        self._beats.append((now, table.beats))
+        table.beats = 0
+        while self._beats and self._beats[0][0] < now - self.heartbeat_s:
+            self._beats.popleft()
+        healthy = max(1, table.num_healthy)
+        heard = min(1.0, sum(n for _, n in self._beats) / (0.5 * healthy))
+        share = 1.0 if late < 0.5 * self.sweep_s else heard
+        if share < 1.0 and late > self.heartbeat_s:
+            log.info("the fleet check came %.1f s late and heard %.0f%% of the fleet: silence counts %.0f%%",
+                     late, 100 * heard, 100 * share)
+        # at most two rounds' worth: beats read just before this round were stamped with
+        # the clock as it stood, and must not look a whole stall old
+        table.heard_clock += min(elapsed, 2 * self.sweep_s) * share
 
     async def refresh(self) -> None:
         """Readiness, published when it changes: O(1)."""

@@ -29,8 +29,8 @@ class WorkerHandle:
     """One worker as the scheduler knows it. ``polled``: a static worker, which sends no
     heartbeat; the watchdog polls its stats instead."""
 
-    __slots__ = ("worker_id", "address", "state", "vocab_size", "max_model_len", "last_seen", "polled",
-                 "_policy_version", "_accepting")
+    __slots__ = ("worker_id", "address", "state", "vocab_size", "max_model_len", "last_seen", "last_heard",
+                 "polled", "_policy_version", "_accepting")
 
     def __init__(self, worker_id: str, address: str, state: WorkerState, policy_version: int = 0,
                  vocab_size: int = 0, max_model_len: int = 0, polled: bool = False):
@@ -38,6 +38,7 @@ class WorkerHandle:
         self._policy_version, self._accepting = policy_version, True
         self.vocab_size, self.max_model_len, self.polled = vocab_size, max_model_len, polled
         self.last_seen = time.monotonic()
+        self.last_heard = 0.0  # the table's heard clock at its last beat
 
     @property
     def policy_version(self) -> int:
@@ -61,6 +62,11 @@ class WorkerTable:
         self._by_beat: OrderedDict[str, WorkerHandle] = OrderedDict()  # registered ones, longest silent first
         self._usable = Counter()  # policy version -> workers that can take work on it
         self._healthy = 0
+        # Seconds during which the scheduler could hear its workers (the watchdog advances
+        # it): silence is measured on it, so beats the scheduler itself left unread (its
+        # event loop busy with a huge step) never make a worker look silent.
+        self.heard_clock = 0.0
+        self.beats = 0  # beats read since the watchdog last took the count
 
     # --- the counts, kept as the workers change ---------------------------------------
     def _leave(self, w: WorkerHandle) -> None:
@@ -122,7 +128,8 @@ class WorkerTable:
 
     def seen(self, w: WorkerHandle) -> None:
         """A sign of life: a beat (or an answered poll)."""
-        w.last_seen = time.monotonic()
+        w.last_seen, w.last_heard = time.monotonic(), self.heard_clock
+        self.beats += 1
         if w.polled:
             self._by_beat.pop(w.worker_id, None)
         else:
@@ -161,13 +168,18 @@ class WorkerTable:
 
     # --- questions ----------------------------------------------------------------------
     def silent(self, since: float) -> list[WorkerHandle]:
-        """Registered workers not heard from since ``since``: O(their number), never O(fleet)."""
+        """Registered workers not heard from since ``since`` (on the heard clock): O(their
+        number), never O(fleet)."""
         out = []
         for w in self._by_beat.values():
-            if w.last_seen >= since:
+            if w.last_heard >= since:
                 break
             out.append(w)
         return out
+
+    @property
+    def num_healthy(self) -> int:
+        return self._healthy
 
     def polled_workers(self) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if w.polled]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import deque
 
 import grpc
 from rhymerl.v1 import worker_pb2, worker_pb2_grpc
@@ -56,7 +57,8 @@ def test_the_tables_counts_follow_every_change():
         assert set(table.draining) == {i for i, w in table.workers.items() if not w.accepting}
         beats = list(table._by_beat.values())
         assert {w.worker_id for w in beats} == {i for i, w in table.workers.items() if not w.polled}
-        assert [w.last_seen for w in beats] == sorted(w.last_seen for w in beats)
+        assert [w.last_heard for w in beats] == sorted(w.last_heard for w in beats)
+        table.heard_clock += rng.random()
     assert table.silent(time.monotonic() + 1) == beats
 
 
@@ -64,33 +66,65 @@ def test_the_tables_counts_follow_every_change():
 async def test_a_worker_that_misses_its_beats_is_lost_and_its_chunks_run_elsewhere():
     """w1 falls silent with chunks on it: after MISSED_BEATS intervals the watchdog marks
     it unhealthy and re-queues its chunks, which w0 (beating) finishes; every sample
-    arrives once. Not while the watchdog itself was stuck: beats that came meanwhile
-    wait unread, so a worker gets as long again as the loop was stuck."""
+    arrives once. Silence counts only while the scheduler could hear: a minute in which
+    its rounds came late and it read no beat from anyone (its loop swamped, the beats
+    queued unread) makes nobody lost; punctual rounds (its loop free: the silence is the
+    worker's) do."""
     link = FakeLink()
     link.gate = asyncio.Event()  # chunks wait on the workers
     core = make_core(link, workers=2, capacity=4)
+    table = core.workers
     watchdog = Watchdog(core, WeightFanout(core), [], 30.0, _noop, heartbeat_s=5.0)
     run = await core.submit(step("s", {"a": [5, 6], "b": [7, 8]}, n=4, max_tokens=12))
     collecting = asyncio.create_task(collect(run))
-    while len(core.workers.workers["w1"].state.running) == 0:
+    while len(table.workers["w1"].state.running) == 0:
         await dispatch_pass(core)
-    w0, w1 = core.workers.workers["w0"], core.workers.workers["w1"]
-    w1.last_seen -= MISSED_BEATS * 5.0 + 1  # silent for more than three beats...
-    core.register("w0", "fake:0", 4, 0, 96, 512)  # ...while w0 beats
+    w0, w1 = table.workers["w0"], table.workers["w1"]
     on_w1 = set(w1.state.running)
 
-    watchdog._last_round = time.monotonic() - 60  # the watchdog's previous round was a minute ago
-    await watchdog.check_once()
-    assert w1.state.healthy and w1.state.running, "lost while the scheduler could not hear it"
-    watchdog._lags.clear()  # long since: the beats that waited would have been read
-    await watchdog.check_once()
-    assert not w1.state.healthy and w0.state.healthy
+    table.beats, watchdog._beats = 0, deque()  # nothing read lately
+    for _ in range(60):  # a minute of rounds that came a second late, no beat read from anyone
+        watchdog._last_round = time.monotonic() - 2 * watchdog.sweep_s
+        await watchdog.check_once()
+    assert w1.state.healthy and w1.state.running and w0.state.healthy, "lost while the scheduler heard no one"
+    for _ in range(MISSED_BEATS * 5 + 5):  # w0 beats, w1 stays silent, through 20 punctual rounds (1 s each)
+        core.register("w0", "fake:0", 4, 0, 96, 512)
+        watchdog._last_round = time.monotonic() - watchdog.sweep_s
+        await watchdog.check_once()
+    assert not w1.state.healthy and w0.state.healthy and "w1" in table.workers  # lost, not dropped yet (30 s)
     while w1.state.running:  # its Run calls, cancelled, hand their chunks back
         await asyncio.sleep(0)
     link.gate.set()
     samples, summary = await asyncio.wait_for(collecting, 30)
     assert sorted((s.prompt_id, s.sample_index) for s in samples) == [(p, i) for p in "ab" for i in range(4)]
     assert all(link.chunks_started[k] >= 2 for k in on_w1)  # each ran again, on w0
+    await core.stop()
+
+
+@run_async
+async def test_a_lone_worker_that_falls_silent_is_lost_while_the_loop_is_free():
+    """No beat from anyone, but the rounds come on time: the silence is the fleet's."""
+    core = make_core(FakeLink(), workers=1)
+    watchdog = Watchdog(core, WeightFanout(core), [], 30.0, _noop, heartbeat_s=5.0)
+    core.workers.beats = 0  # its registration is long past
+    for _ in range(MISSED_BEATS * 5 + 5):
+        watchdog._last_round = time.monotonic() - watchdog.sweep_s
+        await watchdog.check_once()
+    assert not core.workers.workers["w0"].state.healthy and not core.workers.any_serving(0)
+    await core.stop()
+
+
+@run_async
+async def test_beats_read_at_the_end_of_a_stall_keep_their_workers():
+    """The loop stuck a minute, then it reads every worker's beat just before the round:
+    nobody is lost (the stall counts for two rounds at most)."""
+    core = make_core(FakeLink(), workers=2)
+    watchdog = Watchdog(core, WeightFanout(core), [], 30.0, _noop, heartbeat_s=5.0)
+    for w in ("w0", "w1"):
+        core.register(w, f"fake:{w[1]}", 4, 0, 96, 512)
+    watchdog._last_round = time.monotonic() - 60
+    await watchdog.check_once()
+    assert {i for i, w in core.workers.workers.items() if w.state.healthy} == {"w0", "w1"}
     await core.stop()
 
 

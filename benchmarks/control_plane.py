@@ -4,6 +4,7 @@ workers that answer instantly, one trainer, real gRPC on loopback.
     python -m benchmarks.control_plane                        # W in {64, 512} x S in {8192, 65536}, static and rhymerl
     python -m benchmarks.control_plane --workers 1024 --samples 16384 --policies rhymerl --out-name NAME
     python -m benchmarks.control_plane --workers 512 --samples 65536 --trainers 1,16 --step-log both
+    python -m benchmarks.control_plane --workers 1024 --samples 65536 --policies rhymerl --idle-workers 1024,2048
 
 Per row (workers W x samples S x trainers T x step log x policy), everything fresh:
 1. The scheduler as its CLI starts it (``python -m services.cli scheduler``, no history;
@@ -13,22 +14,28 @@ Per row (workers W x samples S x trainers T x step log x policy), everything fre
    each registering and heartbeating as a real worker does, ``--slots`` slots,
    ``--response-tokens`` tokens per sample, answered at once).
 3. Once every worker is registered and healthy, ``--settle-s`` seconds idle (the
-   scheduler's idle CPU: heartbeats and watchdog polls), then T trainers (threads of this
-   process) each submit a step of S / T samples (S / T / ``--n`` prompts x ``--n``) at once
-   and read their streams to the summary.
-   Meanwhile a separate process polls the scheduler's gRPC health service
-   (grpc.health.v1 Check, 10 s timeout, back to back with 50 ms pauses).
+   scheduler's idle CPU: heartbeats), then T trainers (threads of this process) each
+   submit a step of S / T samples (S / T / ``--n`` prompts x ``--n``) at once and read
+   their streams to the summary.
+   Meanwhile two separate processes ask grpc.health.v1 Check, liveness ("") and
+   readiness (RolloutService) in turn, 10 s timeout, back to back with 50 ms pauses:
+   one the scheduler's health process (its health port, what the probes ask: the
+   row's ``health_*``), one its gRPC port (answered by its event loop: ``health_main_*``).
+4. ``--idle-workers``: rows of their own (``idle``), a fresh scheduler and fleet and no
+   step: ``--idle-s`` seconds of heartbeats alone, the scheduler's CPU per 1,000
+   workers, the stats polls the fleet answered (registered workers are never polled).
 
 Reported: samples/s and chunks/s (the Run items the fleet answered during the step,
 over the step's wall time), the scheduler's CPU-seconds per 1k samples over the step
 (utime + stime from /proc/<pid>/stat), its peak RSS (VmHWM), health-check latency p50 /
-p99 / max and failures during the step, time to the first and to the median sample,
+p99 / max, failures and answers other than SERVING during the step, time to the first
+and to the median sample,
 and workers marked unhealthy and dropped over the row's whole life (the scheduler's log).
 Each row checks its counts: every (prompt, sample) delivered once.
 
 On a shared machine the fakes, the trainer and the scheduler share the cores: CPU-
 seconds of the scheduler are the honest figure, wall-clock rates are a lower bound.
-Writes benchmarks/results/<out-name>.{md,json} (``rows``, device, commit, command).
+Writes benchmarks/results/<out-name>.{md,json} (``rows``, ``idle``, device, commit, command).
 """
 
 from __future__ import annotations
@@ -65,7 +72,8 @@ COLUMNS = [("policy", "policy", "{}"), ("workers", "workers", "{}"), ("samples",
            ("samples/s", "samples_per_s", "{:.0f}"), ("chunks/s", "chunks_per_s", "{:.0f}"),
            ("sched CPU ms / 1k samples", "sched_cpu_ms_per_1k", "{:.0f}"), ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
            ("health p99 ms", "health_p99_ms", "{:.0f}"), ("health max ms", "health_max_ms", "{:.0f}"),
-           ("health not SERVING", "health_not_serving", "{}"), ("gRPC-port health p99 ms", "health_main_p99_ms", "{:.0f}"),
+           ("health not SERVING", "health_not_serving", "{}"),
+           ("gRPC-port health p99 ms", "health_main_p99_ms", "{:.0f}"),
            ("first sample s", "first_sample_s", "{:.2f}"), ("median sample s", "median_sample_s", "{:.2f}"),
            ("wall s", "wall_s", "{:.1f}"), ("marked unhealthy (in step)", "unhealthy_cell", "{}"),
            ("chunks re-run", "chunks_rerun", "{}"),
@@ -219,8 +227,8 @@ class HealthProbers:
 
 def _health_fields(prefix: str, latencies: list[float], failures: int, not_serving: int) -> dict:
     return {f"{prefix}_checks": len(latencies), f"{prefix}_failures": failures,
-            f"{prefix}_not_serving": not_serving,
-            f"{prefix}_p50_ms": 1e3 * _percentile(latencies, 0.5), f"{prefix}_p99_ms": 1e3 * _percentile(latencies, 0.99),
+            f"{prefix}_not_serving": not_serving, f"{prefix}_p50_ms": 1e3 * _percentile(latencies, 0.5),
+            f"{prefix}_p99_ms": 1e3 * _percentile(latencies, 0.99),
             f"{prefix}_max_ms": 1e3 * max(latencies, default=float("nan"))}
 
 

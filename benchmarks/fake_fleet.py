@@ -2,8 +2,8 @@
 
 Each fake worker is a real WorkerService endpoint (its own gRPC server and port on
 loopback) that registers with the scheduler exactly as a real worker does
-(``services.rollout.registration.keep_registered``: Register now and again every
-heartbeat, over its own channel, at the interval the scheduler names), answers stats polls, and answers
+(``services.rollout.registration.keep_registered``: one Heartbeat stream over its own
+channel, a beat at the interval the scheduler names), answers stats polls, and answers
 every Run call at once: each item gets ``response_tokens`` fixed tokens in total (fewer
 when its ``max_tokens`` or chunk budget ends first), then FINISH_REASON_STOP. No model,
 no engine: what is measured is the scheduler.

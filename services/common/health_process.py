@@ -204,10 +204,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from grpc_health.v1 import health_pb2
 
+    applied: dict[str, int] = {}
+
     def apply(statuses: list[int]) -> None:
+        """Sets what changed (a Watch is answered on a change, not on every line)."""
         for name, status in zip(names, statuses):
-            servicer.set(name, health_pb2.HealthCheckResponse.ServingStatus.Value(
-                "SERVING" if status == SERVING else "NOT_SERVING"))
+            if applied.get(name) != status:
+                applied[name] = status
+                servicer.set(name, health_pb2.HealthCheckResponse.SERVING if status == SERVING
+                             else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     apply([NOT_SERVING] * len(names))
     print(f"ready {port}", flush=True)

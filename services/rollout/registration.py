@@ -29,7 +29,8 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
     (``servicer.accepting`` false). Beats come early by up to a fifth of the interval,
     at random, so a fleet started at once does not beat at once. A stream that ends,
     breaks or goes unanswered (the first beat, two intervals) is opened again, backing
-    off exponentially, with jitter, up to the interval."""
+    off exponentially, with jitter, up to the interval. A scheduler without the stream
+    (an older version, UNIMPLEMENTED) gets a Register call per beat instead."""
     request = worker_pb2.RegisterRequest(
         worker_id=servicer.worker_id, address=address, max_num_seqs=settings.max_num_seqs,
         vocab_size=servicer.config.vocab_size, max_model_len=servicer.config.max_position_embeddings)
@@ -48,18 +49,27 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
         while (response := await call.read()) is not grpc.aio.EOF:
             state["interval"] = response.heartbeat_s or settings.heartbeat_s
 
+    def heard(response: worker_pb2.RegisterResponse) -> None:
+        nonlocal failures, registered
+        state["interval"] = response.heartbeat_s or settings.heartbeat_s
+        if failures or not registered:
+            log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
+        registered, failures = True, 0
+
+    streams = True  # False: an older scheduler, without Heartbeat: a Register call per beat
     try:
         while True:
-            call, reader = stub.Heartbeat(), None
+            call, reader = (stub.Heartbeat() if streams else None), None
             try:
+                if call is None:
+                    heard(await stub.Register(beat(), timeout=max(5.0, 2 * state["interval"])))
+                    await asyncio.sleep(state["interval"] * random.uniform(0.8, 1.0))
+                    continue
                 await call.write(beat())
                 first = await asyncio.wait_for(call.read(), max(5.0, 2 * state["interval"]))
                 if first is grpc.aio.EOF:
                     raise ConnectionError("the scheduler ended the heartbeat stream")
-                state["interval"] = first.heartbeat_s or settings.heartbeat_s
-                if failures or not registered:
-                    log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
-                registered, failures = True, 0
+                heard(first)
                 reader = asyncio.ensure_future(answers(call))
                 while True:
                     await asyncio.wait({reader}, timeout=state["interval"] * random.uniform(0.8, 1.0))
@@ -68,6 +78,11 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
                         raise ConnectionError("the scheduler ended the heartbeat stream")
                     await call.write(beat())
             except (grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, ConnectionError) as err:
+                if streams and isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("scheduler %s has no Heartbeat stream (an older version): a Register call per beat",
+                             settings.scheduler_address)
+                    streams = False
+                    continue
                 failures += 1
                 if failures == 1 or failures % 30 == 0:
                     log.info("scheduler %s not answering (%s); retrying", settings.scheduler_address,
@@ -76,7 +91,8 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
             finally:
                 if reader is not None:
                     reader.cancel()
-                call.cancel()
+                if call is not None:
+                    call.cancel()
     finally:
         await ch.close()
 

@@ -197,3 +197,34 @@ async def test_a_worker_beats_at_the_interval_its_scheduler_names_and_says_when_
         beating.cancel()
         await asyncio.gather(beating, return_exceptions=True)
         await server.stop(0)
+
+
+class _OldRegistry(worker_pb2_grpc.RegistryServiceServicer):
+    """A scheduler from before the Heartbeat stream: Register calls only."""
+
+    def __init__(self):
+        self.beats = 0
+
+    async def Register(self, request, context):  # noqa: N802 - gRPC's name
+        self.beats += 1
+        return worker_pb2.RegisterResponse(policy_version=0)
+
+
+@run_async
+async def test_a_worker_beats_with_register_calls_to_a_scheduler_without_the_stream():
+    """Workers upgraded before their scheduler still register and beat (at their own
+    interval: an older scheduler names none)."""
+    registry = _OldRegistry()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    beating = asyncio.create_task(keep_registered(
+        WorkerSettings(scheduler_address=f"127.0.0.1:{port}", heartbeat_s=0.01), _Worker(), "127.0.0.1:1"))
+    try:
+        while registry.beats < 3:
+            await asyncio.sleep(0.01)
+    finally:
+        beating.cancel()
+        await asyncio.gather(beating, return_exceptions=True)
+        await server.stop(0)

@@ -4,6 +4,7 @@ workers that answer instantly, one trainer, real gRPC on loopback.
     python -m benchmarks.control_plane                        # W in {64, 512} x S in {8192, 65536}, static and rhymerl
     python -m benchmarks.control_plane --workers 1024 --samples 16384 --policies rhymerl --out-name NAME
     python -m benchmarks.control_plane --workers 512 --samples 65536 --trainers 1,16 --step-log both
+    python -m benchmarks.control_plane --workers 1024 --samples 65536 --policies rhymerl --idle-workers 1024,2048
 
 Per row (workers W x samples S x trainers T x step log x policy), everything fresh:
 1. The scheduler as its CLI starts it (``python -m services.cli scheduler``, no history;
@@ -13,22 +14,28 @@ Per row (workers W x samples S x trainers T x step log x policy), everything fre
    each registering and heartbeating as a real worker does, ``--slots`` slots,
    ``--response-tokens`` tokens per sample, answered at once).
 3. Once every worker is registered and healthy, ``--settle-s`` seconds idle (the
-   scheduler's idle CPU: heartbeats and watchdog polls), then T trainers (threads of this
-   process) each submit a step of S / T samples (S / T / ``--n`` prompts x ``--n``) at once
-   and read their streams to the summary.
-   Meanwhile a separate process polls the scheduler's gRPC health service
-   (grpc.health.v1 Check, 10 s timeout, back to back with 50 ms pauses).
+   scheduler's idle CPU: heartbeats), then T trainers (threads of this process) each
+   submit a step of S / T samples (S / T / ``--n`` prompts x ``--n``) at once and read
+   their streams to the summary.
+   Meanwhile two separate processes ask grpc.health.v1 Check, liveness ("") and
+   readiness (RolloutService) in turn, 10 s timeout, back to back with 50 ms pauses:
+   one the scheduler's health process (its health port, what the probes ask: the
+   row's ``health_*``), one its gRPC port (answered by its event loop: ``health_main_*``).
+4. ``--idle-workers``: rows of their own (``idle``), a fresh scheduler and fleet and no
+   step: ``--idle-s`` seconds of heartbeats alone, the scheduler's CPU per 1,000
+   workers, the stats polls the fleet answered (registered workers are never polled).
 
 Reported: samples/s and chunks/s (the Run items the fleet answered during the step,
 over the step's wall time), the scheduler's CPU-seconds per 1k samples over the step
 (utime + stime from /proc/<pid>/stat), its peak RSS (VmHWM), health-check latency p50 /
-p99 / max and failures during the step, time to the first and to the median sample,
+p99 / max, failures and answers other than SERVING during the step, time to the first
+and to the median sample,
 and workers marked unhealthy and dropped over the row's whole life (the scheduler's log).
 Each row checks its counts: every (prompt, sample) delivered once.
 
 On a shared machine the fakes, the trainer and the scheduler share the cores: CPU-
 seconds of the scheduler are the honest figure, wall-clock rates are a lower bound.
-Writes benchmarks/results/<out-name>.{md,json} (``rows``, device, commit, command).
+Writes benchmarks/results/<out-name>.{md,json} (``rows``, ``idle``, device, commit, command).
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ COLUMNS = [("policy", "policy", "{}"), ("workers", "workers", "{}"), ("samples",
            ("samples/s", "samples_per_s", "{:.0f}"), ("chunks/s", "chunks_per_s", "{:.0f}"),
            ("sched CPU ms / 1k samples", "sched_cpu_ms_per_1k", "{:.0f}"), ("peak RSS MB", "peak_rss_mb", "{:.0f}"),
            ("health p99 ms", "health_p99_ms", "{:.0f}"), ("health max ms", "health_max_ms", "{:.0f}"),
+           ("health not SERVING", "health_not_serving", "{}"),
+           ("gRPC-port health p99 ms", "health_main_p99_ms", "{:.0f}"),
            ("first sample s", "first_sample_s", "{:.2f}"), ("median sample s", "median_sample_s", "{:.2f}"),
            ("wall s", "wall_s", "{:.1f}"), ("marked unhealthy (in step)", "unhealthy_cell", "{}"),
            ("chunks re-run", "chunks_rerun", "{}"),
@@ -90,9 +99,10 @@ class SchedulerProcess:
 
     def __init__(self, policy: str, log_path: Path, env: dict[str, str],
                  channel_options: tuple[tuple[str, int], ...] = ()):
-        self.port, self.log_path = free_port(), log_path
+        self.port, self.health_port, self.log_path = free_port(), free_port(), log_path
         full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "RHYMERL_SCHEDULER_HOST": "127.0.0.1", "RHYMERL_SCHEDULER_PORT": str(self.port),
+                "RHYMERL_SCHEDULER_HEALTH_PORT": str(self.health_port),
                 "RHYMERL_SCHEDULER_METRICS_PORT": "0", "RHYMERL_SCHEDULER_HISTORY_ADDRESS": "",
                 "RHYMERL_SCHEDULER_REDIS_URL": "", "RHYMERL_SCHEDULER_POLICY": policy, **env}
         argv = [sys.executable, "-m", "services.cli", "scheduler"]
@@ -107,6 +117,11 @@ class SchedulerProcess:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def health_address(self) -> str:
+        """Its health process (what the kubelet's probes ask)."""
+        return f"127.0.0.1:{self.health_port}"
 
     def _poll(self, ask, ready, timeout_s: float, interval_s: float, what: str) -> None:
         """Calls ``ask`` until ``ready(answer)``; an RPC error counts as not ready yet."""
@@ -141,6 +156,13 @@ class SchedulerProcess:
     def log_count(self, text: str) -> int:
         return sum(text in line for line in self.log_path.read_text(errors="replace").splitlines())
 
+    def log_heartbeat_s(self) -> float:
+        """The heartbeat interval the scheduler says it runs with (its start-up line)."""
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if "heartbeat " in line and "listening on" in line:
+                return float(line.split("heartbeat ", 1)[1].split(" s", 1)[0])
+        return float("nan")
+
     def log_tail(self, lines: int = 20) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -155,23 +177,59 @@ class SchedulerProcess:
 
 
 def _health_prober(address: str, stop, conn) -> None:
-    """In its own process (the trainer's GIL must not delay it): Check until ``stop``,
-    then send the latencies in seconds (a failed check counts as its full timeout) and
-    the number of failures."""
-    latencies, failures = [], 0
+    """In its own process (the trainer's GIL must not delay it): Check liveness ("") and
+    readiness (RolloutService) in turn until ``stop``, then send the latencies in seconds
+    (a failed check counts as its full timeout), the number of failures and of answers
+    other than SERVING (the fleet can serve throughout: every answer should be SERVING)."""
+    latencies, failures, not_serving = [], 0, 0
     with grpc.insecure_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         conn.send("ready")
-        while not stop.is_set():
+        for service in itertools.cycle(["", "rhymerl.v1.RolloutService"]):
+            if stop.is_set():
+                break
             started = time.perf_counter()
             try:
-                stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=HEALTH_TIMEOUT_S)
                 latencies.append(time.perf_counter() - started)
+                not_serving += reply.status != health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
                 failures += 1
                 latencies.append(max(HEALTH_TIMEOUT_S, time.perf_counter() - started))
             stop.wait(0.05)
-    conn.send((latencies, failures))
+    conn.send((latencies, failures, not_serving))
+
+
+class HealthProbers:
+    """One prober process per address (the scheduler's health process, its gRPC port)."""
+
+    def __init__(self, addresses: dict[str, str]):
+        ctx = multiprocessing.get_context("spawn")
+        self.stop_event, self.procs = ctx.Event(), {}
+        for name, address in addresses.items():
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_health_prober, args=(address, self.stop_event, child), daemon=True)
+            proc.start()
+            self.procs[name] = (proc, parent)
+        for proc, parent in self.procs.values():
+            if not parent.poll(60):
+                raise TimeoutError("a health prober did not start")
+            parent.recv()
+
+    def stop(self) -> dict[str, tuple[list[float], int, int]]:
+        self.stop_event.set()
+        out = {}
+        for name, (proc, parent) in self.procs.items():
+            out[name] = parent.recv() if parent.poll(HEALTH_TIMEOUT_S + 30) else ([], -1, -1)
+            proc.join(10)
+        return out
+
+
+def _health_fields(prefix: str, latencies: list[float], failures: int, not_serving: int) -> dict:
+    return {f"{prefix}_checks": len(latencies), f"{prefix}_failures": failures,
+            f"{prefix}_not_serving": not_serving, f"{prefix}_p50_ms": 1e3 * _percentile(latencies, 0.5),
+            f"{prefix}_p99_ms": 1e3 * _percentile(latencies, 0.99),
+            f"{prefix}_max_ms": 1e3 * max(latencies, default=float("nan"))}
 
 
 @dataclass
@@ -269,13 +327,7 @@ def run_row(workers: int, samples: int, policy: str, *, trainers: int = 1, step_
             time.sleep(settle_s)
             idle_cores = (cpu_seconds(sched.proc.pid) - idle_cpu) / settle_s if settle_s else float("nan")
 
-            ctx = multiprocessing.get_context("spawn")
-            stop, (parent, child) = ctx.Event(), ctx.Pipe()
-            prober = ctx.Process(target=_health_prober, args=(sched.address, stop, child), daemon=True)
-            prober.start()
-            if not parent.poll(60):
-                raise TimeoutError("the health prober did not start")
-            parent.recv()
+            probers = HealthProbers({"health": sched.health_address, "health_main": sched.address})
             before_fleet, before_cpu = fleet.stats(), cpu_seconds(sched.proc.pid)
             unhealthy_before = sched.log_count("marked unhealthy")
             started = time.perf_counter()
@@ -283,9 +335,7 @@ def run_row(workers: int, samples: int, policy: str, *, trainers: int = 1, step_
                                   max_tokens=4 * response_tokens, timeout_s=step_timeout_s)
             wall = time.perf_counter() - started
             cpu = cpu_seconds(sched.proc.pid) - before_cpu
-            stop.set()
-            latencies, failures = parent.recv() if parent.poll(HEALTH_TIMEOUT_S + 30) else ([], -1)
-            prober.join(10)
+            health = probers.stop()
             after_fleet = fleet.stats()
             rss = peak_rss_mb(sched.proc.pid)
             # counted before the fleet stops (its servers' GOAWAY fails the next polls)
@@ -308,9 +358,8 @@ def run_row(workers: int, samples: int, policy: str, *, trainers: int = 1, step_
             "chunks": chunks, "run_calls": after_fleet["runs"] - before_fleet["runs"],
             "wall_s": wall, "samples_per_s": len(stream.keys) / wall, "chunks_per_s": chunks / wall,
             "sched_cpu_s": cpu, "sched_cpu_ms_per_1k": 1e6 * cpu / max(1, len(stream.keys)),
-            "peak_rss_mb": rss, "health_checks": len(latencies), "health_failures": failures,
-            "health_p50_ms": 1e3 * _percentile(latencies, 0.5), "health_p99_ms": 1e3 * _percentile(latencies, 0.99),
-            "health_max_ms": 1e3 * max(latencies, default=float("nan")),
+            "peak_rss_mb": rss, **_health_fields("health", *health["health"]),
+            **_health_fields("health_main", *health["health_main"]),
             "first_sample_s": stream.arrivals[0] if stream.arrivals else float("nan"),
             "median_sample_s": _percentile(stream.arrivals, 0.5),
             "marked_unhealthy": unhealthy, "marked_unhealthy_in_step": unhealthy - unhealthy_before,
@@ -320,6 +369,50 @@ def run_row(workers: int, samples: int, policy: str, *, trainers: int = 1, step_
         }
     row["unhealthy_cell"] = f"{row['marked_unhealthy']} ({row['marked_unhealthy_in_step']})"
     return row
+
+
+def run_idle(workers: int, idle_s: float, *, slots: int = 256, per_process: int = 64,
+             scheduler_env: dict[str, str] | None = None, log_dir: Path | None = None) -> dict:
+    """A fresh scheduler and fleet, no step: once every worker is registered and healthy,
+    ``idle_s`` seconds of heartbeats alone. The scheduler's CPU-seconds over them (per
+    1,000 workers), the stats polls the fleet answered (registered workers are never
+    polled), workers marked unhealthy or dropped, and health latency meanwhile."""
+    with tempfile.TemporaryDirectory(prefix="control-plane-idle-") as tmp:
+        log_path = (log_dir or Path(tmp)) / f"scheduler-idle-w{workers}.log"
+        sched = SchedulerProcess("rhymerl", log_path, scheduler_env or {})
+        fleet = None
+        try:
+            sched.wait_serving()
+            fleet = FakeFleet(FleetSpec(sched.address, workers, slots=slots, per_process=per_process)).start()
+            sched.wait_workers(workers, timeout_s=120 + workers / 8)
+            probers = HealthProbers({"health": sched.health_address})
+            unhealthy_before, before_fleet = sched.log_count("marked unhealthy"), fleet.stats()
+            before_cpu, started = cpu_seconds(sched.proc.pid), time.perf_counter()
+            time.sleep(idle_s)
+            cpu, wall = cpu_seconds(sched.proc.pid) - before_cpu, time.perf_counter() - started
+            load = os.getloadavg()
+            health = probers.stop()
+            after_fleet = fleet.stats()
+            unhealthy, dropped = sched.log_count("marked unhealthy"), sched.log_count("dropping worker")
+            heartbeat = sched.log_heartbeat_s()
+        finally:
+            if fleet is not None:
+                fleet.stop()
+            sched.stop()
+    return {"workers": workers, "idle_s": wall, "heartbeat_s": heartbeat, "sched_cpu_s": cpu,
+            "idle_cpu_cores": cpu / wall, "cores_per_1k_workers": 1e3 * cpu / wall / workers,
+            "stats_polls": after_fleet["stats"] - before_fleet["stats"],
+            "marked_unhealthy": unhealthy, "marked_unhealthy_idle": unhealthy - unhealthy_before,
+            "workers_dropped": dropped, "load_average_after": load, **_health_fields("health", *health["health"]),
+            "scheduler_env": scheduler_env or {}}
+
+
+IDLE_COLUMNS = [("workers", "workers", "{}"), ("heartbeat s", "heartbeat_s", "{:g}"), ("idle s", "idle_s", "{:.1f}"),
+                ("sched CPU s", "sched_cpu_s", "{:.2f}"), ("sched cores", "idle_cpu_cores", "{:.3f}"),
+                ("cores / 1k workers", "cores_per_1k_workers", "{:.3f}"), ("stats polls", "stats_polls", "{}"),
+                ("marked unhealthy (idle)", "unhealthy_cell", "{}"), ("dropped", "workers_dropped", "{}"),
+                ("health p99 ms", "health_p99_ms", "{:.0f}"),
+                ("load average 1 min", "load_1m", "{:.1f}")]
 
 
 def chunk_tokens(env: dict[str, str], policy: str, response_tokens: int) -> int:
@@ -335,10 +428,19 @@ def chunk_tokens(env: dict[str, str], policy: str, response_tokens: int) -> int:
 def write(result: dict, out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown_table(result["rows"], COLUMNS)
+    table = markdown_table(result["rows"], COLUMNS) if result["rows"] else ""
+    idle = ""
+    if result.get("idle"):
+        for row in result["idle"]:
+            row["unhealthy_cell"] = f"{row['marked_unhealthy']} ({row['marked_unhealthy_idle']})"
+            row["load_1m"] = row["load_average_after"][0]
+        idle = ("\n## Idle: heartbeats alone\n\nEvery worker registered and healthy, no step: the scheduler's "
+                "CPU over the idle seconds (per 1,000 workers), the stats polls the fleet answered, workers marked "
+                "unhealthy over the row's life (while idle), health latency on the health port meanwhile.\n\n"
+                + markdown_table(result["idle"], IDLE_COLUMNS) + "\n")
     (out / f"{name}.md").write_text(
         f"# Control plane: one scheduler process, fake workers\n\n`{result['command']}` at {result['commit']} on "
-        f"{result['device']}\n\n{result['note']}\n\n{table}\n")
+        f"{result['device']}\n\n{result['note']}\n\n{table}\n{idle}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -364,6 +466,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--channel-option", action="append", default=[], metavar="KEY=INT",
                         help="a gRPC option added to the scheduler's and the fakes' channels (e.g. "
                              "grpc.min_reconnect_backoff_ms=200, the option removed for issue 31)")
+    parser.add_argument("--idle-workers", type=ints, default=[],
+                        help="also idle rows at these fleet sizes (heartbeats alone, no step), comma-separated")
+    parser.add_argument("--idle-s", type=float, default=30.0, help="the idle rows' measured seconds")
+    parser.add_argument("--no-steps", action="store_true", help="only the idle rows")
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the scheduler's logs here")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--out-name", default="control_plane")
@@ -372,8 +478,15 @@ def main(argv: list[str] | None = None) -> dict:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(kv.split("=", 1) for kv in args.scheduler_env)
     options = tuple((k, int(v)) for k, v in (kv.split("=", 1) for kv in args.channel_option))
-    rows = []
-    for policy in args.policies.split(","):
+    rows, idle = [], []
+    for workers in args.idle_workers:
+        row = run_idle(workers, args.idle_s, slots=args.slots, per_process=args.per_process, scheduler_env=env,
+                       log_dir=args.log_dir)
+        idle.append(row)
+        print(f"idle W={workers}: {row['cores_per_1k_workers']:.3f} cores per 1k workers "
+              f"({row['sched_cpu_s']:.2f} CPU-s in {row['idle_s']:.1f} s), {row['stats_polls']} stats polls, "
+              f"{row['marked_unhealthy']} marked unhealthy, health p99 {row['health_p99_ms']:.1f} ms", flush=True)
+    for policy in [] if args.no_steps else args.policies.split(","):
         for workers in args.workers:
             for samples, trainers, step_log in itertools.product(
                     args.samples, args.trainers, {"off": [False], "on": [True], "both": [False, True]}[args.step_log]):
@@ -385,7 +498,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(markdown_table([row], COLUMNS).splitlines()[-1], flush=True)
     load = os.getloadavg()
     result = {
-        "rows": rows,
+        "rows": rows, "idle": idle,
         "note": (f"{os.cpu_count()} cores shared by the scheduler, {args.per_process} fake workers per process, the "
                  f"trainer and the health prober (and other work on the machine: load average {load[0]:.1f} at the "
                  "end); the scheduler's CPU-seconds are the honest figure. Marked unhealthy: the scheduler's log over "
@@ -395,7 +508,8 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join(["python -m benchmarks.control_plane", *(sys.argv[1:] if argv is None else argv)]),
         "commit": git_commit(".", ":(exclude)benchmarks/results"), "device": f"CPU: {cpu_name()}",
     }
-    print(markdown_table(rows, COLUMNS))
+    if rows:
+        print(markdown_table(rows, COLUMNS))
     write(result, args.out, args.out_name)
     return result
 

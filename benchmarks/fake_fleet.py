@@ -2,8 +2,8 @@
 
 Each fake worker is a real WorkerService endpoint (its own gRPC server and port on
 loopback) that registers with the scheduler exactly as a real worker does
-(``services.rollout.registration.keep_registered``: Register now and again every
-heartbeat, over its own channel), reports its stats to the watchdog's polls, and answers
+(``services.rollout.registration.keep_registered``: one Heartbeat stream over its own
+channel, a beat at the interval the scheduler names), answers stats polls, and answers
 every Run call at once: each item gets ``response_tokens`` fixed tokens in total (fewer
 when its ``max_tokens`` or chunk budget ends first), then FINISH_REASON_STOP. No model,
 no engine: what is measured is the scheduler.
@@ -32,7 +32,7 @@ class FleetSpec:
     slots: int = 256  # max_num_seqs each registers with
     response_tokens: int = 16  # tokens of every finished sample
     logprobs: bool = True  # one logprob per token when the sampling asks for them
-    heartbeat_s: float = 2.0  # the workers' default (RHYMERL_WORKER_HEARTBEAT_S)
+    heartbeat_s: float = 5.0  # until the scheduler names its interval (RHYMERL_WORKER_HEARTBEAT_S)
     per_process: int = 64
     prefix: str = "fake"
     channel_options: tuple[tuple[str, int], ...] = ()  # added to every channel (benchmarks compare options)

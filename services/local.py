@@ -51,6 +51,7 @@ class LocalCluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    scheduler_health_port: int = 0  # its health process (liveness and readiness off its event loop)
     commands: dict[str, tuple[list[str], dict]] = field(default_factory=dict)
 
     @property
@@ -70,6 +71,7 @@ class LocalCluster:
         names = ["redis"] * self.separate_redis + ["history", "scheduler", *self.workers]
         for name in names:
             self.ports[name], self.metrics_ports[name] = free_port(), free_port()
+        self.scheduler_health_port = free_port()
         history = f"127.0.0.1:{self.ports['history']}"
         if self.separate_redis:
             from services.common.redis_server import find_redis_server
@@ -85,6 +87,7 @@ class LocalCluster:
         self._spawn_service("scheduler", "scheduler", {
             "RHYMERL_SCHEDULER_HOST": "127.0.0.1", "RHYMERL_SCHEDULER_PORT": self.ports["scheduler"],
             "RHYMERL_SCHEDULER_METRICS_PORT": self.metrics_ports["scheduler"],
+            "RHYMERL_SCHEDULER_HEALTH_PORT": self.scheduler_health_port,
             "RHYMERL_SCHEDULER_HISTORY_ADDRESS": history, "RHYMERL_SCHEDULER_POLICY": self.policy,
             "RHYMERL_SCHEDULER_CHUNK_TOKENS": self.chunk_tokens, "RHYMERL_SCHEDULER_REDIS_URL": self.redis_url,
             # outlives a scheduler restart, as a pod's volume would (weight_store.py)

@@ -255,17 +255,25 @@ def test_gpus_per_pod_sets_the_gpu_limit(render):
 @pytest.mark.parametrize("profile", ["default", "production"])
 def test_probes_are_grpc_health_checks_on_the_grpc_port(profile, default_objects, gpu_objects):
     """Kubernetes' grpc probes call grpc.health.v1 on the service's own port and name
-    (with TLS, on the plaintext health-only port: the production profile)."""
+    (with TLS, on the plaintext health-only port: the production profile); the
+    scheduler's always on the port of its health process, which answers off its busy
+    event loop."""
     objects = default_objects if profile == "default" else gpu_objects
     for name, service in HEALTH_SERVICES.items():
         c = container(workload(objects, name), name)
+        env = env_of(c)
+        prefix = SETTINGS[name].model_config["env_prefix"]
         grpc_port = next(p["containerPort"] for p in c["ports"] if p["name"] == "grpc")
         settings_port = SETTINGS[name].model_fields["port"].default
         assert grpc_port == settings_port
-        assert env_of(c)[SETTINGS[name].model_config["env_prefix"] + "PORT"] == str(grpc_port)
+        assert env[prefix + "PORT"] == str(grpc_port)
+        probed = 8086 if profile == "production" else grpc_port
+        if name == "scheduler":
+            probed = SETTINGS[name].model_fields["health_port"].default
+            assert env[prefix + "HEALTH_PORT"] == str(probed)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert set(c[probe]) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
-            assert c[probe]["grpc"]["port"] == (8086 if profile == "production" else grpc_port)
+            assert c[probe]["grpc"]["port"] == probed
         assert c["readinessProbe"]["grpc"]["service"] == service
 
 
@@ -462,7 +470,8 @@ def test_tls_profile_mounts_the_certificate_and_probes_the_plaintext_health_port
     assert env[prefix + "TLS_KEY_FILE"] == "/etc/rhymerl/tls/tls.key"
     assert env[prefix + "TLS_CA_FILE"] == "/etc/rhymerl/tls/ca.crt"
     assert env[prefix + "TLS_SERVER_NAME"] == "rhymerl.internal"
-    assert env[prefix + "HEALTH_PORT"] == "8086"
+    health_port = 50053 if name == "scheduler" else 8086  # the scheduler's health process has a port of its own
+    assert env[prefix + "HEALTH_PORT"] == str(health_port)
     settings = SETTINGS[name].model_fields
     for var in env:
         if var.startswith(prefix):
@@ -471,7 +480,7 @@ def test_tls_profile_mounts_the_certificate_and_probes_the_plaintext_health_port
     tls_volume = next(v for v in pod["volumes"] if v["name"] == "tls")
     assert tls_volume["secret"]["secretName"] == "rhymerl-tls"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == 8086
+        assert c[probe]["grpc"]["port"] == health_port
 
 
 def test_auth_reads_trainer_tokens_from_a_secret(gpu_objects, render, validate, tmp_path):

@@ -61,6 +61,9 @@ class Server:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = ["", *service_names]
+        # more places the statuses are published to (``set(name, serving)``): a health
+        # process serving them off this server's event loop (``health_process.py``)
+        self.mirrors: list = []
         self.port = 0
         self.health_port = health_port
         self.health_server: grpc.aio.Server | None = None
@@ -85,11 +88,15 @@ class Server:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self.service_names:
             await self.health.set(name, status)
+            for mirror in self.mirrors:
+                mirror.set(name, serving)
 
     async def set_service_serving(self, name: str, serving: bool) -> None:
         """Readiness of one service (the process itself, "", stays as it is)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set(name, status)
+        for mirror in self.mirrors:
+            mirror.set(name, serving)
 
     async def stop(self, grace: float = 5.0) -> None:
         await self.set_serving(False)

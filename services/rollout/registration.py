@@ -1,6 +1,8 @@
-"""A worker's membership of the fleet: it registers with the scheduler, keeps
-re-registering for as long as it runs (registration is its heartbeat, so a restarted
-scheduler gets it back within one interval), and leaves on SIGTERM.
+"""A worker's membership of the fleet: it registers with the scheduler and beats on
+one stream (RegistryService.Heartbeat) for as long as it runs, at the interval the
+scheduler names: a restarted scheduler gets it back within one interval (the stream
+breaks, the worker opens another), a dead worker is noticed within three. It goes on
+beating while it drains (marked draining), and leaves on SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,29 +22,77 @@ log = logging.getLogger(__name__)
 
 
 async def keep_registered(settings: WorkerSettings, servicer, address: str) -> None:
-    """Registers with the scheduler, and again every ``heartbeat_s`` for as long as the
-    worker runs: a scheduler that restarted (and forgot its fleet) gets it back within
-    one interval. Unanswered attempts back off exponentially, with jitter, up to it."""
+    """Registers with the scheduler and beats until cancelled: one Heartbeat stream,
+    whose first message registers the worker; then a message every interval, the one
+    the scheduler's answers name (``RHYMERL_SCHEDULER_HEARTBEAT_S``; ``heartbeat_s``
+    until one answered). Each beat says whether the worker drains
+    (``servicer.accepting`` false). Beats come early by up to a fifth of the interval,
+    at random, so a fleet started at once does not beat at once. A stream that ends,
+    breaks or goes unanswered (the first beat, two intervals) is opened again, backing
+    off exponentially, with jitter, up to the interval. A scheduler without the stream
+    (an older version, UNIMPLEMENTED) gets a Register call per beat instead."""
     request = worker_pb2.RegisterRequest(
         worker_id=servicer.worker_id, address=address, max_num_seqs=settings.max_num_seqs,
         vocab_size=servicer.config.vocab_size, max_model_len=servicer.config.max_position_embeddings)
     ch = channel(settings.scheduler_address, settings.tls())
     stub = worker_pb2_grpc.RegistryServiceStub(ch)
+    state = {"interval": settings.heartbeat_s}
     failures, registered = 0, False
+
+    def beat() -> worker_pb2.RegisterRequest:
+        request.policy_version = servicer.version
+        request.draining = not getattr(servicer, "accepting", True)
+        return request
+
+    async def answers(call) -> None:
+        """The scheduler's answers, until the stream ends (the interval may change)."""
+        while (response := await call.read()) is not grpc.aio.EOF:
+            state["interval"] = response.heartbeat_s or settings.heartbeat_s
+
+    def heard(response: worker_pb2.RegisterResponse) -> None:
+        nonlocal failures, registered
+        state["interval"] = response.heartbeat_s or settings.heartbeat_s
+        if failures or not registered:
+            log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
+        registered, failures = True, 0
+
+    streams = True  # False: an older scheduler, without Heartbeat: a Register call per beat
     try:
         while True:
-            request.policy_version = servicer.version
+            call, reader = (stub.Heartbeat() if streams else None), None
             try:
-                await stub.Register(request, timeout=5)
-                if failures or not registered:
-                    log.info("registered with scheduler %s as %s", settings.scheduler_address, servicer.worker_id)
-                registered, failures, delay = True, 0, settings.heartbeat_s
-            except grpc.RpcError as err:
+                if call is None:
+                    heard(await stub.Register(beat(), timeout=max(5.0, 2 * state["interval"])))
+                    await asyncio.sleep(state["interval"] * random.uniform(0.8, 1.0))
+                    continue
+                await call.write(beat())
+                first = await asyncio.wait_for(call.read(), max(5.0, 2 * state["interval"]))
+                if first is grpc.aio.EOF:
+                    raise ConnectionError("the scheduler ended the heartbeat stream")
+                heard(first)
+                reader = asyncio.ensure_future(answers(call))
+                while True:
+                    await asyncio.wait({reader}, timeout=state["interval"] * random.uniform(0.8, 1.0))
+                    if reader.done():
+                        reader.result()  # an error, or the end of the stream
+                        raise ConnectionError("the scheduler ended the heartbeat stream")
+                    await call.write(beat())
+            except (grpc.RpcError, asyncio.TimeoutError, asyncio.InvalidStateError, ConnectionError) as err:
+                if streams and isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("scheduler %s has no Heartbeat stream (an older version): a Register call per beat",
+                             settings.scheduler_address)
+                    streams = False
+                    continue
                 failures += 1
                 if failures == 1 or failures % 30 == 0:
-                    log.info("scheduler %s not answering (%s); retrying", settings.scheduler_address, err.code())
-                delay = min(settings.heartbeat_s, 0.05 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0)
-            await asyncio.sleep(delay)
+                    log.info("scheduler %s not answering (%s); retrying", settings.scheduler_address,
+                             err.code() if isinstance(err, grpc.RpcError) else type(err).__name__)
+                await asyncio.sleep(min(state["interval"], 0.05 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0))
+            finally:
+                if reader is not None:
+                    reader.cancel()
+                if call is not None:
+                    call.cancel()
     finally:
         await ch.close()
 

@@ -255,20 +255,21 @@ async def start_worker(settings: WorkerSettings, engine=None):
 
     async def stop() -> None:
         """Drains: stop taking work, leave the scheduler, finish what runs, then exit."""
-        servicer.accepting = False
+        servicer.accepting = False  # its beats say it drains from now on
         await server.set_serving(False)
         if registration is not None:
-            registration.cancel()
             await deregister(settings.scheduler_address, servicer.worker_id, settings.tls())
         deadline = time.monotonic() + settings.drain_timeout_s
         while servicer.num_runs and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if registration is not None:
+            registration.cancel()
         await server.stop(grace=1.0)
         loop.stop()
         if history is not None:
             await history.close()
 
-    server.servicer = servicer
+    server.servicer, server.registration = servicer, registration
     return server, port, stop
 
 

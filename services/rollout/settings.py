@@ -58,8 +58,9 @@ class WorkerSettings(TLSSettings):
     scheduler_address: str = Field(
         "", description="Registers with this scheduler on start and leaves on SIGTERM; empty: static config.")
     heartbeat_s: float = Field(
-        2.0, description="Re-registers this often for as long as it runs (a restarted scheduler gets the worker "
-                         "back within one interval); unanswered attempts back off up to it.")
+        5.0, gt=0, description="Re-registers (its heartbeat) this often until the scheduler answers: from then on at "
+                               "the interval the scheduler names (RHYMERL_SCHEDULER_HEARTBEAT_S). Unanswered attempts "
+                               "back off up to it.")
     history_address: str = Field(
         "", description="HistoryService for drafts from earlier epochs; empty: siblings and prompt only.")
     history_epochs: int = Field(4, description="Earlier epochs of a prompt the drafter reads.")

@@ -100,21 +100,29 @@ class SchedulerCore:
 
     def settle_version(self) -> None:
         """Called periodically (``serving.py`` says why)."""
-        nobody_serves = not self.workers.serving(self.policy_version)
+        if self.serving.settled:  # the usual case: nothing to look at
+            return
+        nobody_serves = not self.workers.any_serving(self.policy_version)
         if self.serving.settle([w.policy_version for w in self.workers.usable()], nobody_serves, time.monotonic()):
             self._version_changed("the newest registered")
 
     def register(self, worker_id: str, address: str, capacity: int, version: int, vocab_size: int,
-                 max_model_len: int) -> WorkerHandle:
-        """A worker announced itself (registration is also its heartbeat)."""
+                 max_model_len: int, *, draining: bool = False, polled: bool = False) -> WorkerHandle | None:
+        """A worker announced itself (registration is also its heartbeat: O(1) when
+        nothing changed). A draining worker's beat keeps it known, never adds it (None)."""
         known = self.workers.workers.get(worker_id)
+        if known is None and draining:
+            return None
         if known is not None and not known.state.healthy:  # back: likely a new process
             self.link.reset(worker_id)
-        nobody_serves = not self.workers.serving(self.policy_version)
-        w = self.workers.add(worker_id, address, capacity, version, vocab_size, max_model_len)
+        # only a newer version can change the serving one (serving.on_register)
+        nobody_serves = version > self.policy_version and not self.workers.any_serving(self.policy_version)
+        w, changed = self.workers.add(worker_id, address, capacity, version, vocab_size, max_model_len,
+                                      draining=draining, polled=polled)
         if self.serving.on_register(version, nobody_serves, time.monotonic()):
             self._version_changed(f"worker {worker_id}")
-        self.wake()
+        if changed:
+            self.wake()
         return w
 
     def _version_changed(self, source: str) -> None:
@@ -283,7 +291,7 @@ class SchedulerCore:
 
     def abort_if_no_workers(self) -> None:
         """Called periodically: ends work that no worker could take for too long."""
-        if not self.unfinished or self.workers.serving(self.policy_version):
+        if not self.unfinished or self.workers.any_serving(self.policy_version):
             self._no_worker_since = None
             return
         now = time.monotonic()

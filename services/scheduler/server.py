@@ -2,7 +2,9 @@
 
 Thin transport: each method unpacks, calls the core (or the weight fan-out, the rewards
 check), packs. Readiness: RolloutService is SERVING only while some worker can serve;
-the process itself ("") stays SERVING while it runs (liveness).
+the process itself ("") stays SERVING while it runs (liveness). Both are answered on
+the gRPC port and, never waiting for this process's busy event loop, by its health
+process on ``health_port`` (``services/common/health_process.py``), which the probes ask.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grp
 from services.common import metrics
 from services.common.errors import NotFound, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
+from services.common.health_process import HealthProcess
 from services.common.security import BearerTokenAuth, parse_tokens
 from services.scheduler.core import CoreLimits, SchedulerCore
 from services.scheduler.intake import check_id
@@ -86,21 +89,37 @@ class RegistryServicer(worker_pb2_grpc.RegistryServiceServicer):
 
     @grpc_errors
     async def Register(self, request, context):
+        return await self._beat(request)
+
+    @grpc_errors
+    async def Heartbeat(self, request_iterator, context):
+        """A worker's beats on one stream: each a Register, answered when the answer changed."""
+        answered = None
+        async for request in request_iterator:
+            response = await self._beat(request)
+            if (response.policy_version, response.heartbeat_s) != answered:
+                answered = (response.policy_version, response.heartbeat_s)
+                yield response
+
+    async def _beat(self, request: worker_pb2.RegisterRequest) -> worker_pb2.RegisterResponse:
+        """A registration, or a heartbeat: O(1) (``workers.py``)."""
         check_id(request.worker_id, "worker_id")
         check_id(request.address, "address")
         w = self.core.register(request.worker_id, request.address, request.max_num_seqs or 1,
-                               request.policy_version, request.vocab_size, request.max_model_len)
-        if w.policy_version < self.core.policy_version:
+                               request.policy_version, request.vocab_size, request.max_model_len,
+                               draining=request.draining)
+        if w is not None and w.policy_version < self.core.policy_version:
             self.core.spawn(self.weights.catch_up(w))
         await self.watchdog.refresh()
-        return worker_pb2.RegisterResponse(policy_version=self.core.policy_version)
+        return worker_pb2.RegisterResponse(policy_version=self.core.policy_version,
+                                           heartbeat_s=self.watchdog.heartbeat_s)
 
     @grpc_errors
     async def Deregister(self, request, context):
         w = self.core.workers.workers.get(request.worker_id)
         if w is None:
             raise NotFound(f"unknown worker {request.worker_id!r}", "worker_id")
-        w.accepting = False  # draining: no new work; its running chunks finish and report
+        self.core.workers.stop_accepting(w)  # draining: no new work; its running chunks finish and report
         if not w.state.running:
             await self.watchdog.remove(w, "deregistered")
         await self.watchdog.refresh()
@@ -152,23 +171,32 @@ async def start_scheduler(settings: SchedulerSettings):
         if server_box:
             await server_box[0].set_service_serving(ROLLOUT_SERVICE, ready)
 
-    watchdog = Watchdog(core, weights, settings.static_workers(), settings.worker_timeout_s, set_ready)
+    watchdog = Watchdog(core, weights, settings.static_workers(), settings.worker_timeout_s, set_ready,
+                        settings.heartbeat_s)
+    services = [ROLLOUT_SERVICE, "rhymerl.v1.RegistryService"]
     server = Server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(core, weights)),
                      (worker_pb2_grpc.add_RegistryServiceServicer_to_server,
                       RegistryServicer(core, weights, watchdog))],
-                    [ROLLOUT_SERVICE, "rhymerl.v1.RegistryService"], tls=settings.tls(),
-                    interceptors=_auth(settings), health_port=settings.health_port)
+                    services, tls=settings.tls(), interceptors=_auth(settings))
     server_box.append(server)
+    health = None
+    if settings.health_port:  # health off the event loop (health_process.py), before anything is SERVING
+        health = HealthProcess(settings.host, settings.health_port, ["", *services], settings.liveness_stall_s)
+        server.health_port = await health.start()
+        server.mirrors.append(health)
     core.start()
     port = await server.start(settings.host, settings.port)
     await watchdog.refresh()
     watcher = asyncio.create_task(watchdog.run())
-    log.info("scheduler listening on %s:%d (policy %s, weight updates %s, step log %s)", settings.host, port,
-             settings.policy, settings.weight_updates, "on" if core.log.enabled else "off")
+    log.info("scheduler listening on %s:%d (policy %s, weight updates %s, step log %s, heartbeat %g s, health "
+             "port %s)", settings.host, port, settings.policy, settings.weight_updates,
+             "on" if core.log.enabled else "off", settings.heartbeat_s, server.health_port or "none")
 
     async def stop() -> None:
         watcher.cancel()
         await server.stop()
+        if health is not None:
+            await health.stop()
         await core.stop()
         await link.close()
         await core.log.shutdown()

@@ -25,7 +25,22 @@ class SchedulerSettings(TLSSettings):
         0, description="Divided rollout (seer, rhymerl): a request runs at most this many tokens per chunk; 0: the "
                        "policy default. static and histopipe run whole requests.")
     worker_timeout_s: float = Field(
-        30.0, description="A worker that fails health checks this long is dropped and its work re-queued.")
+        30.0, description="A worker silent this long (no heartbeat; a static worker: no answered poll) is dropped "
+                          "from the fleet (its work was re-queued when it missed its third beat).")
+    heartbeat_s: float = Field(
+        5.0, gt=0, description="The workers' heartbeat interval: every registered worker re-registers this often (the "
+                               "scheduler tells it in each RegisterResponse), and one that misses three beats is "
+                               "marked lost (its chunks run elsewhere); static workers are polled this often instead. "
+                               "Each beat costs the scheduler O(1).")
+    health_port: int = Field(
+        50053, ge=0, description="Plaintext port of the scheduler's health process: grpc.health.v1 (liveness \"\" and "
+                                 "readiness, as on the gRPC port) answered by a process of its own, never waiting for "
+                                 "the scheduler's busy event loop; what the kubelet's probes should ask, with or "
+                                 "without TLS. 0: none (health on the gRPC port only).")
+    liveness_stall_s: float = Field(
+        60.0, ge=0, description="The health process reports every service NOT_SERVING (liveness included) once the "
+                                "scheduler's event loop has not turned for this long: a hung scheduler is restarted "
+                                "by its liveness probe; lag shorter than this is not a failure. 0: never.")
     max_steps_retained: int = Field(
         64, description="Finished steps kept in memory for idempotent re-submission (the oldest go first; the step "
                         "log still has them).")

@@ -167,7 +167,7 @@ class WeightFanout:
                                                   timeout=600)
             else:
                 response = await stub.PushWeights(self.store.stream(version, sha256), timeout=600)
-            worker.policy_version = response.version
+            self.core.workers.set_version(worker, response.version)
             log.info("worker %s caught up to version %d (%s)", worker.worker_id, version,
                      "path" if path else "pushed bytes from the store")
         except (grpc.RpcError, OSError) as err:
@@ -238,7 +238,7 @@ class WeightFanout:
             await asyncio.gather(*(c.task for c in calls), return_exceptions=True)
         took = [c for c in calls if c.response is not None]
         for c in took:
-            c.worker.policy_version = c.response.version
+            self.core.workers.set_version(c.worker, c.response.version)
         if not took:
             raise _no_worker_took(version, calls)
         for c in calls:

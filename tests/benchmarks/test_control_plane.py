@@ -22,7 +22,8 @@ def test_benchmark_row_counts_every_sample_and_chunk(tmp_path):
         "--workers", "3", "--samples", "48", "--trainers", "2", "--step-log", "on", "--policies", "rhymerl",
         "--n", "4", "--slots", "8",
         "--response-tokens", "10", "--per-process", "2", "--settle-s", "0", "--step-timeout-s", "120",
-        "--scheduler-env", "RHYMERL_SCHEDULER_CHUNK_TOKENS=4", "--out", str(tmp_path), "--out-name", "cp"])
+        "--scheduler-env", "RHYMERL_SCHEDULER_CHUNK_TOKENS=4", "--idle-workers", "2", "--idle-s", "0.5",
+        "--out", str(tmp_path), "--out-name", "cp"])
     row, = result["rows"]
     assert row["error"] == "" and row["summary"]
     assert (row["trainers"], row["step_log"], row["step_log_on"]) == (2, True, True)
@@ -30,7 +31,11 @@ def test_benchmark_row_counts_every_sample_and_chunk(tmp_path):
     assert row["chunks"] == 3 * 48 and row["chunks_rerun"] == 0
     assert 1 <= row["run_calls"] <= row["chunks"]
     assert row["marked_unhealthy"] == row["marked_unhealthy_in_step"] == row["workers_dropped"] == 0
-    assert row["health_failures"] == 0 and row["health_checks"] >= 1
+    assert row["health_failures"] == row["health_main_failures"] == 0 and row["health_checks"] >= 1
+    assert row["health_not_serving"] == row["health_main_not_serving"] == 0  # the fleet could serve throughout
+    idle, = result["idle"]  # heartbeats alone: registered workers are never polled
+    assert (idle["workers"], idle["stats_polls"], idle["marked_unhealthy"], idle["health_failures"]) == (2, 0, 0, 0)
+    assert idle["health_not_serving"] == 0 and idle["heartbeat_s"] == 5.0 and idle["sched_cpu_s"] >= 0
     assert row["sched_cpu_s"] >= 0 and row["peak_rss_mb"] > 0
     assert ISSUE_FIELDS <= set(row)
     written = json.loads((tmp_path / "cp.json").read_text())

@@ -70,8 +70,11 @@ def test_addresses_and_ports_line_up():
 
 
 def test_healthchecks_ask_each_service_by_name():
+    """On the service's port; the scheduler's on the port of its health process (answered
+    off its event loop)."""
     for service, name in HEALTH_NAMES.items():
-        port = env(service)[SETTINGS[service].model_config["env_prefix"] + "PORT"]
+        prefix = SETTINGS[service].model_config["env_prefix"]
+        port = env(service).get(prefix + "HEALTH_PORT") if service == "scheduler" else env(service)[prefix + "PORT"]
         assert SERVICES[service]["healthcheck"]["test"] == ["CMD", "rhymerl-healthcheck", f"localhost:{port}", name]
 
 

@@ -127,13 +127,16 @@ class Cluster:
         self.scheduler, port, self._scheduler_stop = await start_scheduler(SchedulerSettings(
             host="127.0.0.1", port=port, metrics_port=0, history_address=self.history_address,
             policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls,
-            **self.scheduler_settings))
+            # in-process: health on the gRPC port only, and beats often (a killed worker is noticed in 3 s)
+            **{"health_port": 0, "heartbeat_s": 1.0, **self.scheduler_settings}))
         self.stops.append(self._scheduler_stop)
         self.address = f"127.0.0.1:{port}"
 
     def kill_worker(self, worker_id: str) -> None:
         """Stops a worker abruptly (no draining), like a crashed pod."""
         server, _ = self.workers.pop(worker_id)
+        if server.registration is not None:  # a dead process beats no more
+            self.loop.call_soon_threadsafe(server.registration.cancel)
         self.run(server.server.stop(0))
         server.servicer.loop.stop()
 

@@ -68,7 +68,7 @@ def workers(client: RolloutClient) -> dict[str, tuple[bool, int]]:
 
 def test_a_push_survives_its_worker_marked_unhealthy_and_back_and_fails_clearly_when_it_dies(tmp_path):
     """1. The SmolLM2 runs' fault, forced: the worker stops answering mid-push (SIGSTOP;
-    the scheduler's 5 s health poll times out, it is marked unhealthy), then its heartbeat
+    it misses three heartbeats, it is marked unhealthy), then its heartbeat
     comes while it is still marked so (sent here, as the worker's own would be) and it
     continues. That heartbeat used to close the scheduler's channel to it, cutting the
     push's stream to the worker, after which the fan-out waited forever on that worker's

@@ -44,7 +44,7 @@ async def test_loading_the_serving_path_again_is_acknowledged_and_catches_up_lag
     fanout = WeightFanout(core)
     assert (await fanout.load(common_pb2.LoadWeightsRequest(version=1, path="/a"))).version == 1
     assert sorted(link.loads) == [("w0", 1, "/a"), ("w1", 1, "/a")]
-    core.workers.workers["w1"].policy_version = 0  # restarted on its initial weights
+    core.workers.set_version(core.workers.workers["w1"], 0)  # restarted on its initial weights
     again = await fanout.load(common_pb2.LoadWeightsRequest(version=1, path="/a"))
     assert again.num_workers_updated == 2 and link.loads[-1] == ("w1", 1, "/a")
     with pytest.raises(FailedPrecondition):

@@ -105,6 +105,8 @@ affinity:
 {{- define "rhymerl.tlsEnv" -}}
 {{- $root := index . 0 }}
 {{- $prefix := index . 1 }}
+{{- /* a third element: the service has a health port of its own (the scheduler) */}}
+{{- $ownHealthPort := gt (len .) 2 }}
 {{- with $root.Values.tls }}
 {{- if .enabled }}
 - name: RHYMERL_{{ $prefix }}_TLS_CERT_FILE
@@ -115,8 +117,10 @@ affinity:
   value: /etc/rhymerl/tls/{{ .caKey }}
 - name: RHYMERL_{{ $prefix }}_TLS_SERVER_NAME
   value: {{ .serverName | quote }}
+{{- if not $ownHealthPort }}
 - name: RHYMERL_{{ $prefix }}_HEALTH_PORT
   value: {{ .healthPort | int | quote }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}

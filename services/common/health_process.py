@@ -1,0 +1,229 @@
+"""grpc.health.v1 served by a process of its own, off a busy service's event loop.
+
+A scheduler in the middle of a 65,536-sample step lags its event loop by seconds, and a
+health check answered by that loop waits as long: the kubelet's readiness probe (1 s
+timeout) would take the scheduler out of its Service mid-step, and its liveness probe
+could restart it. So the health service answers from a small child process
+(``python -m services.common.health_process``) with a plain gRPC server of its own,
+on a port of its own, and never waits for the service's loop:
+
+- The service (``HealthProcess``, in its loop) writes one line to the child's stdin
+  whenever a status changes, and again every ``tick_s``: every service's status, in
+  the order the child was given the names. Each line is the whole state (a write the
+  pipe could not take at once is dropped; the next tick repairs it) and a sign that
+  the loop turns. A write is a few bytes to a non-blocking pipe: nothing for the loop.
+- The child answers Check and Watch from the last line it read. When no line came for
+  ``stall_s`` (the loop is stuck, or the process stopped), it answers NOT_SERVING for
+  every name, "" (liveness) included, until lines come again: a hung service is
+  restarted by its liveness probe as before, while seconds of lag are not a failure.
+- The service's death closes the pipe: the child reports NOT_SERVING and exits, so
+  nothing answers for a dead process. A child that died is started again by the
+  service at its next tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+SERVING, NOT_SERVING = 1, 2  # grpc.health.v1 HealthCheckResponse.ServingStatus
+BIND_WAIT_S = 10.0  # a restarted service's port may still be held by its previous child for a moment
+START_TIMEOUT_S = 60.0
+
+
+class HealthProcess:
+    """The service's side: starts the child, publishes statuses, restarts a dead child.
+
+    Args:
+        host, port: where the child serves (plaintext; 0 picks a free port).
+        services: the names it answers for ("" is the process: liveness).
+        stall_s: the child reports NOT_SERVING once no line came this long; 0: never.
+        tick_s: how often the state is re-sent (the loop's sign of life).
+    """
+
+    def __init__(self, host: str, port: int, services: Sequence[str], stall_s: float, tick_s: float = 1.0):
+        self.host, self.port, self.stall_s, self.tick_s = host, port, stall_s, tick_s
+        self.names = list(services)
+        self.status = dict.fromkeys(self.names, NOT_SERVING)
+        self.proc: subprocess.Popen | None = None
+        self._ticker: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Starts the child; returns the port it serves on (RuntimeError if it cannot)."""
+        argv = [sys.executable, "-m", "services.common.health_process", "--host", self.host,
+                "--port", str(self.port), "--stall-s", str(self.stall_s), "--", *[n or "-" for n in self.names]]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            line = b""
+        if not line.startswith(b"ready "):
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"the health process could not serve on {self.host}:{self.port} "
+                               f"(exit status {proc.returncode}; its error is in this process's log)")
+        os.set_blocking(proc.stdin.fileno(), False)
+        self.proc, self.port = proc, int(line.split()[1])
+        self._publish()
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick())
+        log.info("health served off the event loop on %s:%d (process %d)", self.host, self.port, proc.pid)
+        return self.port
+
+    def set(self, name: str, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        if self.status.get(name) != status:
+            self.status[name] = status
+            self._publish()
+
+    def _publish(self) -> None:
+        if self.proc is None:
+            return
+        line = " ".join(str(self.status[n]) for n in self.names).encode() + b"\n"
+        try:
+            os.write(self.proc.stdin.fileno(), line)  # far below PIPE_BUF: written whole or not at all
+        except (BlockingIOError, BrokenPipeError, OSError):
+            pass  # the child is behind (the next tick repairs it) or gone (the ticker restarts it)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            if self.proc is not None and self.proc.poll() is not None:
+                log.error("the health process exited (status %s); starting it again", self.proc.returncode)
+                self._close_pipes(self.proc)
+                self.proc = None
+                try:
+                    await self.start()
+                except RuntimeError as exc:
+                    log.error("%s; trying again", exc)
+                continue
+            self._publish()
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        self._close_pipes(proc)  # EOF: the child answers NOT_SERVING and exits
+        try:
+            await asyncio.wait_for(asyncio.to_thread(proc.wait), 10)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+
+    @staticmethod
+    def _close_pipes(proc: subprocess.Popen) -> None:
+        for pipe in (proc.stdin, proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+# --- the child ------------------------------------------------------------------------
+
+def _bind(host: str, port: int):
+    """A started gRPC server with a health servicer on host:port, waiting up to
+    BIND_WAIT_S for a port a previous child still holds (SO_REUSEPORT off: two children
+    must never share a port and split the probes between them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    deadline = time.monotonic() + BIND_WAIT_S
+    while True:
+        servicer = health.HealthServicer()
+        server = grpc.server(ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        try:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            bound = 0
+        if bound:
+            server.start()
+            return server, servicer, bound
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cannot bind {host}:{port}")
+        time.sleep(0.2)
+
+
+def _follow(fd: int, names: list[str], apply, stall_s: float) -> None:
+    """Applies every status line read from ``fd`` until EOF; NOT_SERVING for all while
+    none came for ``stall_s``."""
+    buffer, last, stalled, current = b"", time.monotonic(), False, [NOT_SERVING] * len(names)
+    while True:
+        wait = None if not stall_s or stalled else max(0.0, last + stall_s - time.monotonic())
+        readable, _, _ = select.select([fd], [], [], wait)
+        if not readable:
+            if not stalled:
+                print(f"health: no word from the service for {stall_s:.0f} s: reporting NOT_SERVING",
+                      file=sys.stderr, flush=True)
+                stalled = True
+                apply([NOT_SERVING] * len(names))
+            continue
+        data = os.read(fd, 4096)
+        if not data:
+            return
+        *lines, buffer = (buffer + data).split(b"\n")
+        for line in lines:
+            parts = line.split()
+            if len(parts) == len(names) and all(p in (b"1", b"2") for p in parts):
+                current = [int(p) for p in parts]
+        if stalled:
+            print("health: the service answers again", file=sys.stderr, flush=True)
+        last, stalled = time.monotonic(), False
+        apply(current)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="grpc.health.v1 for a service whose statuses come on stdin")
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--stall-s", type=float, default=0.0)
+    parser.add_argument("names", nargs="+", help="service names; - is the server itself (\"\")")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its life is the pipe's: it ends when the service does
+    names = ["" if n == "-" else n for n in args.names]
+    try:
+        server, servicer, port = _bind(args.host, args.port)
+    except RuntimeError as exc:
+        print(f"health: {exc}", file=sys.stderr, flush=True)
+        return 1
+    from grpc_health.v1 import health_pb2
+
+    applied: dict[str, int] = {}
+
+    def apply(statuses: list[int]) -> None:
+        """Sets what changed (a Watch is answered on a change, not on every line)."""
+        for name, status in zip(names, statuses):
+            if applied.get(name) != status:
+                applied[name] = status
+                servicer.set(name, health_pb2.HealthCheckResponse.SERVING if status == SERVING
+                             else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    apply([NOT_SERVING] * len(names))
+    print(f"ready {port}", flush=True)
+    try:
+        _follow(sys.stdin.fileno(), names, apply, args.stall_s)
+    finally:
+        apply([NOT_SERVING] * len(names))
+        servicer.enter_graceful_shutdown()
+        server.stop(0.5).wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -59,7 +59,10 @@ $(VLLM_STAMP): $(STAMP)
 # Debian packages the tests and the local system use: a real redis-server, Prometheus
 # for the observability test, and g++ for the compiled drafter. (Helm comes from PyPI:
 # helm-python-sdk.) Another apt (unattended-upgrades, a second shell) may hold the lock:
-# install waits for it up to 10 minutes (DPkg::Lock::Timeout), update retries for 5.
+# install waits for it up to 10 minutes (DPkg::Lock::Timeout), update (which never waits
+# for its lock) is retried 10 times, every APT_RETRY_S seconds: 5 minutes by default.
+# tests/deploy/test_system_deps.py shows both, with a fake apt-get and with the real one.
+APT_RETRY_S ?= 30
 system-deps:
 	@missing=""; \
 	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
@@ -70,7 +73,7 @@ system-deps:
 	  APT="$$SUDO apt-get -o DPkg::Lock::Timeout=600"; \
 	  for try in 1 2 3 4 5 6 7 8 9 10; do \
 	    $$APT update -qq && break; \
-	    echo "apt-get update failed (another apt may hold its lock): retrying in 30 s ($$try/10)"; sleep 30; \
+	    echo "apt-get update failed (another apt may hold its lock): retrying in $(APT_RETRY_S) s ($$try/10)"; sleep $(APT_RETRY_S); \
 	  done; \
 	  DEBIAN_FRONTEND=noninteractive $$APT install -y -qq $$missing >/dev/null; \
 	fi

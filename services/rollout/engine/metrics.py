@@ -59,6 +59,12 @@ class EngineMetrics:
         self._drafter_errors = m.drafter_errors.labels(w)
         self._tree_width = m.tree_width.labels(w)
         self._tree_depth = m.tree_depth.labels(w)
+        # Every batch bucket's tree series exported from the start, at 0 while no tree was
+        # verified (as the histograms above): a dashboard reads them whether or not trees
+        # are on, rather than finding no series at all.
+        for bucket in [*map(str, TREE_BATCH_BUCKETS), "more"]:
+            for counter in (m.tree_drafts, m.tree_nodes, m.tree_accepted):
+                counter.labels(w, bucket)
 
     def on_draft_miss(self) -> None:
         """A decoding sequence got no draft this step (no match, or cut by the budget)."""

@@ -9,7 +9,11 @@ tests hold it to, draft for draft), at a few microseconds per sequence per step:
   back in one buffer with their offsets. The cost threshold (`budget.gain_threshold`) is
   computed in the core from the cost model's curve, which is handed over only when the
   cost model says it changed (`CostModel.version`).
-- Commits are deferred: `add_tokens` and `record_acceptance` only stage the request's slot
+- Draft trees (`propose_trees`, with `DrafterConfig.tree`): the same step's inputs, one C
+  call (`rhd_step_trees`) growing each request's tree as tree_walk.py does and cutting the
+  batch to the budget, the trees back to back with their parents in buffers bound once
+  (grown when a call needs more room). `record_tree_acceptance` is a staged commit.
+- Commits are deferred: `add_tokens`, `record_acceptance` and `record_tree_acceptance` only stage the request's slot
   and tokens in two int32 arrays (validated as they are staged); the staged commits reach
   the core in one call (`flush`), which every other call runs first, so the index inserts
   of a step happen in one C call right before the next step's drafts (or when the engine
@@ -48,7 +52,7 @@ from services.rollout.drafter.request_state import DrafterStats
 LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
 BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_TOKEN = 2**31 - 1  # token ids the core takes: [0, MAX_TOKEN] (an int32's)
 _INT31 = 2**31 - 1
 _STATS = 6  # RHD_STAT_COUNT
@@ -75,6 +79,8 @@ _SIGNATURES = {
     "rhd_prompt_totals": (ctypes.c_int, [_P, _P]),
     "rhd_bind": (ctypes.c_int, [_P, _P, _I32, _P, _P, _P]),
     "rhd_step": (ctypes.c_int, [_P]),
+    "rhd_bind_trees": (ctypes.c_int, [_P, _I32, _I64, _P, _P, _P, _P]),
+    "rhd_step_trees": (ctypes.c_int, [_P, _I64, _I64]),
     "rhd_set_curve": (ctypes.c_int, [_P, _P, _P, _I32]),
     "rhd_gain_threshold": (ctypes.c_int, [_P, _I64, _D, _D, _P]),
 }
@@ -228,6 +234,7 @@ class CompiledDrafter:
         # are short, so making one there would cost more than the step's drafting)
         self._packs: dict[int, Struct] = {n: Struct(f"=qqdq{n}q{n}q") for n in range(min(max_slots, 64) + 1)}
         self._curve_of: tuple[object, int] | None = None  # (cost model, its version) the core has
+        self._tree_rows = self._tree_nodes = 0  # the tree buffers bound (rhd_bind_trees), made at first use
         self._step = lambda step=lib.rhd_step: step(h)
         commit = lib.rhd_commit
         self._commit_call = lambda ops, n_ops, toks, n_toks: commit(h, n_ops, ops, toks, n_toks)
@@ -373,6 +380,23 @@ class CompiledDrafter:
             raise ValueError("num_draft and num_accepted must be in [0, 2^31)")
         self._ops.extend((0, slot, num_draft, num_accepted))
 
+    @property
+    def tree_drafts(self) -> bool:
+        """Whether the engine should ask ``propose_trees`` (DrafterConfig.tree)."""
+        return self._config.tree
+
+    def record_tree_acceptance(self, request_id: str, parents: list[int], path: list[int]) -> None:
+        """Stages the accepted path (root to leaf) of the request's last tree (applied at
+        `flush`): as HistoDrafter.record_tree_acceptance, counted as accepted tokens, the
+        request's calibration not moved."""
+        slot = self._slots.get(request_id)
+        if slot is None:
+            raise UnknownRequestError(request_id)
+        num = len(path)
+        if num > _INT31:
+            raise ValueError("path: longer than 2^31 - 1 nodes")
+        self._ops.extend((2, slot, num, 0))
+
     def flush(self) -> None:
         """Applies the staged commits in one call (in the order they were staged)."""
         ops = self._ops
@@ -407,6 +431,56 @@ class CompiledDrafter:
                 stop_token_ids: Sequence[frozenset[int]] | None = None,
                 budget: int | None = None, num_seqs: int | None = None) -> list[list[int]]:
         """As HistoDrafter.propose: one C call for the whole batch (after the staged commits)."""
+        n = self._pack(request_ids, max_lens, stop_token_ids, budget, num_seqs, self._config.min_gain)
+        rc = self._step()
+        if rc < 0:
+            self._check(rc)
+        ends = self._offsets_view[:n + 1].tolist()
+        flat = self._tokens_view[:ends[-1]].tolist()
+        return list(map(flat.__getitem__, map(slice, ends, ends[1:])))
+
+    def propose_trees(self, request_ids: Sequence[str], max_lens: Sequence[int],
+                      stop_token_ids: Sequence[frozenset[int]] | None = None, budget: int | None = None,
+                      max_nodes: int = 16, num_seqs: int | None = None) -> list[tuple[list[int], list[int] | None]]:
+        """As HistoDrafter.propose_trees: trees (tokens, parents) at batches of at most
+        `tree_max_batch` sequences with `tree` on, in one C call; `propose`'s linear drafts
+        (draft, None) otherwise."""
+        cfg = self._config
+        n = len(request_ids)
+        if not cfg.tree or (num_seqs or n) > cfg.tree_max_batch:
+            return [(d, None) for d in self.propose(request_ids, max_lens, stop_token_ids, budget, num_seqs)]
+        try:
+            cap = min(int(max_nodes), cfg.max_draft_len * cfg.tree_width)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"max_nodes: {exc}") from None
+        min_gain = cfg.min_gain if cfg.tree_min_gain is None else cfg.tree_min_gain
+        n = self._pack(request_ids, max_lens, stop_token_ids, budget, num_seqs, min_gain)
+        if not self._tree_nodes or n > self._tree_rows or cap > self._tree_nodes:
+            self._bind_trees(max(n, self._tree_rows, min(cfg.tree_max_batch, self.max_slots)),
+                             max(cap, self._tree_nodes, 1))
+        self._check(self._lib.rhd_step_trees(self._handle, cap, cfg.tree_width))
+        ends = self._tree_offsets[:n + 1].tolist()
+        flat, parents = self._tree_tokens[:ends[-1]].tolist(), self._tree_parents[:ends[-1]].tolist()
+        return [(flat[a:b], parents[a:b]) for a, b in zip(ends, ends[1:])]
+
+    def _bind_trees(self, rows: int, nodes: int) -> None:
+        """(Re)allocates the tree buffers for `rows` trees of `nodes` nodes and binds them."""
+        if rows * nodes >= 2**31:
+            raise ValueError(f"{rows} trees of {nodes} nodes: more than 2^31 nodes in one step")
+        size = max(1, rows * nodes)
+        self._tree_tokens = np.zeros(size, dtype=np.int32)
+        self._tree_gains = np.zeros(size, dtype=np.float64)
+        self._tree_parents = np.zeros(size, dtype=np.int32)
+        self._tree_offsets = np.zeros(rows + 1, dtype=np.int32)
+        self._check(self._lib.rhd_bind_trees(self._handle, rows, nodes, self._tree_tokens.ctypes.data,
+                                             self._tree_gains.ctypes.data, self._tree_parents.ctypes.data,
+                                             self._tree_offsets.ctypes.data))
+        self._tree_rows, self._tree_nodes = rows, nodes
+
+    def _pack(self, request_ids: Sequence[str], max_lens: Sequence[int], stop_token_ids, budget, num_seqs,
+              min_gain: float) -> int:
+        """A step's inputs into the bound params block (after the staged commits, the stop
+        sets and the cost curve handed over where they changed); returns the batch size."""
         n = len(request_ids)
         if len(max_lens) != n or (stop_token_ids is not None and len(stop_token_ids) != n):
             raise ValueError("max_lens and stop_token_ids must have one entry per request")
@@ -425,8 +499,7 @@ class CompiledDrafter:
                                    else repeat(_NO_STOPS, n)):
                 if cached[slot] is not stops:
                     self._set_stops(slot, stops)
-        cfg = self._config
-        model = cfg.cost_model
+        model = self._config.cost_model
         if model is None:
             if self._curve_of is not None:
                 self._set_curve(None)
@@ -434,18 +507,14 @@ class CompiledDrafter:
             self._set_curve(model)
         pack = self._packs.get(n) or self._packs.setdefault(n, Struct(f"=qqdq{n}q{n}q"))
         try:
-            pack.pack_into(self._params, 0, n, _NO_BUDGET if budget is None else budget, cfg.min_gain,
+            pack.pack_into(self._params, 0, n, _NO_BUDGET if budget is None else budget, min_gain,
                            num_seqs or 0, *ids, *max_lens)
         except (StructError, TypeError):
-            self._pack_slowly(pack, n, ids, max_lens, budget, num_seqs)
-        rc = self._step()
-        if rc < 0:
-            self._check(rc)
-        ends = self._offsets_view[:n + 1].tolist()
-        flat = self._tokens_view[:ends[-1]].tolist()
-        return list(map(flat.__getitem__, map(slice, ends, ends[1:])))
+            self._pack_slowly(pack, n, ids, max_lens, budget, num_seqs, min_gain)
+        return n
 
-    def _pack_slowly(self, pack: Struct, n: int, ids: list[int], max_lens, budget, num_seqs) -> None:
+    def _pack_slowly(self, pack: Struct, n: int, ids: list[int], max_lens, budget, num_seqs,
+                     min_gain: float) -> None:
         """The step's inputs where the fast pack refused them: a budget that is not an int64
         (clamped, as the reference does), or a ValueError naming the bad field."""
         try:
@@ -459,7 +528,7 @@ class CompiledDrafter:
             raise ValueError(f"budget: {exc}") from None
         if not isinstance(num_seqs or 0, int) or not 0 <= (num_seqs or 0) <= 1 << 31:
             raise ValueError(f"num_seqs must be an int in [0, 2^31], not {num_seqs!r}")
-        pack.pack_into(self._params, 0, n, b, self._config.min_gain, num_seqs or 0, *ids, *lens)
+        pack.pack_into(self._params, 0, n, b, min_gain, num_seqs or 0, *ids, *lens)
 
     def _set_curve(self, model) -> None:
         """Hands the cost model's current curve to the core (None: no cost threshold)."""

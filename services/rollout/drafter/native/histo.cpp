@@ -578,6 +578,149 @@ struct Walk {
   }
 };
 
+// ---------------------------------------------------------------- tree_walk.py
+
+struct SrcSet {  // a tree node's live sources (tree_walk: a node's `sources` list)
+  Src src[3];
+  int n = 0;
+};
+
+// tree_walk.tree_steps, run whole (a request's tree is computed before the next request's
+// sources catch up): the nodes best first into toks/gains/parents. Scratch reused.
+struct TreeWalk {
+  struct Entry {  // heapq's (-gain, tie, token, parent, sources, depth)
+    double gain;
+    int64_t tie;
+    int32_t token, parent, set;
+    int64_t depth;
+  };
+  struct Later {  // heapq's order: higher gain first, then the candidate pushed first
+    bool operator()(const Entry &a, const Entry &b) const {
+      return a.gain < b.gain || (a.gain == b.gain && a.tie > b.tie);
+    }
+  };
+  std::vector<Entry> heap;
+  std::vector<SrcSet> sets;
+  std::vector<int32_t> offered, order, heaviest_out;
+  std::vector<std::pair<double, int32_t>> scored;
+  int64_t tie = 0;
+
+  // tree_walk._heaviest: the k heaviest continuations (first of equal weights in the index's order)
+  void heaviest(const SuffixIndex &ix, int32_t state, int64_t k) {
+    heaviest_out.clear();
+    if (ix.one_next[state]) { heaviest_out.push_back(ix.one_token[state]); return; }
+    if (ix.multi[state] < 0) return;
+    const auto &items = ix.edges[ix.multi[state]].items;
+    if (items.empty()) return;
+    if (k == 1) {
+      double best = -1.0;
+      int32_t token = 0;
+      for (const auto &it : items)
+        if (ix.weight[it.second] > best) { best = ix.weight[it.second]; token = it.first; }
+      heaviest_out.push_back(token);
+      return;
+    }
+    order.resize(items.size());
+    for (size_t i = 0; i < items.size(); ++i) order[i] = (int32_t)i;
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+      return ix.weight[items[(size_t)a].second] > ix.weight[items[(size_t)b].second];
+    });
+    size_t m = (size_t)std::min<int64_t>(k, (int64_t)items.size());
+    for (size_t i = 0; i < m; ++i) heaviest_out.push_back(items[(size_t)order[i]].first);
+  }
+  void offer() {  // a dict's update: insertion order, no duplicates
+    for (int32_t t : heaviest_out)
+      if (std::find(offered.begin(), offered.end(), t) == offered.end()) offered.push_back(t);
+  }
+  // tree_walk.candidates: (p, token) best first, ties in the order offered
+  void candidates(const SrcSet &ss, int64_t width, const Params &pp) {
+    offered.clear();
+    for (int i = 0; i < ss.n; ++i) {
+      const SuffixIndex &ix = *ss.src[i].ix;
+      heaviest(ix, ss.src[i].state, width);
+      offer();
+      int32_t parent = ix.link[ss.src[i].state];
+      if (parent > 0 && ix.length[parent] >= pp.min_match_len) {
+        heaviest(ix, parent, 1);
+        offer();
+      }
+    }
+    double trusts[3];
+    PySum total(pp.neumaier);
+    for (int i = 0; i < ss.n; ++i) {
+      trusts[i] = (double)ss.src[i].len / ((double)ss.src[i].len + ss.src[i].prior);
+      total.add(trusts[i]);
+    }
+    const double denom = total.get();
+    scored.clear();
+    for (int32_t token : offered) {
+      PySum sum(pp.neumaier);
+      for (int i = 0; i < ss.n; ++i)
+        sum.add(trusts[i] * prob(*ss.src[i].ix, ss.src[i].state, token, pp.smoothing, pp.backoff, pp.neumaier));
+      scored.emplace_back(sum.get() / denom, token);
+    }
+    std::stable_sort(scored.begin(), scored.end(),
+                     [](const std::pair<double, int32_t> &a, const std::pair<double, int32_t> &b) {
+                       return a.first > b.first;
+                     });
+  }
+  void expand(int32_t set, int32_t node, double node_gain, int64_t depth, int64_t width, const Params &pp,
+              double calibration) {
+    candidates(sets[(size_t)set], width, pp);
+    size_t m = (size_t)std::min<int64_t>(width, (int64_t)scored.size());
+    for (size_t k = 0; k < m; ++k) {
+      double q = scored[k].first * calibration;
+      double child_gain = node_gain * (q < 0.99 ? q : 0.99);
+      if (child_gain >= pp.min_gain) {
+        heap.push_back(Entry{child_gain, tie++, scored[k].second, node, set, depth + 1});
+        std::push_heap(heap.begin(), heap.end(), Later());
+      }
+    }
+  }
+  // The tree of a walk made by make_walk (its sources, gain, calibration and stops) into the
+  // walk's materialized tokens and gains, and its nodes' parents.
+  void grow(Walk &w, int64_t cap, int64_t max_depth, int64_t width, const Params &pp,
+            std::vector<int32_t> &parents) {
+    w.toks.clear();
+    w.gains.clear();
+    w.replay = 0;
+    w.materialized = true;
+    parents.clear();
+    if (cap <= 0 || max_depth <= 0) return;
+    heap.clear();
+    sets.clear();
+    tie = 0;
+    SrcSet root;
+    root.n = w.n;
+    for (int i = 0; i < w.n; ++i) root.src[i] = w.src[i];
+    sets.push_back(root);
+    expand(0, -1, w.gain, 0, width, pp, w.calibration);
+    int64_t num_nodes = 0;
+    while (!heap.empty() && num_nodes < cap) {
+      std::pop_heap(heap.begin(), heap.end(), Later());
+      Entry e = heap.back();
+      heap.pop_back();
+      parents.push_back(e.parent);
+      w.toks.push_back(e.token);
+      w.gains.push_back(e.gain);
+      int32_t node = (int32_t)num_nodes++;
+      if ((w.stops != nullptr && std::find(w.stops->begin(), w.stops->end(), e.token) != w.stops->end()) ||
+          e.depth >= max_depth)
+        continue;
+      SrcSet followed;
+      const SrcSet from = sets[(size_t)e.set];
+      for (int i = 0; i < from.n; ++i) {
+        Src s = from.src[i];  // the parent's sources serve its other children too
+        if (follow(s, e.token, -1, pp.min_match_len)) followed.src[followed.n++] = s;
+      }
+      if (followed.n) {
+        sets.push_back(followed);
+        expand((int32_t)sets.size() - 1, node, e.gain, e.depth, width, pp, w.calibration);
+      }
+    }
+  }
+};
+
 // ---------------------------------------------------------------- prompt_index.py
 
 struct LiveSeq {
@@ -922,6 +1065,8 @@ struct Drafter {
   char error[256] = {0};
   bool broken = false;
   std::vector<Walk> walks;  // scratch of propose, reused
+  TreeWalk tree_walk;       // scratch of the trees' propose, reused
+  std::vector<std::vector<int32_t>> sc_parents;  // row i: request i's tree's parents
 
   Drafter(const Config &c, double *st) : cfg(c), slots((size_t)c.max_slots), stats(st) {
     if (cfg.use_global) global.reset(new GlobalIndex(cfg.global_max_tokens));
@@ -1081,6 +1226,8 @@ struct Drafter {
       live_slot(op[1]);
       if (op[0] == RHD_OP_ACCEPT) {
         if (op[2] < 0 || op[3] < 0) invalid("commit %lld: negative draft or accepted count", k);
+      } else if (op[0] == RHD_OP_TREE) {
+        if (op[2] < 0) invalid("commit %lld: negative accepted path length", k);
       } else if (op[0] == RHD_OP_TOKENS) {
         if (op[2] < 0 || used + op[2] > num_tokens) invalid("commit %lld: token count past the array", k);
         used += op[2];
@@ -1095,6 +1242,9 @@ struct Drafter {
       Slot &s = slots[(size_t)op[1]];
       if (op[0] == RHD_OP_ACCEPT) {
         accept(s, op[2], op[3]);
+      } else if (op[0] == RHD_OP_TREE) {  // record_tree_acceptance: no calibration from trees
+        s.last_gains.clear();
+        num_accepted += op[2];
       } else {
         add_tokens(s, tokens + used, op[2]);
         used += op[2];
@@ -1171,13 +1321,21 @@ struct Drafter {
     curve_x.assign(xs, xs + num);
     curve_y.assign(ys, ys + num);
   }
-  void step() {  // rhd_step: propose over the bound buffers
+  // rhd_bind_trees's buffers: `tree_capacity` trees of at most `tree_node_cap` nodes.
+  int32_t tree_capacity = 0;
+  int64_t tree_node_cap = 0;
+  int32_t *tree_tokens = nullptr, *tree_parents = nullptr, *tree_offsets = nullptr;
+  double *tree_gains = nullptr;
+
+  // The bound params block's header and slots (rhd_step and rhd_step_trees read the same).
+  void read_params(int64_t capacity, int64_t &n, int64_t &budget, double &min_gain) {
     if (bound_params == nullptr) invalid("no buffers bound (rhd_bind)");
-    const int64_t n = bound_params[0], num_seqs = bound_params[3];
-    int64_t budget = bound_params[1];
-    double min_gain;
+    n = bound_params[0];
+    const int64_t num_seqs = bound_params[3];
+    budget = bound_params[1];
     std::memcpy(&min_gain, &bound_params[2], sizeof min_gain);
     if (n < 0 || n > bound_capacity) invalid("%lld requests in one step, more than the %lld bound", n, bound_capacity);
+    if (n > capacity) invalid("%lld requests in one step, more than the %lld bound", n, capacity);
     if (num_seqs < 0 || num_seqs > ((int64_t)1 << 31)) invalid("num_seqs %lld out of range", num_seqs);
     budget = budget == INT64_MIN ? -1 : std::min(std::max<int64_t>(budget, 0), (int64_t)1 << 62);
     sc_slots.resize((size_t)n);
@@ -1190,10 +1348,30 @@ struct Drafter {
       double threshold = gain_threshold(num_seqs ? num_seqs : n, draft_per_seq, gain_per_seq);
       if (threshold > min_gain) min_gain = threshold;
     }
+  }
+  void step() {  // rhd_step: propose over the bound buffers
+    int64_t n, budget;
+    double min_gain;
+    read_params(bound_capacity, n, budget, min_gain);
     propose((int32_t)n, sc_slots.data(), bound_params + 4 + n, budget, min_gain, bound_tokens, bound_gains,
             bound_offsets + 1);
     bound_offsets[0] = 0;
     for (int64_t i = 0; i < n; ++i) bound_offsets[i + 1] += bound_offsets[i];
+  }
+  // rhd_step_trees: HistoDrafter.propose_trees's tree branch over the bound buffers (the
+  // caller decides trees or linear drafts: tree, tree_max_batch), into the tree buffers.
+  void step_trees(int64_t max_nodes, int64_t width) {
+    if (tree_tokens == nullptr) invalid("no tree buffers bound (rhd_bind_trees)");
+    if (width < 1 || width > ((int64_t)1 << 20)) invalid("tree width %lld out of range [1, 2^20]", width);
+    const int64_t cap = std::min(max_nodes, cfg.max_draft_len * width);
+    if (cap > tree_node_cap) invalid("%lld nodes per tree, more than the %lld bound", cap, tree_node_cap);
+    int64_t n, budget;
+    double min_gain;
+    read_params(tree_capacity, n, budget, min_gain);
+    propose((int32_t)n, sc_slots.data(), bound_params + 4 + n, budget, min_gain, tree_tokens, tree_gains,
+            tree_offsets + 1, true, cap, width, tree_parents);
+    tree_offsets[0] = 0;
+    for (int64_t i = 0; i < n; ++i) tree_offsets[i + 1] += tree_offsets[i];
   }
 
   // Scratch of propose, reused from call to call: row i holds request i's draft.
@@ -1201,14 +1379,17 @@ struct Drafter {
   std::vector<double> sc_gain, sc_bound, sc_ranked;
   std::vector<char> sc_has, sc_pending;
 
+  // HistoDrafter.propose; with `tree`, propose_trees's trees of at most `tree_cap` nodes and
+  // `width` children (the tree's parents to out_parents, back to back as the tokens).
   void propose(int32_t n, const int32_t *slot_ids, const int64_t *max_lens, int64_t budget, double min_gain,
-               int32_t *out_tokens, double *out_gains, int32_t *out_lens) {
+               int32_t *out_tokens, double *out_gains, int32_t *out_lens, bool tree = false, int64_t tree_cap = 0,
+               int64_t width = 1, int32_t *out_parents = nullptr) {
     if (n < 0 || (n > 0 && (slot_ids == nullptr || max_lens == nullptr || out_tokens == nullptr ||
-                            out_gains == nullptr || out_lens == nullptr)))
+                            out_gains == nullptr || out_lens == nullptr || (tree && out_parents == nullptr))))
       invalid("bad propose arrays");
     if (!(min_gain == min_gain)) invalid("min_gain is NaN");
     for (int32_t i = 0; i < n; ++i) live_slot(slot_ids[i]);
-    const size_t K = (size_t)std::max<int64_t>(1, cfg.max_draft_len), N = (size_t)n;
+    const size_t K = (size_t)std::max<int64_t>(1, tree ? tree_cap : cfg.max_draft_len), N = (size_t)n;
     Params pp{cfg.smoothing, cfg.backoff, min_gain, cfg.min_match_len, cfg.neumaier};
     bool lazy = true;
     if (global)
@@ -1222,9 +1403,19 @@ struct Drafter {
     sc_len.assign(N, 0);
     sc_bound.assign(N, 0.0);
     sc_has.assign(N, 0);
+    if (tree && sc_parents.size() < N) sc_parents.resize(N);
     for (size_t i = 0; i < N; ++i) {
       Slot &s = slots[(size_t)slot_ids[i]];
       int64_t cap = std::min(max_lens[i], cfg.max_draft_len);
+      if (tree) {  // each tree whole, in batch order (its sources may catch up with a global flip)
+        sc_has[i] = make_walk(s, cap, walks[i]);
+        s.calibration_used = s.calibration();
+        if (sc_has[i]) {
+          sc_bound[i] = walks[i].gain * 0.99;
+          tree_walk.grow(walks[i], tree_cap, cap, width, pp, sc_parents[i]);
+        }
+        continue;
+      }
       sc_has[i] = make_walk(s, cap, walks[i]);
       if (sc_has[i]) {
         sc_bound[i] = walks[i].gain * 0.99;
@@ -1281,6 +1472,7 @@ struct Drafter {
       out_lens[i] = len;
       std::copy(sc_tok.data() + i * K, sc_tok.data() + i * K + len, out_tokens + pos);
       std::copy(gains, gains + len, out_gains + pos);
+      if (tree) std::copy(sc_parents[i].data(), sc_parents[i].data() + len, out_parents + pos);
       pos += len;
       num_tokens += len;
       if (len == 0) {
@@ -1485,6 +1677,28 @@ RHD_EXPORT int rhd_bind(void *h, int64_t *params, int32_t capacity, int32_t *out
 
 RHD_EXPORT int rhd_step(void *h) {
   return guarded(h, [&](Drafter &d) { d.step(); return 0; });
+}
+
+RHD_EXPORT int rhd_bind_trees(void *h, int32_t capacity, int64_t max_nodes, int32_t *out_tokens, double *out_gains,
+                              int32_t *out_parents, int32_t *out_offsets) {
+  return guarded(h, [&](Drafter &d) {
+    if (out_tokens == nullptr || out_gains == nullptr || out_parents == nullptr || out_offsets == nullptr)
+      invalid("null tree buffer");
+    if (capacity < 0 || capacity > d.cfg.max_slots) invalid("capacity %lld out of range [0, max_slots]", capacity);
+    if (max_nodes < 1 || max_nodes > ((int64_t)1 << 31) / std::max<int64_t>(1, capacity))
+      invalid("max_nodes %lld out of range (capacity * max_nodes < 2^31)", max_nodes);
+    d.tree_capacity = capacity;
+    d.tree_node_cap = max_nodes;
+    d.tree_tokens = out_tokens;
+    d.tree_gains = out_gains;
+    d.tree_parents = out_parents;
+    d.tree_offsets = out_offsets;
+    return 0;
+  });
+}
+
+RHD_EXPORT int rhd_step_trees(void *h, int64_t max_nodes, int64_t width) {
+  return guarded(h, [&](Drafter &d) { d.step_trees(max_nodes, width); return 0; });
 }
 
 RHD_EXPORT int rhd_set_curve(void *h, const double *num_tokens, const double *ms, int32_t num) {

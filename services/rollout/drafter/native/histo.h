@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define RHD_ABI_VERSION 2
+#define RHD_ABI_VERSION 3
 #define RHD_EINVAL (-1)
 #define RHD_ENOMEM (-2)
 #define RHD_EINTERNAL (-3)
@@ -39,7 +39,8 @@ enum {
 };
 /* Commit operations: 4 int32 each (kind, slot, a, b). */
 enum { RHD_OP_ACCEPT = 0, /* a = num_draft, b = num_accepted */
-       RHD_OP_TOKENS = 1  /* a = how many tokens, read in order from the tokens array */ };
+       RHD_OP_TOKENS = 1, /* a = how many tokens, read in order from the tokens array */
+       RHD_OP_TREE = 2    /* record_tree_acceptance: a = the accepted path's length */ };
 
 int rhd_abi_version(void);
 /* A new drafter; NULL if the settings are invalid or memory is short. `stats` (RHD_STAT_COUNT
@@ -77,6 +78,15 @@ int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64_t *max_len
 int rhd_bind(void *h, int64_t *params, int32_t capacity, int32_t *out_tokens, double *out_gains,
              int32_t *out_offsets);
 int rhd_step(void *h);
+/* Draft trees (HistoDrafter.propose_trees's tree branch; the caller picks trees or linear
+ * drafts): buffers for `capacity` trees of at most `max_nodes` nodes each, bound once, then
+ * each rhd_step_trees reads the params block bound by rhd_bind (min_gain: the trees' floor,
+ * tree_min_gain) and writes the trees back to back, best first (tokens, gains, parents:
+ * an earlier node's index in the tree, -1 the root) and their offsets (n + 1 entries).
+ * A tree has at most min(max_nodes, max_draft_len * width) nodes, `width` children per node. */
+int rhd_bind_trees(void *h, int32_t capacity, int64_t max_nodes, int32_t *out_tokens, double *out_gains,
+                   int32_t *out_parents, int32_t *out_offsets);
+int rhd_step_trees(void *h, int64_t max_nodes, int64_t width);
 /* The engine's cost curve (num points, increasing token counts, positive ms), from which
  * rhd_step raises min_gain to budget.gain_threshold at the step's batch size; num = 0:
  * no curve (min_gain as given). */

@@ -1,7 +1,10 @@
 """Random drafter lifecycles, run on two drafters side by side (the compiled core and the
 Python reference): everything either one returns goes in a trace, and the traces must be
 equal. Small vocabularies and bounds, so that matches, ties, back-offs, evictions, global
-flips, aborts and resumed chunks all happen within a few dozen operations.
+flips, aborts and resumed chunks all happen within a few dozen operations. Steps draft
+linear drafts (`propose`) or trees (`propose_trees`, on or off in the config, wide or
+narrow, cut to random node caps and budgets), and a tree's verdict is a random root-to-leaf
+path (`record_tree_acceptance`).
 
 Also runnable as a script (the sanitizer test runs it in a subprocess):
     python -m tests.rollout.drafter.parity_ops SEED_FROM SEED_TO
@@ -28,7 +31,9 @@ def random_config(rng: random.Random) -> DrafterConfig:
         match_len_prior=rng.choice([1.0, 3.0]), global_match_len_prior=rng.choice([1.0, 4.0]),
         min_match_len=rng.choice([1, 1, 2, 3]), min_gain=rng.choice([0.1, 0.0, 0.3]),
         max_draft_len=rng.choice([16, 4, 1]),
-        cost_model=rng.choice([CostModel(), CostModel(measure=True, min_samples=1)]) if rng.random() < 0.3 else None)
+        cost_model=rng.choice([CostModel(), CostModel(measure=True, min_samples=1)]) if rng.random() < 0.3 else None,
+        tree=rng.random() < 0.6, tree_width=rng.choice([1, 2, 3, 5]), tree_max_batch=rng.choice([16, 2, 0]),
+        tree_min_gain=rng.choice([None, 0.15, 0.0, 0.05]))
 
 
 def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
@@ -43,13 +48,24 @@ def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
     return out[:n]
 
 
+def _random_path(rng: random.Random, parents: list[int]) -> list[int]:
+    """A random accepted path of a tree (node indices, root to leaf), as a verifier picks one."""
+    path: list[int] = []
+    while rng.random() < 0.8:
+        children = [i for i, p in enumerate(parents) if p == (path[-1] if path else -1)]
+        if not children:
+            break
+        path.append(rng.choice(children))
+    return path
+
+
 def run(drafter, seed: int, num_ops: int = 60) -> list:
     """Drives `drafter` through a random lifecycle; returns what it answered."""
     rng = random.Random(seed)
     vocab = rng.choice([3, 5, 12, 50])
     prompts = [f"p{i}" for i in range(rng.randint(1, 3))]
     prompt_text = {p: _tokens(rng, vocab, rng.randint(0, 12)) for p in prompts}
-    running: dict[str, list[int]] = {}  # request -> its last draft
+    running: dict[str, tuple[list[int], list[int] | None]] = {}  # request -> its last draft (tokens, parents)
     trace: list = []
     next_req = 0
     for _ in range(num_ops):
@@ -68,7 +84,7 @@ def run(drafter, seed: int, num_ops: int = 60) -> list:
             next_req += 1
             resumed = _tokens(rng, vocab, rng.randint(0, 15)) if rng.random() < 0.3 else []
             drafter.start_request(rid, p, prompt_text[p], resumed)
-            running[rid] = []
+            running[rid] = ([], None)
         elif op < 0.34:
             rid = rng.choice(sorted(running))
             drafter.stop_request(rid)  # a finished chunk or an abort
@@ -84,18 +100,30 @@ def run(drafter, seed: int, num_ops: int = 60) -> list:
                 if rng.random() < 0.5 else None
             budget = rng.choice([None, None, 0, 1, 3, 8, 40])
             num_seqs = rng.choice([None, 1, 64, 256])
-            drafts = drafter.propose(rids, max_lens, stop_token_ids=stops, budget=budget, num_seqs=num_seqs)
-            trace.append(("propose", drafts))
-            for rid, draft in zip(rids, drafts):
-                running[rid] = draft
+            if rng.random() < 0.5:
+                max_nodes = rng.choice([0, 1, 4, 16, 40, -1])
+                trees = drafter.propose_trees(rids, max_lens, stop_token_ids=stops, budget=budget,
+                                              max_nodes=max_nodes, num_seqs=rng.choice([num_seqs, None, 2]))
+                trace.append(("propose_trees", trees))
+            else:
+                trees = [(d, None) for d in drafter.propose(rids, max_lens, stop_token_ids=stops, budget=budget,
+                                                            num_seqs=num_seqs)]
+                trace.append(("propose", trees))
+            for rid, tree in zip(rids, trees):
+                running[rid] = tree
         else:
             rid = rng.choice(sorted(running))
-            draft = running[rid]
-            if draft:
+            draft, parents = running[rid]
+            if draft and parents is not None:
+                path = _random_path(rng, parents)
+                drafter.record_tree_acceptance(rid, parents, path)
+                committed = [draft[i] for i in path] + [rng.randrange(vocab)]
+                running[rid] = ([], None)
+            elif draft:
                 accepted = rng.randint(0, len(draft))
                 drafter.record_acceptance(rid, len(draft), accepted)
                 committed = draft[:accepted] + [rng.randrange(vocab)]
-                running[rid] = []
+                running[rid] = ([], None)
             else:
                 committed = _tokens(rng, vocab, rng.randint(1, 4))
             drafter.add_tokens(rid, committed)

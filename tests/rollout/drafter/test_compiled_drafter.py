@@ -54,14 +54,14 @@ def test_random_lifecycles_draft_as_the_reference(seed):
 
 
 class _Logged:
-    """Passes calls through and keeps propose's answers."""
+    """Passes calls through and keeps propose's (and propose_trees's) answers."""
 
     def __init__(self, drafter) -> None:
         self.drafter, self.drafts = drafter, []
 
     def __getattr__(self, name):
         method = getattr(self.drafter, name)
-        if name != "propose":
+        if name not in ("propose", "propose_trees"):
             return method
 
         def propose(*args, **kwargs):
@@ -90,6 +90,54 @@ def test_committed_traces_draft_as_the_reference(path):
     for key in ("num_tokens", "num_verify_steps", "mean_accepted_drafts_per_step", "draft_tokens_per_step",
                 "memory_tokens_max", "global_tokens_max"):
         assert rows["compiled"][key] == rows["python"][key], key
+
+
+@pytest.mark.parametrize("path", ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz"])
+def test_committed_traces_draft_the_reference_trees(path):
+    """The same replay with draft trees on, priced at a tail batch (8 sequences: trees at
+    every step, tree_min_gain's floor and the cost threshold): the same trees (tokens and
+    parents), step by step, and the same accepted paths' counts."""
+    traces = R.load_traces(str(ROOT / path))
+    prompts = sorted({t.prompt_id for t in traces})[:4]
+    traces = [t for t in traces if t.prompt_id in prompts and t.epoch < 3]
+    stop = R.stop_token(traces)
+    config = DrafterConfig(cost_model=R.COST, tree=True)
+    rows, logs = {}, {}
+    for name, cls in (("python", HistoDrafter), ("compiled", CompiledDrafter)):
+        logged = _Logged(cls(config))
+        rows[name] = R.replay(traces, lambda logged=logged: logged, stop, name, num_seqs=8)
+        logs[name] = logged.drafts
+    branched = [parents for step in logs["python"] for _, parents in step if len(set(parents)) < len(parents)]
+    assert len(branched) > 20  # it did draft trees, with branches
+    assert logs["compiled"] == logs["python"]
+    for key in ("num_tokens", "num_verify_steps", "mean_accepted_drafts_per_step", "draft_tokens_per_step",
+                "num_tree_drafts", "tree_width_mean", "tree_depth_mean"):
+        assert rows["compiled"][key] == rows["python"][key], key
+    assert rows["compiled"]["num_tree_drafts"] > 0
+
+
+def test_trees_bad_input_and_staged_tree_verdicts():
+    """propose_trees refuses a bad max_nodes and unknown requests by name; a tree's verdict
+    is staged like the other commits (counted at the next flush, unknown requests refused)."""
+    d = CompiledDrafter(DrafterConfig(tree=True, max_tokens_per_prompt=1024, global_max_tokens=2048), max_slots=4)
+    d.load_history("p", [[1, 2, 3, 4, 5], [1, 2, 3, 9]])
+    d.start_request("r", "p", [7], [1, 2])
+    with pytest.raises(ValueError, match="max_nodes"):
+        d.propose_trees(["r"], [4], max_nodes="many")
+    with pytest.raises(UnknownRequestError):
+        d.propose_trees(["nope"], [4])
+    with pytest.raises(UnknownRequestError):
+        d.record_tree_acceptance("nope", [-1], [0])
+    [(tokens, parents)] = d.propose_trees(["r"], [4], max_nodes=8)
+    assert tokens[:1] == [3] and parents[0] == -1 and len(set(parents)) < len(parents)  # 3 then 4 or 9
+    d.record_tree_acceptance("r", parents, [0, 1])
+    d.add_tokens("r", [3, tokens[1], 5])
+    assert d.stats().num_accepted_tokens == 2
+    # more requests than the tree buffers were first made for: they grow
+    for i in range(3):
+        d.start_request(f"s{i}", "p", [7], [1])
+    trees = d.propose_trees(["r", "s0", "s1", "s2"], [4] * 4, max_nodes=40, num_seqs=1)
+    assert all(parents is not None for _, parents in trees) and trees[1][0][:1] == [2]
 
 
 # -- bad input ------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 between). Arrays and their lengths agree (a C interface cannot check a pointer); the
 values are hostile: slots out of range or not running, negative counts, null arrays with counts,
 token ids outside [0, 2^31 - 1), decreasing offsets, unknown commit operations, NaN gains,
-absurd budgets, a prompt of 100k tokens. Every call must return 0 or an error code (never
+absurd budgets, a prompt of 100k tokens, tree steps with absurd node caps and widths or
+before their buffers are bound. Every call must return 0 or an error code (never
 crash, never corrupt: legal calls in between keep working and ASan stays quiet).
 
     python -m tests.rollout.drafter.fuzz_ops SEED_FROM SEED_TO   (the sanitizer test runs it)
@@ -20,6 +21,7 @@ from services.rollout.drafter.compiled import ABI_VERSION, load_library
 
 SLOTS = 8
 K = 16  # max_draft_len
+TREE_NODES = 3 * K  # the tree buffers' nodes per tree (width 3)
 RC_OK, RC_INVAL = 0, -1
 
 
@@ -61,6 +63,16 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
     assert lib.rhd_bind(h, _ptr(params), SLOTS + 1, _ptr(step_tokens), _ptr(step_gains), _ptr(step_offsets)) \
         == RC_INVAL  # a capacity past the drafter's slots
     assert lib.rhd_bind(h, _ptr(params), SLOTS, _ptr(step_tokens), _ptr(step_gains), _ptr(step_offsets)) == RC_OK
+    # the tree step's buffers (rhd_bind_trees): SLOTS trees of TREE_NODES nodes
+    tree_tokens = np.zeros(SLOTS * TREE_NODES, dtype=np.int32)
+    tree_gains = np.zeros(SLOTS * TREE_NODES, dtype=np.float64)
+    tree_parents = np.zeros(SLOTS * TREE_NODES, dtype=np.int32)
+    tree_offsets = np.zeros(SLOTS + 1, dtype=np.int32)
+    tree_bufs = (_ptr(tree_tokens), _ptr(tree_gains), _ptr(tree_parents), _ptr(tree_offsets))
+    assert lib.rhd_step_trees(h, 8, 3) == RC_INVAL  # no tree buffers bound yet
+    for rows, nodes in ((SLOTS + 1, TREE_NODES), (SLOTS, 0), (SLOTS, 2**40), (-1, 4)):
+        assert lib.rhd_bind_trees(h, rows, nodes, *tree_bufs) == RC_INVAL
+    assert lib.rhd_bind_trees(h, SLOTS, TREE_NODES, *tree_bufs) == RC_OK
 
     def tokens(n: int, hostile: bool) -> np.ndarray:
         vals = [rng.randrange(6) for _ in range(n)]
@@ -79,9 +91,19 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             return rng.choice([-1, SLOTS, 2**31 - 1, -2**31, rng.randrange(SLOTS)])
         return rng.choice(sorted(running)) if running else 0
 
+    def write_params(n: int, hostile: bool) -> None:
+        slots = [slot(hostile and rng.random() < 0.3) for _ in range(max(0, min(n, SLOTS)))]
+        lens = [rng.choice([0, 3, 16, -5, 2**62]) for _ in slots]
+        gain = rng.choice([0.1, 0.0, float("nan"), float("inf"), -1.0]) if hostile else 0.1
+        params[:] = 0
+        params[:4] = [n, rng.choice([-2**63, -1, 0, 3, 2**62, 2**63 - 1]),
+                      np.float64(gain).view(np.int64), rng.choice([0, 1, 256, -3, 2**40]) if hostile else 0]
+        params[4:4 + len(slots)] = slots
+        params[4 + len(slots):4 + 2 * len(slots)] = lens
+
     for _ in range(num_calls):
         hostile = rng.random() < 0.5
-        op = rng.randrange(11)
+        op = rng.randrange(12)
         if op == 0:  # start
             s = slot(hostile) if hostile else rng.randrange(SLOTS)
             n = rng.choice([0, 3, 100_000]) if hostile else rng.randrange(8)
@@ -98,7 +120,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
         elif op == 2:  # commit
             ops, toks = [], []
             for _ in range(rng.randint(0, 4)):
-                kind = rng.choice([0, 1, 7, -1]) if hostile else rng.choice([0, 1])
+                kind = rng.choice([0, 1, 2, 7, -1]) if hostile else rng.choice([0, 1, 2])
                 if kind == 1:
                     t = tokens(rng.randrange(4), hostile and rng.random() < 0.3).tolist()
                     ops.append([1, slot(hostile and rng.random() < 0.3), len(t) + (rng.choice([0, 5, -3])
@@ -144,14 +166,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             lib.rhd_global_tokens(h)
         elif op == 9:  # the batched step, its params written as the wrapper would (or not)
             n = rng.choice([-1, SLOTS + 1, 2**40, 0]) if hostile else rng.randint(0, len(running))
-            slots = [slot(hostile and rng.random() < 0.3) for _ in range(max(0, min(n, SLOTS)))]
-            lens = [rng.choice([0, 3, 16, -5, 2**62]) for _ in slots]
-            gain = rng.choice([0.1, 0.0, float("nan"), float("inf"), -1.0]) if hostile else 0.1
-            params[:] = 0
-            params[:4] = [n, rng.choice([-2**63, -1, 0, 3, 2**62, 2**63 - 1]),
-                          np.float64(gain).view(np.int64), rng.choice([0, 1, 256, -3, 2**40]) if hostile else 0]
-            params[4:4 + len(slots)] = slots
-            params[4 + len(slots):4 + 2 * len(slots)] = lens
+            write_params(n, hostile)
             rc = lib.rhd_step(h)
             if rc == RC_OK:
                 offsets = step_offsets[:n + 1].tolist()
@@ -168,6 +183,18 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             out = ctypes.c_double()
             lib.rhd_gain_threshold(h, rng.choice([1, 64, -1, 2**40]), rng.choice([0.5, float("nan"), -1.0]),
                                    rng.choice([1.0, float("inf")]), ctypes.addressof(out))
+        elif op == 11:  # the tree step: absurd node caps and widths, or legal ones
+            n = rng.choice([-1, SLOTS + 1, 2**40, 0]) if hostile else rng.randint(0, len(running))
+            write_params(n, hostile)
+            max_nodes = rng.choice([-5, 0, 1, 4, TREE_NODES, TREE_NODES + 1, 2**62, -2**63]) if hostile \
+                else rng.choice([1, 4, 16, TREE_NODES])
+            width = rng.choice([1, 3, 0, -1, 4, 2**40]) if hostile else rng.choice([1, 2, 3])
+            rc = lib.rhd_step_trees(h, max_nodes, width)
+            if rc == RC_OK:
+                offsets = tree_offsets[:n + 1].tolist()
+                assert offsets[0] == 0 and all(0 <= b - a <= TREE_NODES for a, b in zip(offsets, offsets[1:]))
+                for a, b in zip(offsets, offsets[1:]):  # each tree's parents come before their children
+                    assert all(-1 <= tree_parents[a + j] < j for j in range(b - a))
         else:  # null arrays with counts
             rc = rng.choice([
                 lambda: lib.rhd_commit(h, 3, None, None, 5),
@@ -177,6 +204,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
                 lambda: lib.rhd_start(h, 0, 1, None, 4, None, 0),
                 lambda: lib.rhd_set_curve(h, None, None, 3),
                 lambda: lib.rhd_gain_threshold(h, 4, 1.0, 1.0, None),
+                lambda: lib.rhd_bind_trees(h, 2, 4, None, None, None, None),
             ])()
             assert rc == RC_INVAL
         assert rc in (0, 1, RC_INVAL), (op, rc, lib.rhd_last_error(h))

@@ -45,8 +45,8 @@ class WorkerSettings(TLSSettings):
                                 "drafts ~20x slower (docs/drafter.md).")
     tree_drafts: bool = Field(
         False, description="Draft trees at batches of at most 16 sequences (several continuations verified in one "
-                           "forward, lossless; docs/drafter.md). Off until trees are shown to pay; needs "
-                           "--drafter python (the compiled core drafts linearly).")
+                           "forward, lossless; docs/drafter.md), from either drafter. Off until trees are shown "
+                           "to pay; refused with --engine vllm.")
     batch_invariant: bool = Field(
         False, description="Batch-invariant kernels: a sample's logits, tokens and logprobs are bitwise the same "
                            "whatever it is batched with, verified with, or where it resumes, and equal to the "
@@ -81,15 +81,6 @@ class WorkerSettings(TLSSettings):
             raise ValueError("RHYMERL_WORKER_VLLM_MULTIPROCESSING=true is not supported: the vLLM worker runs "
                              "vLLM in-process only (docs/vllm.md)")
         return value
-
-    @model_validator(mode="after")
-    def _trees_need_the_python_drafter(self) -> "WorkerSettings":
-        # The compiled core (native/histo.cpp) has no tree walk: accepting the switch with it
-        # would promise trees the worker never drafts.
-        if self.tree_drafts and self.drafter != "python":
-            raise ValueError("--tree-drafts (RHYMERL_WORKER_TREE_DRAFTS) needs --drafter python: the compiled "
-                             "drafter drafts linearly (docs/drafter.md)")
-        return self
 
     @model_validator(mode="after")
     def _vllm_reads_no_engine_setting_of_ours(self) -> "WorkerSettings":

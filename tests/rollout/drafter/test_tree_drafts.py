@@ -135,10 +135,12 @@ def test_trees_grow_best_first_across_the_batch():
         assert tokens == wt[:len(tokens)] and parents == wp[:len(parents)]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_history_tree_drafter_in_the_engine_is_lossless(temperature):
-    """The Python drafter's trees through the CPU engine: plain decoding's tokens, trees
-    really verified, and some of their tokens accepted."""
+@pytest.mark.parametrize("temperature,kind", [(0.0, "python"), (1.0, "python"), (1.0, "compiled")])
+def test_history_tree_drafter_in_the_engine_is_lossless(temperature, kind):
+    """The drafter's trees (the Python reference's, the compiled core's) through the CPU
+    engine: plain decoding's tokens, trees really verified, and some of their tokens accepted."""
+    from services.rollout.drafter.compiled import make_drafter
+
     import torch
 
     from tests.rollout.engine.test_engine import (CONFIG, _engine_with, init_random_model, make_request,
@@ -150,7 +152,7 @@ def test_history_tree_drafter_in_the_engine_is_lossless(temperature):
     reqs = [make_request(i, prompt, prompt_id="p", temperature=temperature, max_tokens=20, max_new_tokens=20)
             for i in range(4)]
     plain = run_to_end(_engine_with(model, reqs, speculative=False))
-    drafter = HistoDrafter(DrafterConfig(tree=True))
+    drafter = make_drafter(kind, DrafterConfig(tree=True), max_slots=16)
     # last epoch's responses, and their variants with a token changed: forks to branch on
     history = [plain[f"r{i}"].token_ids for i in range(4)]
     history += [h[:5] + [(h[5] + 1) % CONFIG.vocab_size] + h[6:] for h in history]
@@ -164,15 +166,17 @@ def test_history_tree_drafter_in_the_engine_is_lossless(temperature):
     assert c.num_tree_drafts > 0 and c.num_accepted_tokens > 0
 
 
-def test_the_worker_switch_needs_the_python_drafter():
-    """RHYMERL_WORKER_TREE_DRAFTS is off by default; on, it needs the Python drafter (the
-    compiled core drafts linearly) and is refused, naming it, with the compiled one."""
+def test_the_worker_switch_takes_either_drafter_and_is_refused_with_vllm():
+    """RHYMERL_WORKER_TREE_DRAFTS is off by default; on, it works with the compiled drafter
+    (the worker's default) and the Python one, and is refused, naming it, with vLLM's engine
+    (which verifies no trees of ours)."""
     from services.rollout.settings import WorkerSettings
 
     assert not WorkerSettings().tree_drafts
-    with pytest.raises(ValueError, match="RHYMERL_WORKER_TREE_DRAFTS"):
-        WorkerSettings(tree_drafts=True)
+    assert WorkerSettings(tree_drafts=True).tree_drafts and WorkerSettings().drafter == "compiled"
     assert WorkerSettings(tree_drafts=True, drafter="python").tree_drafts
+    with pytest.raises(ValueError, match="RHYMERL_WORKER_TREE_DRAFTS"):
+        WorkerSettings(tree_drafts=True, engine="vllm")
 
 
 # ------------------------------------------------------------------ the replay (drafter_bench)

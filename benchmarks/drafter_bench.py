@@ -9,12 +9,14 @@ prompt) and vLLM's n-gram lookup. Then the rollout speedup each would bring at a
 batch of 1, 16, 64 and 256 sequences, from the engine's cost curve (rhymerl replayed with
 its cost threshold at that batch size; the peer drafts the same whatever the batch).
 
-Draft trees (`rhymerl/tree`: the Python drafter with DrafterConfig.tree, trees at batches of
-at most 16) are compared with the peer on the epochs' tails (steps with at most 16
+Draft trees (`rhymerl/tree`: the compiled drafter with DrafterConfig.tree, trees at batches
+of at most 16) are compared with the peer on the epochs' tails (steps with at most 16
 sequences left): accepted and verified draft tokens per sequence and step there
 (`rhymerl_tree_mean_accepted`, `rhymerl_tree_verified_per_step`), and the modeled speedup
-at each batch size (`modeled_speedup[B]["rhymerl_tree"]`). --only-trees replays just
-those rows (the peer, rhymerl, rhymerl/tree) and writes drafter_trees.{md,json}.
+at each batch size (`modeled_speedup[B]["rhymerl_tree"]`); `rhymerl/tree-python` is the
+same trees from the Python reference, for the drafter's time per sequence at the tail
+(`rhymerl_tree_tail_propose_us`). --only-trees replays just those rows (the peer, rhymerl,
+rhymerl/tree, rhymerl/tree-python) and writes drafter_trees.{md,json}.
 
     python -m benchmarks.drafter_bench [--traces A.npz B.npz ...] [--out benchmarks/results] [--only-trees]
 
@@ -53,7 +55,8 @@ from services.rollout.engine.cost_model import CostModel
 BATCH_SIZES = (1, 16, 64, 256)
 RHYMERL = "rhymerl"  # the product configuration, as a worker runs it (the compiled core)
 RHYMERL_PYTHON = "rhymerl/python"  # the same on the Python reference (HistoDrafter): same drafts, its speed
-RHYMERL_TREE = "rhymerl/tree"  # draft trees at the tail (Python drafter, DrafterConfig.tree)
+RHYMERL_TREE = "rhymerl/tree"  # draft trees at the tail (the compiled core, DrafterConfig.tree)
+RHYMERL_TREE_PYTHON = "rhymerl/tree-python"  # the same trees from the Python reference: its speed
 PEER, PEER_PER_PROMPT = "vllm-suffix", "vllm-suffix/per-prompt"
 ORACLE, ORACLE_LONGEST = "oracle/any-context", "oracle/longest-context"
 COMMITTED = ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz"]
@@ -72,7 +75,7 @@ def backend(config: str) -> str:
         return "peer"
     if config.startswith(("ngram", "oracle")):
         return config.split("/")[0]
-    return "python" if config in (RHYMERL_PYTHON, RHYMERL_TREE) else "compiled"
+    return "python" if config in (RHYMERL_PYTHON, RHYMERL_TREE_PYTHON) else "compiled"
 
 
 def configs(peer, only_trees: bool = False) -> dict[str, object]:
@@ -89,10 +92,11 @@ def configs(peer, only_trees: bool = False) -> dict[str, object]:
         "all+reward/adaptive": _ours(reward_weighting=True, cost_model=CostModel()),
         RHYMERL: _ours(cost_model=CostModel()),
         RHYMERL_PYTHON: _ours("python", cost_model=CostModel()),
-        RHYMERL_TREE: _ours("python", cost_model=CostModel(), tree=True),
+        RHYMERL_TREE: _ours(cost_model=CostModel(), tree=True),
+        RHYMERL_TREE_PYTHON: _ours("python", cost_model=CostModel(), tree=True),
     }
     if only_trees:
-        out = {k: out[k] for k in (RHYMERL, RHYMERL_TREE)}
+        out = {k: out[k] for k in (RHYMERL, RHYMERL_TREE, RHYMERL_TREE_PYTHON)}
     if peer is not None:
         cache = lambda: peer(MAX_TREE_DEPTH, MAX_CACHED_REQUESTS)  # noqa: E731
         out[PEER] = lambda: PeerSuffixDrafter(cache)
@@ -107,7 +111,7 @@ def tree_figures(traces: list[R.Trace], stop: int | None, by_name: dict) -> dict
     tree, linear, peer = by_name[RHYMERL_TREE], by_name[RHYMERL], by_name.get(PEER)
     speedup = {}
     for batch in BATCH_SIZES:
-        row = R.replay(traces, _ours("python", cost_model=CostModel(), tree=True), stop, f"{RHYMERL_TREE}@{batch}",
+        row = R.replay(traces, _ours(cost_model=CostModel(), tree=True), stop, f"{RHYMERL_TREE}@{batch}",
                        num_seqs=batch)
         speedup[str(batch)] = {
             "rhymerl_tree": R.modeled_speedup(batch, row["draft_tokens_per_step"], row["mean_accepted_drafts_per_step"]),
@@ -115,8 +119,12 @@ def tree_figures(traces: list[R.Trace], stop: int | None, by_name: dict) -> dict
             "rhymerl_tree_draft_per_verify": row["draft_tokens_per_step"],
         }
     tail = "tail_mean_accepted_drafts_per_step"
+    python = by_name.get(RHYMERL_TREE_PYTHON)
+    timing = lambda row: {k: row["drafter_step_us"][f"tail_{k}"] for k in ("propose_p50", "propose_p99")}  # noqa: E731
     return {
         "tail_batch": R.TAIL_BATCH,
+        # the drafter's propose per sequence and step on the tail (thread CPU µs), compiled and Python
+        "rhymerl_tree_tail_propose_us": {"compiled": timing(tree), "python": timing(python) if python else None},
         "rhymerl_tree_mean_accepted": tree[tail],
         "rhymerl_tree_verified_per_step": tree["tail_draft_tokens_per_step"],
         "rhymerl_tree_all_steps_mean_accepted": tree["mean_accepted_drafts_per_step"],
@@ -339,7 +347,15 @@ def _trees_only(sets, peer, peer_note: str, command: str, started: float, load_b
         for b, v in s["modeled_speedup"].items():
             speed.append(f"| {s['name']} | {b} | {fmt(v['rhymerl_tree_accepted_per_verify'])} / "
                          f"{fmt(v['rhymerl_tree_draft_per_verify'])} | {fmt(v['rhymerl_tree'])} | {fmt(v['peer'])} |")
-    text = "\n".join(lines) + "\n\nModeled rollout speedup at a steady batch (engine cost curve):\n\n" + "\n".join(speed)
+    timing = ["| trace set | tree propose µs/seq p50 / p99 (compiled) | (Python reference) |", "|---|---|---|"]
+    for s in trace_sets:
+        t = s["rhymerl_tree_tail_propose_us"]
+        py = t["python"] or {"propose_p50": None, "propose_p99": None}
+        timing.append(f"| {s['name']} | {fmt(t['compiled']['propose_p50'])} / {fmt(t['compiled']['propose_p99'])} | "
+                      f"{fmt(py['propose_p50'])} / {fmt(py['propose_p99'])} |")
+    text = ("\n".join(lines) + "\n\nModeled rollout speedup at a steady batch (engine cost curve):\n\n" + "\n".join(speed)
+            + "\n\nThe drafter's propose per sequence and step on the tail (thread CPU time, steps with at most "
+            f"{R.TAIL_BATCH} sequences):\n\n" + "\n".join(timing))
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / "drafter_trees.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -349,9 +365,9 @@ def _trees_only(sets, peer, peer_note: str, command: str, started: float, load_b
         f"{summary['peer']['name']}, {peer_note}.\n\nThe lockstep replay of drafter.md; `tail` = the steps "
         f"with at most {R.TAIL_BATCH} sequences left in their epoch; accepted / verified = accepted and verified "
         f"draft tokens per sequence and verify step there (a tree's nodes are all verified; its accepted tokens "
-        f"are the path the engine's verifier follows). rhymerl/tree = the Python drafter with "
+        f"are the path the engine's verifier follows). rhymerl/tree = the compiled drafter with "
         f"DrafterConfig(tree=True) and the cost threshold at the replay's batch; at batch > 16 it drafts "
-        f"linearly.\n\n{text}\n")
+        f"linearly. rhymerl/tree-python = the same trees from the Python reference.\n\n{text}\n")
     return summary
 
 

@@ -335,8 +335,10 @@ def step_summary(steps: list[tuple[int, int, int]]) -> dict:
     """The drafter's host time per engine step (thread CPU time), as issue 24 states its
     targets: per sequence per step over the steps with >= 16 sequences (propose, and the
     commits after the verify: add_tokens + record_acceptance), the drafter's whole time per
-    step with >= 100 sequences, and a one-sequence step's."""
+    step with >= 100 sequences, and a one-sequence step's; and propose per sequence over the
+    tail's steps (<= TAIL_BATCH sequences: where draft trees are drafted)."""
     big = [(n, p, c) for n, p, c in steps if n >= 16]
+    tail = [p / n / 1e3 for n, p, _ in steps if n <= TAIL_BATCH]
     huge = [(p + c) / 1e6 for n, p, c in steps if n >= 100]
     one = [(p + c) / 1e3 for n, p, c in steps if n == 1]
 
@@ -353,4 +355,7 @@ def step_summary(steps: list[tuple[int, int, int]]) -> dict:
         "step_ms_100plus": float(np.mean(huge)) if huge else None,
         "num_one_seq_steps": len(one),
         "one_seq_p99": pct(one, 99),
+        "num_tail_steps": len(tail),
+        "tail_propose_p50": pct(tail, 50),
+        "tail_propose_p99": pct(tail, 99),
     }

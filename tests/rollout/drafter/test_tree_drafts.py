@@ -253,7 +253,9 @@ def test_only_trees_writes_the_tree_figures(tmp_path, monkeypatch):
     assert entry["peer_suffix_tail_mean_accepted"] is None
     assert set(entry["modeled_speedup"]) == {"1", "16", "64", "256"}
     assert all(v["rhymerl_tree"] > 0 for v in entry["modeled_speedup"].values())
-    assert {r["config"] for r in entry["rows"]} == {"rhymerl", "rhymerl/tree"}
+    assert {r["config"]: r["backend"] for r in entry["rows"]} == {
+        "rhymerl": "compiled", "rhymerl/tree": "compiled", "rhymerl/tree-python": "python"}
+    assert entry["rhymerl_tree_tail_propose_us"]["compiled"]["propose_p50"] > 0
 
 
 def test_tree_min_gain_sets_the_tree_s_floor_only():

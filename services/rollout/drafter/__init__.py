@@ -8,8 +8,8 @@
   (RHYMERL_WORKER_DRAFTER=compiled).
 - `DrafterConfig` (config.py): its settings, one frozen dataclass.
 - walk.py: one draft from several indexes scored together (pure functions).
-- tree_walk.py: one draft tree, branching where the sources disagree (HistoDrafter's
-  `propose_trees`, with `DrafterConfig.tree`).
+- tree_walk.py: one draft tree, branching where the sources disagree (`propose_trees`,
+  with `DrafterConfig.tree`; the compiled core mirrors it).
 - budget.py: draft length from the engine's cost curve.
 - `PromptIndex` (prompt_index.py): one prompt's sources under a token budget.
 - `GlobalIndex` (global_index.py): recent responses to all prompts, bounded.

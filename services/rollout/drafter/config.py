@@ -39,7 +39,7 @@ class DrafterConfig:
         max_draft_len: the longest draft for one request.
         cost_model: the engine's cost curve; with it a draft token is kept only if its
             gain pays for one more token in the forward at the step's batch size.
-    Trees (tree_walk.py; the Python drafter only: the compiled core drafts linearly):
+    Trees (tree_walk.py, and its mirror in the compiled core, native/histo.cpp):
         tree: offer the engine draft trees (``propose_trees``) instead of linear drafts.
             Off by default until trees are shown to pay (docs/drafter.md).
         tree_width: the most children of a node (the candidates where sources disagree).

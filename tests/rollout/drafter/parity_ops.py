@@ -32,8 +32,8 @@ def random_config(rng: random.Random) -> DrafterConfig:
         min_match_len=rng.choice([1, 1, 2, 3]), min_gain=rng.choice([0.1, 0.0, 0.3]),
         max_draft_len=rng.choice([16, 4, 1]),
         cost_model=rng.choice([CostModel(), CostModel(measure=True, min_samples=1)]) if rng.random() < 0.3 else None,
-        tree=rng.random() < 0.6, tree_width=rng.choice([1, 2, 3, 5]), tree_max_batch=rng.choice([16, 2, 0]),
-        tree_min_gain=rng.choice([None, 0.15, 0.0, 0.05]))
+        tree=rng.random() < 0.75, tree_width=rng.choice([1, 2, 3, 3, 5]), tree_max_batch=rng.choice([16, 16, 2, 0]),
+        tree_min_gain=rng.choice([None, 0.15, 0.0, 0.0, 0.05]))
 
 
 def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:

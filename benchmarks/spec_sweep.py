@@ -9,8 +9,10 @@ benchmarks/data/tiny_grpo_cpu.npz, T=1, at batch 1, 16 and 128 (1 prompt x 1, 4 
 samples), the same seeds in every run, in two settings, each with its own plain run:
 
 - stop `EOS` (a GRPO rollout: a sample ends at EOS or max tokens): plain, and `history`,
-  the HistoDrafter fed the recorded earlier epochs' responses (the policy's rhyme), with
-  the worker's default draft budget;
+  the worker's drafter (the compiled core) fed the recorded earlier epochs' responses (the
+  policy's rhyme), with the worker's default draft budget; at the tail's batches (up to
+  `DrafterConfig.tree_max_batch`, 16) also `history-tree`, the same drafter offering draft
+  trees (issue 27: tail steps faster with trees than with linear drafts);
 - stop `max` (no stop token: every sample generates exactly max tokens, so every run does
   the same work): plain, and `oracle k`, the plain run's own tokens (the same seeds give
   the exact future) cut so that k tokens (1.5 and 2.5 on average, --cuts) are drafted, and
@@ -63,7 +65,8 @@ from benchmarks.engine_grpo import TRACES, grpo_requests
 from benchmarks.engine_run import ContinuationDrafter, run_engine
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
-from services.rollout.drafter import HistoDrafter
+from services.rollout.drafter import DrafterConfig
+from services.rollout.drafter.compiled import make_drafter
 from services.rollout.engine import CostModel, LLMEngine
 from services.rollout.loader import init_random_model, load_model
 from services.rollout.models.base import DenseCausalAttention
@@ -105,6 +108,19 @@ class SwitchDrafter:
 
     def propose(self, *a, **k):
         return self.inner.propose(*a, **k)
+
+
+class TreeSwitchDrafter(SwitchDrafter):
+    """A SwitchDrafter an engine asks for draft trees (its own engine: whether an engine
+    verifies trees is fixed when it is built)."""
+
+    tree_drafts = True
+
+    def propose_trees(self, *a, **k):
+        return self.inner.propose_trees(*a, **k)
+
+    def record_tree_acceptance(self, *a, **k):
+        return self.inner.record_tree_acceptance(*a, **k)
 
 
 class CutOracleDrafter(ContinuationDrafter):
@@ -172,21 +188,24 @@ def sweep_shape(name: str, model, records, batches, cuts, max_tokens: int, devic
     plain and the oracle cuts generating exactly `max_tokens` per sequence; one row per run."""
     eos = tuple(model.config.eos_token_ids)
     history = history_of(records)
-    switch = SwitchDrafter()
+    switch, tree_switch = SwitchDrafter(), TreeSwitchDrafter()
+    tree_max_batch = DrafterConfig().tree_max_batch
     kw = dict(device=device, max_num_seqs=max(batches), max_num_batched_tokens=2048, block_size=16,
               num_kv_blocks=max(batches) * (-(-(max_tokens + 600) // 16)) + 16, max_draft_len=16)
     plain_engine = LLMEngine(model, speculative=False, **kw)
     history_engine = LLMEngine(model, drafter=switch, speculative=True, **kw)
     oracle_engine = LLMEngine(model, drafter=switch, speculative=True, cost_model=CostModel(tolerance=100.0), **kw)
+    tree_engine = (LLMEngine(model, drafter=tree_switch, speculative=True, **kw)
+                   if min(batches) <= tree_max_batch else None)
 
-    def history_drafter():
-        d = HistoDrafter()
+    def history_drafter(tree: bool = False):
+        d = make_drafter("compiled", DrafterConfig(tree=tree))
         for prompt_id, responses in history.items():
             d.load_history(prompt_id, responses)
         return d
 
     def timed(engine, inner, reqs):
-        switch.inner = inner
+        switch.inner = tree_switch.inner = inner
         before = dataclasses.replace(engine.metrics.counters)
         outputs, seconds = run_engine(engine, reqs)
         c = engine.metrics.counters
@@ -205,10 +224,12 @@ def sweep_shape(name: str, model, records, batches, cuts, max_tokens: int, devic
         warm = grpo_requests(records, prompts, samples, 1.0, min(16, max_tokens), eos)
         timed(plain_engine, None, warm)  # untimed first runs: compiles and captures out of the timings
         warmed = set()
-        history_run = ("history", None, history_engine, lambda plain_tokens: history_drafter())
+        history_runs = [("history", None, history_engine, lambda plain_tokens: history_drafter())]
+        if tree_engine is not None and batch <= tree_max_batch:
+            history_runs.append(("history-tree", None, tree_engine, lambda plain_tokens: history_drafter(tree=True)))
         oracle_runs = [(f"oracle {k:g}", k, oracle_engine, lambda plain_tokens, k=k: CutOracleDrafter(plain_tokens, k))
                        for k in cuts]
-        for stop, reqs, runs in (("EOS", at_eos, [history_run]), ("max", at_max, oracle_runs)):
+        for stop, reqs, runs in (("EOS", at_eos, history_runs), ("max", at_max, oracle_runs)):
             plain, stats = timed(plain_engine, None, reqs)
             plain_tokens = {k: o.token_ids for k, o in plain.items()}
             base = dict(shape=name, batch=batch, stop=stop)
@@ -221,7 +242,7 @@ def sweep_shape(name: str, model, records, batches, cuts, max_tokens: int, devic
                 outputs, run_stats = timed(engine, make(plain_tokens), reqs)
                 rows.append(compared(dict(base, drafter=label, cut=cut, **run_stats), outputs, plain, stats))
                 log(rows[-1])
-    del plain_engine, history_engine, oracle_engine
+    del plain_engine, history_engine, oracle_engine, tree_engine
     return rows
 
 

@@ -195,7 +195,8 @@ def test_the_campaign_rehearses_every_part_on_the_cpu(bundle, tmp_path):
         assert json.loads((tmp_path / "back" / f"{name}.json").read_text())["dry_run"] is True
     sweep = json.loads((tmp_path / "back" / "spec_sweep.json").read_text())
     assert {(r["stop"], r["drafter"]) for r in sweep["rows"]} == {
-        ("EOS", "plain"), ("EOS", "history"), ("max", "plain"), ("max", "oracle 1.5"), ("max", "oracle 2.5")}
+        ("EOS", "plain"), ("EOS", "history"), ("EOS", "history-tree"), ("max", "plain"), ("max", "oracle 1.5"),
+        ("max", "oracle 2.5")}
     assert all(r["identical_share"] == 1.0 for r in sweep["rows"])  # speculation and widening are lossless
     assert all(r["cut_reached"] >= 0.8 for r in sweep["rows"] if r["cut"] is not None)  # the oracle reaches its cut
     e2e = json.loads((tmp_path / "back" / "e2e.json").read_text())

@@ -25,6 +25,7 @@ from services.scheduler.workers import WorkerHandle
 log = logging.getLogger(__name__)
 
 MISSED_BEATS = 3  # a registered worker silent this many intervals is lost: its chunks run elsewhere
+MIN_SHARE = 0.05  # the least a round of silence counts, however few beats the scheduler read (below)
 
 
 class Watchdog:
@@ -45,6 +46,7 @@ class Watchdog:
         self.sweep_s = min(1.0, heartbeat_s)
         self._ready: bool | None = None
         self._last_round = time.monotonic()
+        self._slept_at = float("-inf")  # when run() last began its sleep between rounds (none yet)
         self._beats: deque[tuple[float, int]] = deque()  # (round, beats read since the one before), one interval
         self._next_poll = 0.0
 
@@ -54,6 +56,7 @@ class Watchdog:
                 await self.check_once()
             except Exception:  # noqa: BLE001 - the watchdog must outlive any one bad poll
                 log.exception("fleet check failed")
+            self._slept_at = time.monotonic()
             await asyncio.sleep(self.sweep_s)
 
     async def check_once(self) -> None:
@@ -89,9 +92,15 @@ class Watchdog:
         at 512 and 1,024 fake workers) reads few beats from anyone: its clock slows or
         stops, and no worker is lost for the scheduler's own deafness. A fleet that
         truly went silent is lost on time: an idle loop's rounds come on time. A round
-        counts for two at most."""
+        counts for two at most. A round is late by how long its sleep overran, not by how
+        long the round before it took (on a busy machine a round's own Redis calls can take
+        half a second: counted as lateness, a dead worker alone in its fleet was never lost
+        and readiness never fell). And silence always counts at least MIN_SHARE: a worker
+        that stopped beating is lost within 1 / MIN_SHARE times its bound, however deaf
+        the scheduler."""
         table = self.core.workers
-        elapsed, late = now - self._last_round, now - self._last_round - self.sweep_s
+        elapsed = now - self._last_round
+        late = now - max(self._last_round, self._slept_at) - self.sweep_s
         self._last_round = now
         self._beats.append((now, table.beats))
         table.beats = 0
@@ -99,7 +108,7 @@ class Watchdog:
             self._beats.popleft()
         healthy = max(1, table.num_healthy)
         heard = min(1.0, sum(n for _, n in self._beats) / (0.5 * healthy))
-        share = 1.0 if late < 0.5 * self.sweep_s else heard
+        share = 1.0 if late < 0.5 * self.sweep_s else max(MIN_SHARE, heard)
         if share < 1.0 and late > self.heartbeat_s:
             log.info("the fleet check came %.1f s late and heard %.0f%% of the fleet: silence counts %.0f%%",
                      late, 100 * heard, 100 * share)

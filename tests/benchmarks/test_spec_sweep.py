@@ -47,10 +47,12 @@ def by_target(rows: list[dict]) -> dict:
 def test_oracle_rows_do_equal_work_and_reach_their_cut(micro):
     """Plain and the oracle generate exactly max tokens per sequence, the same tokens (float32),
     so the per-token speedup and the wall ratio are one figure; every oracle reaches its cut;
-    history is compared with plain stopping at EOS; each target at batch 1 gets a verdict."""
+    history (linear, and draft trees at the tail's batches) is compared with plain stopping
+    at EOS; each target at batch 1 gets a verdict."""
     rows = sweep(micro, batches=(1, 4))
     assert {(r["stop"], r["drafter"]) for r in rows} == {
-        ("EOS", "plain"), ("EOS", "history"), ("max", "plain"), ("max", "oracle 1.5"), ("max", "oracle 2.5")}
+        ("EOS", "plain"), ("EOS", "history"), ("EOS", "history-tree"), ("max", "plain"), ("max", "oracle 1.5"),
+        ("max", "oracle 2.5")}
     for r in rows:
         assert r["identical_share"] == 1.0, r
         if r["stop"] == "max":

@@ -5,6 +5,7 @@ interval its scheduler names."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import deque
@@ -15,7 +16,7 @@ from rhymerl.v1 import worker_pb2, worker_pb2_grpc
 from services.common import metrics
 from services.rollout.registration import keep_registered
 from services.rollout.settings import WorkerSettings
-from services.scheduler.watchdog import MISSED_BEATS, Watchdog
+from services.scheduler.watchdog import MIN_SHARE, MISSED_BEATS, Watchdog
 from services.scheduler.weight_fanout import WeightFanout
 from services.scheduler.workers import WorkerTable
 from tests.aio import run_async
@@ -112,6 +113,38 @@ async def test_a_lone_worker_that_falls_silent_is_lost_while_the_loop_is_free():
         watchdog._last_round = time.monotonic() - watchdog.sweep_s
         await watchdog.check_once()
     assert not core.workers.workers["w0"].state.healthy and not core.workers.any_serving(0)
+    await core.stop()
+
+
+@run_async
+async def test_a_round_that_took_long_but_slept_on_time_is_not_late():
+    """A round's own work (its Redis calls, on a busy machine) is not lateness: the rounds
+    below each took a second but their sleeps ended on time, so the lone silent worker is
+    lost (in CI, counted as late, it never was and readiness never fell)."""
+    core = make_core(FakeLink(), workers=1)
+    watchdog = Watchdog(core, WeightFanout(core), [], 1000.0, _noop, heartbeat_s=5.0)
+    core.workers.beats = 0
+    for _ in range(MISSED_BEATS * 5 + 5):
+        now = time.monotonic()
+        watchdog._last_round = now - watchdog.sweep_s - 1.0  # the round before began 2 s ago...
+        watchdog._slept_at = now - watchdog.sweep_s  # ...took a second, then slept on time
+        await watchdog.check_once()
+    assert not core.workers.workers["w0"].state.healthy and not core.workers.any_serving(0)
+    await core.stop()
+
+
+@run_async
+async def test_a_silent_worker_is_lost_at_last_however_deaf_the_scheduler():
+    """Every round late and no beat read, ever: silence still counts MIN_SHARE of the
+    time, so the dead worker is lost within 1 / MIN_SHARE times its bound."""
+    core = make_core(FakeLink(), workers=1)
+    watchdog = Watchdog(core, WeightFanout(core), [], 1000.0, _noop, heartbeat_s=5.0)
+    core.workers.beats = 0
+    rounds = math.ceil(MISSED_BEATS * 5 / (2 * watchdog.sweep_s * MIN_SHARE)) + 2  # rounds count 2 s at most
+    for _ in range(rounds):
+        watchdog._last_round = time.monotonic() - 2 * watchdog.sweep_s
+        await watchdog.check_once()
+    assert not core.workers.workers["w0"].state.healthy
     await core.stop()
 
 

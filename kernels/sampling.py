@@ -364,6 +364,26 @@ if triton is not None:
         return ids, scaled, allowed, lse_in
 
     @triton.jit
+    def _row_sampling(temperature_ptr, processed_ptr, seeds_ptr, positions_ptr, row):
+        """A row's sampling state: greedy, the temperature divided by (1 when greedy), whether
+        its logits are already processed, and its noise key (seed, position)."""
+        temperature = tl.load(temperature_ptr + row)
+        greedy = temperature == 0.0
+        t = tl.where(greedy, 1.0, temperature)
+        processed = tl.load(processed_ptr + row)
+        seed, pos = tl.load(seeds_ptr + row), tl.load(positions_ptr + row)
+        return greedy, t, processed, _row_key_tl(seed, pos, 0x9E3779B9), _row_key_tl(seed, pos, 0x85EBCA77)
+
+    @triton.jit
+    def _block_scores(logits_ptr, mask_ptr, row, stride_row, vocab, start, t, processed, greedy, key_hi, key_lo,
+                      HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One vocabulary block's Gumbel-max scores (-inf where not allowed) and its logsumexp input."""
+        ids, scaled, allowed, lse_in = _scaled_block(logits_ptr, mask_ptr, row, stride_row, vocab, start, t,
+                                                     processed, HAS_MASK, BLOCK_V)
+        noise = tl.where(greedy, 0.0, _gumbel_tl(key_hi, key_lo, ids))
+        return tl.where(allowed, scaled + noise, float("-inf")), lse_in
+
+    @triton.jit
     def _lse_step(run_max, run_sum, x):
         """Online logsumexp; masked (-inf) entries may fill whole blocks, so exp() never
         sees -inf - -inf."""
@@ -378,22 +398,16 @@ if triton is not None:
         HAS_MASK: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0)
-        temperature = tl.load(temperature_ptr + row)
-        greedy = temperature == 0.0
-        t = tl.where(greedy, 1.0, temperature)
-        processed = tl.load(processed_ptr + row)
-        seed, pos = tl.load(seeds_ptr + row), tl.load(positions_ptr + row)
-        key_hi, key_lo = _row_key_tl(seed, pos, 0x9E3779B9), _row_key_tl(seed, pos, 0x85EBCA77)
+        greedy, t, processed, key_hi, key_lo = _row_sampling(temperature_ptr, processed_ptr, seeds_ptr,
+                                                             positions_ptr, row)
 
         best_score = tl.full([], float("-inf"), tl.float32)
         best_token = tl.full([], 0, tl.int64)
         run_max = tl.full([], float("-inf"), tl.float32)  # online logsumexp of scaled
         run_sum = tl.full([], 0.0, tl.float32)
         for start in range(0, vocab, BLOCK_V):
-            ids, scaled, allowed, lse_in = _scaled_block(logits_ptr, mask_ptr, row, stride_row, vocab, start, t,
-                                                         processed, HAS_MASK, BLOCK_V)
-            noise = tl.where(greedy, 0.0, _gumbel_tl(key_hi, key_lo, ids))
-            score = tl.where(allowed, scaled + noise, float("-inf"))
+            score, lse_in = _block_scores(logits_ptr, mask_ptr, row, stride_row, vocab, start, t, processed,
+                                          greedy, key_hi, key_lo, HAS_MASK, BLOCK_V)
             block_best = tl.max(score, axis=0)
             block_arg = tl.argmax(score, axis=0)  # ties to the lowest id
             # Strictly greater: an earlier block keeps ties, so ties go to the lowest id overall.
@@ -415,17 +429,11 @@ if triton is not None:
         up to the running state: its best score and token, and the max of its logsumexp
         input. Max and argmax are exact, so any order of blocks gives the same."""
         row, block = tl.program_id(0), tl.program_id(1)
-        temperature = tl.load(temperature_ptr + row)
-        greedy = temperature == 0.0
-        t = tl.where(greedy, 1.0, temperature)
-        processed = tl.load(processed_ptr + row)
-        seed, pos = tl.load(seeds_ptr + row), tl.load(positions_ptr + row)
-        key_hi, key_lo = _row_key_tl(seed, pos, 0x9E3779B9), _row_key_tl(seed, pos, 0x85EBCA77)
+        greedy, t, processed, key_hi, key_lo = _row_sampling(temperature_ptr, processed_ptr, seeds_ptr,
+                                                             positions_ptr, row)
         start = block * BLOCK_V
-        ids, scaled, allowed, lse_in = _scaled_block(logits_ptr, mask_ptr, row, stride_row, vocab, start, t,
-                                                     processed, HAS_MASK, BLOCK_V)
-        noise = tl.where(greedy, 0.0, _gumbel_tl(key_hi, key_lo, ids))
-        score = tl.where(allowed, scaled + noise, float("-inf"))
+        score, lse_in = _block_scores(logits_ptr, mask_ptr, row, stride_row, vocab, start, t, processed,
+                                      greedy, key_hi, key_lo, HAS_MASK, BLOCK_V)
         out = row * num_blocks + block
         tl.store(best_ptr + out, tl.max(score, axis=0))
         tl.store(best_token_ptr + out, (start + tl.argmax(score, axis=0)).to(tl.int64))  # ties to the lowest id

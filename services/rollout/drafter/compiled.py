@@ -499,12 +499,7 @@ class CompiledDrafter:
                                    else repeat(_NO_STOPS, n)):
                 if cached[slot] is not stops:
                     self._set_stops(slot, stops)
-        model = self._config.cost_model
-        if model is None:
-            if self._curve_of is not None:
-                self._set_curve(None)
-        elif self._curve_of is None or self._curve_of[0] is not model or self._curve_of[1] != model.version:
-            self._set_curve(model)
+        self._sync_curve()
         pack = self._packs.get(n) or self._packs.setdefault(n, Struct(f"=qqdq{n}q{n}q"))
         try:
             pack.pack_into(self._params, 0, n, _NO_BUDGET if budget is None else budget, min_gain,
@@ -529,6 +524,13 @@ class CompiledDrafter:
         if not isinstance(num_seqs or 0, int) or not 0 <= (num_seqs or 0) <= 1 << 31:
             raise ValueError(f"num_seqs must be an int in [0, 2^31], not {num_seqs!r}")
         pack.pack_into(self._params, 0, n, b, min_gain, num_seqs or 0, *ids, *lens)
+
+    def _sync_curve(self) -> None:
+        """Hands the config's cost model's curve to the core when the core's is not its
+        current one (a new model, or `CostModel.version` moved; none: no cost threshold)."""
+        model = self._config.cost_model
+        if (None if model is None else (model, model.version)) != self._curve_of:
+            self._set_curve(model)
 
     def _set_curve(self, model) -> None:
         """Hands the cost model's current curve to the core (None: no cost threshold)."""
@@ -580,11 +582,9 @@ class CompiledDrafter:
     def gain_threshold(self, num_seqs: int, draft_per_seq: float, gain_per_seq: float) -> float:
         """`budget.gain_threshold` on the cost model's curve as the core computes it for a
         step (the tests hold it to the Python function); ValueError without a cost model."""
-        model = self._config.cost_model
-        if model is None:
+        if self._config.cost_model is None:
             raise ValueError("no cost model: drafts are not priced")
-        if self._curve_of is None or self._curve_of[0] is not model or self._curve_of[1] != model.version:
-            self._set_curve(model)
+        self._sync_curve()
         out = ctypes.c_double()
         self._check(self._lib.rhd_gain_threshold(self._handle, num_seqs, draft_per_seq, gain_per_seq,
                                                  ctypes.addressof(out)))

@@ -119,7 +119,7 @@ class RoutedStep:
     seed: int
     queue: collections.deque = field(default_factory=collections.deque)  # prompt ids not sent
     running: dict[str, SubStep] = field(default_factory=dict)  # prompt id -> the sub-step running it
-    delivered: dict[Key, rollout_pb2.SampleResult] = field(default_factory=dict)
+    delivered: dict[Key, rollout_pb2.StepEvent] = field(default_factory=dict)  # each a sample event
     owner: dict[Key, SubStep] = field(default_factory=dict)
     events: list[rollout_pb2.StepEvent] = field(default_factory=list)
     summaries: list[rollout_pb2.StepSummary] = field(default_factory=list)
@@ -307,17 +307,17 @@ class Router:
         known = self.steps.get(req.step_id)
         if known is not None and known.fingerprint != fingerprint(req):
             raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content", "step_id")
-        if known is not None and not (known.finished and any(s.finish_reason == ABORT
-                                                              for s in known.delivered.values())):
+        if known is not None and not (known.finished and any(e.sample.finish_reason == ABORT
+                                                              for e in known.delivered.values())):
             return known
         checked = self.check(req)
         if known is not None:  # re-run the aborted samples; the others are replayed
             self.steps.pop(req.step_id)
         step = RoutedStep(checked, fingerprint(req), self.version, step_seed_of(req), started=time.monotonic())
         if known is not None:
-            for key, sample in known.delivered.items():
-                if sample.finish_reason != ABORT:
-                    self._record(step, sample, known.owner[key])
+            for key, event in known.delivered.items():
+                if event.sample.finish_reason != ABORT:
+                    self._record(step, event, known.owner[key])
         step.queue.extend(p.prompt_id for p in checked.prompts if not step.group_done(p.prompt_id))
         self.steps[req.step_id] = step
         while len(self.steps) > self.max_steps_retained:
@@ -418,7 +418,7 @@ class Router:
             call = shard.stub.SubmitStep(self._sub_request(sub), metadata=self.metadata)
             async for event in call:
                 if event.HasField("sample"):
-                    self._receive(sub, event.sample)
+                    self._receive(sub, event)
                 else:
                     step.summaries.append(event.summary)
             shard.groups_done += len(sub.prompt_ids)
@@ -445,7 +445,8 @@ class Router:
             log.info("step %s: %d groups of shard %s run again elsewhere", step.step_id, len(back),
                      sub.shard.info.shard_id)
 
-    def _receive(self, sub: SubStep, sample: rollout_pb2.SampleResult) -> None:
+    def _receive(self, sub: SubStep, event: rollout_pb2.StepEvent) -> None:
+        sample = event.sample
         key = (sample.prompt_id, sample.sample_index)
         if key in sub.remaining:
             sub.remaining.discard(key)
@@ -454,17 +455,20 @@ class Router:
         if key in step.delivered or step.finished:
             duplicates_dropped.inc()
             return
-        self._record(step, sample, sub)
+        self._record(step, event, sub)
         if len(step.delivered) == step.num_samples:
             self._finish(step)
 
-    def _record(self, step: RoutedStep, sample: rollout_pb2.SampleResult, sub: SubStep) -> None:
+    def _record(self, step: RoutedStep, event: rollout_pb2.StepEvent, sub: SubStep | None) -> None:
+        """Keeps a sample event (the shard's own message, renamed to the trainer's step:
+        no copy) and wakes the step's followers."""
+        sample = event.sample
         key = (sample.prompt_id, sample.sample_index)
         sample.step_id = step.step_id
-        step.delivered[key] = sample
+        step.delivered[key] = event
         step.owner[key] = sub
         step.delivery_times.append(time.monotonic())
-        step.events.append(rollout_pb2.StepEvent(sample=sample))
+        step.events.append(event)
         step.notify()
 
     def _finish(self, step: RoutedStep) -> None:
@@ -485,7 +489,7 @@ class Router:
     def _summary(self, step: RoutedStep) -> rollout_pb2.StepSummary:
         """The merged summary: counts over the delivered samples; the workers' busy time
         and the history hit rate over the shards' sub-steps."""
-        samples = list(step.delivered.values())
+        samples = [e.sample for e in step.delivered.values()]
         times = sorted(step.delivery_times)
         makespan = (times[-1] - step.started) if times else 0.0
         tail = times[-1] - times[max(0, math.ceil(0.9 * len(times)) - 1)] if times else 0.0
@@ -523,9 +527,9 @@ class Router:
             pid = step.queue.popleft()
             for k in range(step.n):
                 if (pid, k) not in step.delivered:
-                    self._record(step, rollout_pb2.SampleResult(
+                    self._record(step, rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
                         prompt_id=pid, sample_index=k, finish_reason=ABORT, error=error,
-                        seed=sample_seed(step.seed, step.step_id, pid, k)), None)
+                        seed=sample_seed(step.seed, step.step_id, pid, k))), None)
                     num += 1
         if len(step.delivered) == step.num_samples:
             self._finish(step)

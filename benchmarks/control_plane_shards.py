@@ -1,7 +1,7 @@
 """Scale-out of the control plane: 1 vs 2 scheduler shards behind the step router, fake workers.
 
-    python -m benchmarks.control_plane_shards                     # W=128, S=16384: direct, 1 shard, 2 shards
-    python -m benchmarks.control_plane_shards --workers 256 --samples 65536 --shards 1,2
+    python -m benchmarks.control_plane_shards                     # W=128, S=16384 and 65536: direct, 1 and 2 shards
+    python -m benchmarks.control_plane_shards --workers 256 --samples 65536 --shards 1,2,4
 
 Per row, everything fresh:
 1. A redis-server (the shard registry); K schedulers as their CLI starts them
@@ -27,6 +27,7 @@ Writes benchmarks/results/control_plane_shards.{md,json} (``rows``, device, comm
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -187,7 +188,7 @@ def run_row(layout: str, num_shards: int, workers: int, samples: int, *, n: int,
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=128, help="fake workers in all (split over the shards)")
-    parser.add_argument("--samples", type=int, default=16384, help="samples in the step")
+    parser.add_argument("--samples", default="16384,65536", help="samples in the step, comma-separated")
     parser.add_argument("--shards", default="1,2", help="shard counts behind the router, comma-separated")
     parser.add_argument("--no-direct", action="store_true", help="skip the one-scheduler row without a router")
     parser.add_argument("--policy", default="rhymerl")
@@ -206,8 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     layouts = [] if args.no_direct else [("direct", 1)]
     layouts += [("router", int(k)) for k in args.shards.split(",")]
     rows = []
-    for layout, shards in layouts:
-        row = run_row(layout, shards, args.workers, args.samples, n=args.n, slots=args.slots,
+    for samples, (layout, shards) in itertools.product([int(s) for s in args.samples.split(",")], layouts):
+        row = run_row(layout, shards, args.workers, samples, n=args.n, slots=args.slots,
                       response_tokens=args.response_tokens, per_process=args.per_process, settle_s=args.settle_s,
                       policy=args.policy, step_timeout_s=args.step_timeout_s, log_dir=args.log_dir)
         rows.append(row)

@@ -187,12 +187,15 @@ class Router:
         window: samples given to a shard at once, as a multiple of its capacity.
         no_shard_timeout_s: queued groups no shard could take this long end as ABORT.
         max_steps_retained: finished steps kept (re-submission, rewards, logprobs).
+        max_samples_retained: and at most this many samples over the steps kept (the
+            oldest finished steps go first; a step in flight is always kept).
         tls: for the channels to the shards; shard_token: bearer token sent to them.
     """
 
     def __init__(self, window: float = 1.0, no_shard_timeout_s: float = 120.0, max_steps_retained: int = 64,
-                 tls: TLSConfig | None = None, shard_token: str = ""):
+                 tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144):
         self.window, self.no_shard_timeout_s, self.max_steps_retained = window, no_shard_timeout_s, max_steps_retained
+        self.max_samples_retained = max_samples_retained
         self.tls = tls
         self.metadata = (("authorization", f"Bearer {shard_token}"),) if shard_token else ()
         self.shards: dict[str, Shard] = {}
@@ -320,11 +323,7 @@ class Router:
                     self._record(step, event, known.owner[key])
         step.queue.extend(p.prompt_id for p in checked.prompts if not step.group_done(p.prompt_id))
         self.steps[req.step_id] = step
-        while len(self.steps) > self.max_steps_retained:
-            oldest = next(iter(self.steps.values()))
-            if not oldest.finished:
-                break
-            self.steps.popitem(last=False)
+        self._forget_old_steps()
         if step.queue:
             self.active.append(step)
             self._idle.clear()
@@ -332,6 +331,16 @@ class Router:
         else:
             self._finish(step)
         return step
+
+    def _forget_old_steps(self) -> None:
+        """The oldest finished steps go while more steps or samples are kept than allowed."""
+        kept = sum(s.num_samples for s in self.steps.values())
+        for step_id, step in list(self.steps.items()):
+            if len(self.steps) <= self.max_steps_retained and kept <= self.max_samples_retained:
+                return
+            if step.finished:
+                del self.steps[step_id]
+                kept -= step.num_samples
 
     def get(self, step_id: str) -> RoutedStep:
         check_id(step_id, "step_id")

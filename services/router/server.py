@@ -165,7 +165,7 @@ async def start_router(settings: RouterSettings):
     if not settings.registry_url:
         raise InvalidArgument("the shard registry's Redis URL is required", "registry_url")
     router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
-                    settings.shard_auth_token)
+                    settings.shard_auth_token, settings.max_samples_retained)
     directory = ShardDirectory(settings.registry_url)
     tokens = parse_tokens(settings.auth_tokens)
     if not tokens:

@@ -28,6 +28,9 @@ class RouterSettings(TLSSettings):
     max_steps_retained: int = Field(
         64, ge=1, description="Finished steps kept for idempotent re-submission, rewards and logprobs reports (the "
                               "oldest go first).")
+    max_samples_retained: int = Field(
+        262_144, ge=1, description="And at most this many samples over the steps kept (the oldest finished steps go "
+                                   "first): what bounds the router's memory (each sample kept with its tokens).")
     auth_tokens: str = Field(
         "", description="Bearer tokens trainers must send (comma-separated). Empty: no auth (a trusted network only).")
     shard_auth_token: str = Field(

@@ -272,3 +272,14 @@ async def test_a_shard_announces_itself_and_leaves_when_it_stops_or_its_key_expi
         await asyncio.sleep(0.05)
     await hung.client.aclose()
     await directory.close()
+
+
+@run_async
+async def test_finished_steps_are_forgotten_oldest_first_within_the_sample_bound():
+    async with Fleet(ScriptedShard("a")) as fleet:
+        fleet.router.max_samples_retained = 20  # two steps of 8 samples, not three
+        for i in range(3):
+            await collect(fleet.router, step(f"r{i}", 4))
+        assert list(fleet.router.steps) == ["r1", "r2"]
+        with pytest.raises(Exception, match="no step 'r0'"):
+            fleet.router.get("r0")

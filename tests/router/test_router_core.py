@@ -34,6 +34,7 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
         self.sub_steps: list[rollout_pb2.SubmitStepRequest] = []
         self.delivered: list[tuple[str, int]] = []
         self.rewards: list[rollout_pb2.ReportRewardsRequest] = []
+        self.cancelled: set[str] = set()
 
     async def SubmitStep(self, request, context):
         self.sub_steps.append(request)
@@ -41,6 +42,11 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
         for prompt in request.prompts:
             for k in range(request.n):
                 await self.release.wait()
+                if request.step_id in self.cancelled:  # as a scheduler ends a cancelled step's samples
+                    yield rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
+                        step_id=request.step_id, prompt_id=prompt.prompt_id, sample_index=k,
+                        finish_reason=common_pb2.FINISH_REASON_ABORT))
+                    continue
                 if self.fail_after is not None and len(self.delivered) >= self.fail_after:
                     self.fail_after = None
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "shard going down")
@@ -50,6 +56,12 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
                     step_id=request.step_id, prompt_id=prompt.prompt_id, sample_index=k, token_ids=[seed % 997, 1],
                     seed=seed, finish_reason=LENGTH, policy_version=self.version))
         yield rollout_pb2.StepEvent(summary=rollout_pb2.StepSummary(step_id=request.step_id, policy="fake"))
+
+    async def CancelStep(self, request, context):
+        self.cancelled.add(request.step_id)
+        running = sum(len(r.prompts) * r.n for r in self.sub_steps if r.step_id == request.step_id)
+        self.release.set()
+        return rollout_pb2.CancelStepResponse(num_cancelled=running)
 
     async def PushWeights(self, request_iterator, context):
         chunks = [c async for c in request_iterator]
@@ -283,3 +295,36 @@ async def test_finished_steps_are_forgotten_oldest_first_within_the_sample_bound
         assert list(fleet.router.steps) == ["r1", "r2"]
         with pytest.raises(Exception, match="no step 'r0'"):
             fleet.router.get("r0")
+
+
+@run_async
+async def test_a_cancel_aborts_the_queued_groups_and_cancels_the_running_sub_steps():
+    a = ScriptedShard("a", held=True)
+    async with Fleet(a) as fleet:
+        run = await fleet.router.submit(step("c", 5))  # a's window: 2 groups; 3 queued
+        await until(lambda: len(a.sub_steps) == 1)
+        assert await fleet.router.cancel("c") == 3 * 2 + 2 * 2
+        events = [e async for e in run.follow()]
+    got = samples(events)
+    assert sorted((s.prompt_id, s.sample_index) for s in got) == sorted((f"p{i}", k) for i in range(5) for k in range(2))
+    assert all(s.finish_reason == common_pb2.FINISH_REASON_ABORT for s in got)
+    assert a.cancelled == {a.sub_steps[0].step_id} and events[-1].summary.num_samples == 10
+
+
+@run_async
+async def test_groups_no_shard_can_take_end_as_abort_with_the_reason():
+    """A step at version 0 while the only shard serves 1 (it took a push the router has
+    not seen): after no_shard_timeout_s its groups end ABORT, each saying why."""
+    a = ScriptedShard("a")
+    async with Fleet(a) as fleet:
+        run = await fleet.router.submit(step("stuck", 2))
+        fleet.router.update_shards({"a": ShardInfo("a", fleet.infos["a"].address, 4, 1, 1)})
+        run.version = 0  # submitted before the shard moved on
+        fleet.router.assign()
+        assert not a.sub_steps or run.finished
+        fleet.router.no_shard_timeout_s = 0.0
+        fleet.router.expire_waiting()
+        events = [e async for e in run.follow()]
+    aborted = [s for s in samples(events) if s.finish_reason == common_pb2.FINISH_REASON_ABORT]
+    assert len(aborted) == 4 - len(a.delivered)
+    assert all("no scheduler shard served version 0" in s.error for s in aborted)

@@ -15,7 +15,8 @@ the engine):
   draft     LLMEngine._propose_drafts (the drafter below is a dictionary lookup)
   prepare   ModelRunner.prepare (the step's flat inputs and attention metadata)
   forward   ModelRunner.run minus prepare (the model, the logits)
-  verify    verify() (or sample_rows(), on steps without drafts) minus the sampler
+  verify    verify() (or sample_rows() on steps without drafts, verify_linear() on
+            decode-layout steps, where the measured tree has them) minus the sampler
             (kernels.sampling.sample, whose CPU reference
             computes Gumbel noise in PyTorch; on a GPU a Triton kernel does it), i.e.
             the sampling rows, the verdicts
@@ -120,10 +121,15 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
     engine._propose_drafts = timed("draft", engine._propose_drafts)
     engine.runner.prepare = timed("prepare", engine.runner.prepare)
     engine.runner.run = timed("run", engine.runner.run)
-    saved = engine_module.verify, verifier_module.sample, getattr(engine_module, "sample_rows", None)
+    saved = engine_module.verify, verifier_module.sample
+    # Other ways the engine verifies, where the measured tree has them: draftless steps
+    # sampled without verdicts (sample_rows), decode-layout steps accepted by array
+    # operations (verify_linear).
+    other = {name: getattr(engine_module, name) for name in ("sample_rows", "verify_linear")
+             if hasattr(engine_module, name)}
     engine_module.verify = timed("verify_all", engine_module.verify)
-    if saved[2] is not None:  # the engine samples draftless steps without verdicts
-        engine_module.sample_rows = timed("verify_all", saved[2])
+    for name, fn in other.items():
+        setattr(engine_module, name, timed("verify_all", fn))
     verifier_module.sample = timed("sample", verifier_module.sample)
     try:
         for r in requests(batch, new_tokens):
@@ -146,9 +152,9 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
                     totals[p] += parts[p]
                 counted[0] += 1
     finally:
-        engine_module.verify, verifier_module.sample = saved[:2]
-        if saved[2] is not None:
-            engine_module.sample_rows = saved[2]
+        engine_module.verify, verifier_module.sample = saved
+        for name, fn in other.items():
+            setattr(engine_module, name, fn)
     n = max(counted[0], 1)
     ms = {p: totals[p] / n * 1e3 for p in PHASES}
     ms["host"] = sum(ms[p] for p in HOST)

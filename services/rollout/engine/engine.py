@@ -34,7 +34,7 @@ from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blo
 from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.tree import MAX_TREE_ROWS, check_tree, is_chain, kv_moves, prune, shape
-from services.rollout.engine.verifier import Verdict, sample_rows, verify
+from services.rollout.engine.verifier import Verdict, sample_rows, verify, verify_linear
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                                   max_draft_len=self.max_draft_len, use_cuda_graphs=use_cuda_graphs,
                                   batch_invariant=batch_invariant, tree_drafts=self.tree_drafts)
+        self.runner.tables = self.block_manager.tables
         self.batch_invariant = batch_invariant
         self.metrics = EngineMetrics(worker_id)
         self.seqs: dict[str, Sequence] = {}
@@ -161,6 +162,8 @@ class LLMEngine:
         sampling = batch.sampling_seqs()
         if not self.speculative:
             return self._plain_step(batch, sampling, logits, outputs, start, cost_start)  # 4-6 no drafts
+        if self.runner.sampling is not None and self.runner.sampling.fed_host is not None:
+            return self._linear_step(batch, logits, outputs, start, cost_start)  # 4-6 decodes, linear drafts
         verdicts = verify(logits, sampling, self.runner.sampling, self.runner.params,
                           self.runner.reader)                                  # 4. verify
         if self.tree_drafts:
@@ -196,6 +199,55 @@ class LLMEngine:
             else:
                 self._commit_filled_block(seq, computed)
         self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
+        return outputs
+
+    def _linear_step(self, batch: ScheduledBatch, logits, outputs: list[RequestOutput], start: float,
+                     cost_start: float) -> list[RequestOutput]:
+        """Verify, commit and finish a step of the decode layout (every sequence samples:
+        its last token, then perhaps a linear draft; step_inputs._decode_step): the drafts
+        accepted for the whole batch by array operations (``verify_linear``), then one
+        pass over the sequences doing what ``_commit`` does, in the same order (the
+        scheduler's ``postprocess`` has nothing to do for such a step but charge its time)."""
+        runner = self.runner
+        v = verify_linear(logits, runner.sampling, runner.params, runner.reader)
+        elapsed = time.perf_counter() - start
+        tokens, logprobs = v.token_ids, v.logprobs
+        drafter, undrafted, bm = self._drafter, self._undrafted, self.block_manager
+        bs = bm.block_size
+        num_generated = 0
+        for seq, lo, num_draft, a in zip(batch.seqs, v.query_start.tolist(), v.num_draft.tolist(),
+                                         v.num_accepted.tolist()):
+            seq.busy_s += elapsed
+            request_id = seq.request_id
+            if num_draft:
+                seq.record_verify(num_draft, a)
+                seq.draft_token_ids = []
+                if request_id not in undrafted:
+                    try:
+                        drafter.record_acceptance(request_id, num_draft, a)
+                    except Exception:  # noqa: BLE001 - see _undrafted
+                        self._drafter_failed(drafter.record_acceptance, request_id)
+            computed = seq.num_computed_tokens
+            seq.num_computed_tokens = computed + 1 + a  # the fed token and the accepted drafts
+            seq.num_scheduled_tokens = 0
+            token_ids = tokens[lo:lo + a + 1]
+            num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:lo + a + 1])
+            num_generated += num_emitted
+            if ended:
+                outputs.append(self._finish(seq))
+                continue
+            if num_draft and len(seq.block_table) * bs >= len(seq.token_ids) + bs:
+                bm.truncate(seq, len(seq.token_ids))  # drop the rejected drafts' blocks
+            if seq.num_computed_tokens // bs != computed // bs:
+                bm.commit(seq)
+            if request_id not in undrafted:
+                try:
+                    drafter.add_tokens(request_id, token_ids)
+                except Exception:  # noqa: BLE001 - see _undrafted
+                    self._drafter_failed(drafter.add_tokens, request_id)
+        self.metrics.on_accepted(v.num_draft, v.num_accepted)
+        self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), int(v.num_draft.sum()),
+                          num_generated)
         return outputs
 
     def _finish(self, seq: Sequence) -> RequestOutput:
@@ -347,14 +399,19 @@ class LLMEngine:
         try:
             method(request_id, *args)
         except Exception:  # noqa: BLE001 - see _undrafted
-            log.exception("drafter.%s failed for %s; it decodes without drafts", method.__name__, request_id)
-            self.metrics.on_drafter_error()
-            self._undrafted.add(request_id)
-            if method != self._drafter.stop_request:
-                try:
-                    self._drafter.stop_request(request_id)
-                except Exception:  # noqa: BLE001 - it may not have started
-                    pass
+            self._drafter_failed(method, request_id)
+
+    def _drafter_failed(self, method, request_id: str) -> None:
+        """``method`` of the drafter raised for ``request_id`` (called from an except
+        block): logged and counted, and the request goes on without drafts."""
+        log.exception("drafter.%s failed for %s; it decodes without drafts", method.__name__, request_id)
+        self.metrics.on_drafter_error()
+        self._undrafted.add(request_id)
+        if method != self._drafter.stop_request:
+            try:
+                self._drafter.stop_request(request_id)
+            except Exception:  # noqa: BLE001 - it may not have started
+                pass
 
     def _validate(self, req: EngineRequest) -> None:
         vocab = self.model.config.vocab_size

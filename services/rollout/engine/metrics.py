@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from services.common import metrics as m
 
 
@@ -103,14 +105,19 @@ class EngineMetrics:
         """A step's verdicts (each with ``num_draft`` and ``num_accepted``): the drafts among
         them counted at once, the same totals as one update per draft for fewer calls."""
         drafted = [v for v in verdicts if v.num_draft]
-        if not drafted:
+        if drafted:
+            self.on_accepted(np.array([v.num_draft for v in drafted]), np.array([v.num_accepted for v in drafted]))
+
+    def on_accepted(self, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+        """A step's drafts as arrays (per sequence: draft tokens verified, 0 when none, and
+        tokens accepted): the same totals as ``on_verdicts``."""
+        drafted = num_draft > 0
+        num_drafts = int(np.count_nonzero(drafted))
+        if not num_drafts:
             return
-        accepted_per_pos = [0] * max(v.num_accepted for v in drafted)
-        for v in drafted:
-            for i in range(v.num_accepted):
-                accepted_per_pos[i] += 1
-        self.on_verifies(len(drafted), sum(v.num_draft for v in drafted), sum(v.num_accepted for v in drafted),
-                         accepted_per_pos)
+        accepted = num_accepted[drafted]
+        at_least = np.bincount(accepted)[::-1].cumsum()[::-1]  # [k]: drafts that accepted >= k tokens
+        self.on_verifies(num_drafts, int(num_draft.sum()), int(accepted.sum()), at_least[1:].tolist())
 
     def on_verifies(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
                     accepted_per_pos: list[int]) -> None:

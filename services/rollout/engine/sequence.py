@@ -37,6 +37,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.slot = -1  # its row of the runner's SlotParams (the engine assigns it)
         self.block_table: list[int] = []
+        self.row = -1  # its row of the block manager's BlockTables while it holds blocks
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (committed ones only)
         self.num_scheduled_tokens = 0  # this step: tokens of token_ids fed to the model
         self.draft_token_ids: list[int] = []  # this step: draft fed after the last token

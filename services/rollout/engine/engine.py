@@ -190,14 +190,16 @@ class LLMEngine:
         tokens, logprobs = sample_rows(logits, runner.sampling, runner.params, runner.reader) if sampling else ((), ())
         self.scheduler.postprocess(batch, time.perf_counter() - start)
         num_prompt_tokens = batch.num_prompt_tokens()
+        bm = self.block_manager
+        bs = bm.block_size
         for seq, token, logprob in zip(sampling, tokens, logprobs):
             computed = seq.num_computed_tokens
-            seq.num_computed_tokens = computed + seq.num_scheduled_tokens
+            seq.num_computed_tokens = now = computed + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if seq.append_token(token, logprob):  # the chunk ended
                 outputs.append(self._finish(seq))
-            else:
-                self._commit_filled_block(seq, computed)
+            elif now // bs != computed // bs:  # a block filled up: hash it (_commit_filled_block)
+                bm.commit(seq)
         self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
         return outputs
 
@@ -291,7 +293,8 @@ class LLMEngine:
         room = self.runner.graph_token_room(batch.num_tokens)
         if room is not None:
             budget = min(budget, room)
-        max_lens = [max(0, min(self.max_draft_len, s.max_new_tokens_left() - 1)) for s in decodes]
+        most = self.max_draft_len + 1
+        max_lens = [min(most, s.end_len - len(s.token_ids)) - 1 for s in decodes]  # (max_new_tokens_left() - 1)
         if budget <= 0 or not any(max_lens):
             return
         try:
@@ -307,15 +310,19 @@ class LLMEngine:
             self.metrics.on_drafter_error()
             return
         vocab = self.model.config.vocab_size
+        bm = self.block_manager
+        bs = bm.block_size
         for seq, (draft, parents), max_len in zip(decodes, trees, max_lens):
             if parents is None:
                 draft = [int(t) for t in draft[:min(max_len, budget)]]
             else:
                 draft, parents = self._checked_tree(draft, parents, max_len, budget)
-            if any(not 0 <= t < vocab for t in draft):
-                draft, parents = [], None  # a drafter bug must not crash the step
-            if draft and not self.block_manager.ensure_slots(seq, seq.num_tokens + len(draft)):
-                draft, parents = [], None  # no free KV for the draft: decode plainly this step
+            if draft:
+                if min(draft) < 0 or max(draft) >= vocab:
+                    draft, parents = [], None  # a drafter bug must not crash the step
+                elif (len(seq.token_ids) + len(draft) > len(seq.block_table) * bs
+                      and not bm.ensure_slots(seq, seq.num_tokens + len(draft))):
+                    draft, parents = [], None  # no free KV for the draft: decode plainly this step
             seq.draft_token_ids = draft
             seq.draft_parents = parents
             budget -= len(draft)

@@ -37,6 +37,12 @@ from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.tree import CAUSAL, depths, row_masks
 
 
+# Below this many sequences the per-sequence path lays a decode step out faster: a numpy
+# call costs a few microseconds on the step's cold caches, a sequence's Python less than
+# one (benchmarks/engine_host.py).
+VECTOR_MIN_SEQS = 8
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -158,7 +164,7 @@ def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
     rest is numpy over those arrays: positions, KV slots (gathered from the block
     tables' rows in ``tables``), sampler rows, lengths. None when a sequence is anything
     else, or when no ``tables`` (the per-sequence path then lays the step out)."""
-    if tables is None:
+    if tables is None or len(seqs) < VECTOR_MIN_SEQS:
         return None
     ids: list[int] = []
     starts: list[int] = []

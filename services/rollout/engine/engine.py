@@ -87,7 +87,8 @@ class LLMEngine:
                                   batch_invariant=batch_invariant, tree_drafts=self.tree_drafts)
         self.runner.tables = self.block_manager.tables
         self.batch_invariant = batch_invariant
-        self.metrics = EngineMetrics(worker_id)
+        # The series' exports wait for the next forward's launch (EngineMetrics.flush in step())
+        self.metrics = EngineMetrics(worker_id, deferred=True)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
 
@@ -130,6 +131,7 @@ class LLMEngine:
         for seq in list(self.seqs.values()):
             self._remove(seq)
         self._aborted = []
+        self.metrics.flush()
         return dropped
 
     def has_unfinished(self) -> bool:
@@ -152,6 +154,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward + verify iteration; returns the chunks that ended."""
+        outputs = self._step()
+        if not self.scheduler.has_work():
+            self.metrics.flush()  # idle: no next forward to export behind
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start, cost_start = time.perf_counter(), self._cost_clock()
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()                                      # 1. schedule
@@ -159,6 +167,9 @@ class LLMEngine:
             return outputs
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
+        # The last step's metric exports, while the device computes this step's forward
+        # (on a GPU, nothing above has waited for it; the sampler's read below does).
+        self.metrics.flush()
         sampling = batch.sampling_seqs()
         if not self.speculative:
             return self._plain_step(batch, sampling, logits, outputs, start, cost_start)  # 4-6 no drafts

@@ -84,7 +84,7 @@ class BlockManager:
             self.ref_counts[block] += 1
         seq.block_table = list(cached)
         seq.row = self.tables.assign()
-        self.tables.extend(seq.row, seq.block_table)
+        self.tables.extend(seq.row, 0, seq.block_table)
         seq.num_computed_tokens = len(cached) * self.block_size
         self.num_hashed_blocks[seq.seq_id] = len(cached)
         ok = self.ensure_slots(seq, seq.num_tokens)
@@ -100,9 +100,9 @@ class BlockManager:
             return False
         if missing > 0:
             new = [self._take_free_block() for _ in range(missing)]
-            seq.block_table.extend(new)
             if seq.row >= 0:
-                self.tables.extend(seq.row, new)
+                self.tables.extend(seq.row, len(seq.block_table), new)
+            seq.block_table.extend(new)
         return True
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -110,10 +110,10 @@ class BlockManager:
         keep, table = -(-num_tokens // self.block_size), seq.block_table
         if len(table) <= keep:
             return
+        if seq.row >= 0:
+            self.tables.truncate(seq.row, keep, len(table))
         while len(table) > keep:
             self._release(table.pop())
-        if seq.row >= 0:
-            self.tables.truncate(seq.row, keep)
 
     def commit(self, seq: Sequence) -> None:
         """Hash the blocks that just became full of committed KV, making them shareable."""
@@ -137,10 +137,10 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
             self._release(block)
-        seq.block_table = []
         if seq.row >= 0:
-            self.tables.release(seq.row)
+            self.tables.release(seq.row, len(seq.block_table))
             seq.row = -1
+        seq.block_table = []
         seq.num_computed_tokens = 0
         self.num_hashed_blocks.pop(seq.seq_id, None)
 

@@ -227,12 +227,14 @@ class LLMEngine:
         tokens, logprobs = v.token_ids, v.logprobs
         drafter, undrafted, bm = self._drafter, self._undrafted, self.block_manager
         bs = bm.block_size
-        num_generated = 0
+        num_generated = num_drafts = num_accepted = 0
         for seq, lo, num_draft, a in zip(batch.seqs, v.query_start.tolist(), v.num_draft.tolist(),
                                          v.num_accepted.tolist()):
             seq.busy_s += elapsed
             request_id = seq.request_id
             if num_draft:
+                num_drafts += 1
+                num_accepted += a
                 seq.record_verify(num_draft, a)
                 seq.draft_token_ids = []
                 if request_id not in undrafted:
@@ -258,9 +260,9 @@ class LLMEngine:
                     drafter.add_tokens(request_id, token_ids)
                 except Exception:  # noqa: BLE001 - see _undrafted
                     self._drafter_failed(drafter.add_tokens, request_id)
-        self.metrics.on_accepted(v.num_draft, v.num_accepted)
-        self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), int(v.num_draft.sum()),
-                          num_generated)
+        num_draft_tokens = len(tokens) - len(batch.seqs)
+        self.metrics.on_accepted(num_drafts, num_draft_tokens, num_accepted, v.num_accepted)
+        self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), num_draft_tokens, num_generated)
         return outputs
 
     def _finish(self, seq: Sequence) -> RequestOutput:

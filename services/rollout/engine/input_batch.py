@@ -247,16 +247,21 @@ class BlockTables:
     """Each running sequence's block table in a row of one persistent int32 array.
 
     A sequence gets a row when it is admitted (it holds KV blocks) and gives it back when
-    its blocks are freed (finished, aborted, preempted); the block manager writes the row
-    as the table grows and shrinks. Entries past a row's ``lengths`` are always 0 (a row is
-    cleared as it shrinks and when it is given back), so a gathered row is the table padded
-    with zeros, whichever sequence held the row before. The array grows (rows, columns) on
-    demand."""
+    its blocks are freed (finished, aborted, preempted). The block manager reports each
+    change of a table as it makes it (``extend``, ``truncate``, ``release``); the changes
+    are held in a dict by (row, column), the latest winning, and written into the array
+    in one numpy assignment by ``sync``, which the step's layout calls before it gathers
+    rows (a change costs a dict entry, not numpy calls, on the block manager's path).
+    Entries past a row's length are 0 once synced (cleared as a table shrinks and when the
+    row is given back), so a gathered row is the table padded with zeros, whichever
+    sequence held the row before. The array grows (rows, columns) on demand."""
 
     def __init__(self, rows: int = 16, cols: int = 16):
         self.array = np.zeros((rows, cols), dtype=np.int32)
         self.lengths = np.zeros(rows, dtype=np.int64)
         self._free = list(range(rows - 1, -1, -1))  # lowest row first
+        self._entries: dict[tuple[int, int], int] = {}  # changes not yet synced: (row, column) -> block
+        self._lengths: dict[int, int] = {}  # row -> its table's length, not yet synced
 
     def assign(self) -> int:
         if not self._free:
@@ -265,23 +270,36 @@ class BlockTables:
             self._free.extend(range(2 * rows - 1, rows - 1, -1))
         return self._free.pop()
 
-    def release(self, row: int) -> None:
-        self.array[row, :self.lengths[row]] = 0
-        self.lengths[row] = 0
+    def extend(self, row: int, first: int, blocks: list[int]) -> None:
+        """The row's table, ``first`` blocks long, had ``blocks`` appended."""
+        entries = self._entries
+        for col, block in enumerate(blocks, first):
+            entries[row, col] = block
+        self._lengths[row] = first + len(blocks)
+
+    def truncate(self, row: int, num_blocks: int, old_length: int) -> None:
+        """The row's table, ``old_length`` blocks long, was cut to ``num_blocks``."""
+        entries = self._entries
+        for col in range(num_blocks, old_length):
+            entries[row, col] = 0
+        self._lengths[row] = num_blocks
+
+    def release(self, row: int, old_length: int) -> None:
+        """The row's sequence, its table ``old_length`` blocks long, gave its blocks back."""
+        self.truncate(row, 0, old_length)
         self._free.append(row)
 
-    def extend(self, row: int, blocks: list[int]) -> None:
-        """Appends ``blocks`` to the row's table."""
-        first = int(self.lengths[row])
-        end = first + len(blocks)
-        if end > self.array.shape[1]:
-            self._resize(self.array.shape[0], max(end, 2 * self.array.shape[1]))
-        self.array[row, first:end] = blocks
-        self.lengths[row] = end
-
-    def truncate(self, row: int, num_blocks: int) -> None:
-        self.array[row, num_blocks:self.lengths[row]] = 0
-        self.lengths[row] = num_blocks
+    def sync(self) -> None:
+        """Writes the held changes into ``array`` and ``lengths``."""
+        if self._entries:
+            rows, cols = np.array(list(self._entries), dtype=np.int64).T
+            if cols.max() >= self.array.shape[1]:
+                self._resize(self.array.shape[0], max(int(cols.max()) + 1, 2 * self.array.shape[1]))
+            self.array[rows, cols] = list(self._entries.values())
+            self._entries = {}
+        if self._lengths:
+            self.lengths[list(self._lengths)] = list(self._lengths.values())
+            self._lengths = {}
 
     def _resize(self, rows: int, cols: int) -> None:
         array = np.zeros((rows, cols), dtype=np.int32)

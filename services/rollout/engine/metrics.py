@@ -135,19 +135,17 @@ class EngineMetrics:
         them counted at once, the same totals as one update per draft for fewer calls."""
         drafted = [v for v in verdicts if v.num_draft]
         if drafted:
-            self.on_accepted(np.array([v.num_draft for v in drafted]), np.array([v.num_accepted for v in drafted]))
+            self.on_accepted(len(drafted), sum(v.num_draft for v in drafted), sum(v.num_accepted for v in drafted),
+                             np.array([v.num_accepted for v in drafted]))
 
-    def on_accepted(self, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
-        """A step's drafts as arrays (per sequence: draft tokens verified, 0 when none, and
-        tokens accepted): the same totals as ``on_verdicts``."""
-        drafted = num_draft > 0
-        num_drafts = int(np.count_nonzero(drafted))
-        if not num_drafts:
+    def on_accepted(self, num_drafts: int, num_draft_tokens: int, num_accepted: int, accepted: np.ndarray) -> None:
+        """A step's drafts: how many, their tokens, the tokens accepted, and per sequence the
+        tokens it accepted (a sequence without a draft: 0); the per-position series are
+        made from ``accepted`` when exported."""
+        if num_drafts == 0:
             return
-        accepted = num_accepted[drafted]
-        num_accepted_tokens = int(accepted.sum())
-        self._count_verifies(num_drafts, int(num_draft.sum()), num_accepted_tokens)
-        self._export(self._export_accepted, num_drafts, int(num_draft.sum()), num_accepted_tokens, accepted)
+        self._count_verifies(num_drafts, num_draft_tokens, num_accepted)
+        self._export(self._export_accepted, num_drafts, num_draft_tokens, num_accepted, accepted)
 
     def _export_accepted(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
                          accepted: np.ndarray) -> None:

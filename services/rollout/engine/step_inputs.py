@@ -184,6 +184,7 @@ def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
         rows.append(seq.row)
         slots.append(seq.slot)
         num_drafts.append(len(draft))
+    tables.sync()
     n, num_tokens = len(seqs), len(ids)
     row_of_seq = np.array(rows, dtype=np.int64)
     start_of_seq = np.array(starts, dtype=np.int64)

@@ -246,11 +246,18 @@ class LLMEngine:
             seq.num_computed_tokens = computed + 1 + a  # the fed token and the accepted drafts
             seq.num_scheduled_tokens = 0
             token_ids = tokens[lo:lo + a + 1]
-            num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:lo + a + 1])
-            num_generated += num_emitted
-            if ended:
-                outputs.append(self._finish(seq))
-                continue
+            own = seq.token_ids
+            if len(own) + a + 1 < seq.end_len and seq.stop_token_ids.isdisjoint(token_ids):
+                own += token_ids  # none can end the chunk (Sequence.append_tokens' common case)
+                seq.out_token_ids += token_ids
+                seq.out_logprobs += logprobs[lo:lo + a + 1]
+                num_generated += a + 1
+            else:
+                num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:lo + a + 1])
+                num_generated += num_emitted
+                if ended:
+                    outputs.append(self._finish(seq))
+                    continue
             if num_draft and len(seq.block_table) * bs >= len(seq.token_ids) + bs:
                 bm.truncate(seq, len(seq.token_ids))  # drop the rejected drafts' blocks
             if seq.num_computed_tokens // bs != computed // bs:

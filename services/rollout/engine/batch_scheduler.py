@@ -146,12 +146,20 @@ class BatchScheduler:
         """After the forward: every sequence in it is charged the step's time, and a
         prefill chunk that did not reach the end has its KV computed (its full blocks
         become shareable); sampling sequences are advanced by the engine's commit."""
-        for seq in batch.seqs:
+        for seq in batch.seqs[:batch.num_decodes]:
             seq.busy_s += elapsed_s
+        self.advance_prefills(batch, elapsed_s, charge_sampling=True)
+
+    def advance_prefills(self, batch: ScheduledBatch, elapsed_s: float, charge_sampling: bool = False) -> None:
+        """``postprocess`` for the prefill chunks (the engine's commit pass charges the
+        sampling sequences itself: ``charge_sampling`` False leaves them alone)."""
         for seq in batch.seqs[batch.num_decodes:]:  # (a decode feeds its last token)
             if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                seq.busy_s += elapsed_s
                 seq.num_computed_tokens += seq.num_scheduled_tokens
                 self.block_manager.commit(seq)
+            elif charge_sampling:
+                seq.busy_s += elapsed_s
 
     def budget_left(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens

@@ -199,17 +199,24 @@ class LLMEngine:
         making verdicts: this runs for every sequence of every step)."""
         runner = self.runner
         tokens, logprobs = sample_rows(logits, runner.sampling, runner.params, runner.reader) if sampling else ((), ())
-        self.scheduler.postprocess(batch, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        self.scheduler.advance_prefills(batch, elapsed)  # (postprocess; the loop charges the others)
         num_prompt_tokens = batch.num_prompt_tokens()
         bm = self.block_manager
         bs = bm.block_size
         for seq, token, logprob in zip(sampling, tokens, logprobs):
+            seq.busy_s += elapsed
             computed = seq.num_computed_tokens
             seq.num_computed_tokens = now = computed + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            if seq.append_token(token, logprob):  # the chunk ended
-                outputs.append(self._finish(seq))
-            elif now // bs != computed // bs:  # a block filled up: hash it (_commit_filled_block)
+            own = seq.token_ids
+            own.append(token)
+            seq.out_token_ids.append(token)
+            seq.out_logprobs.append(logprob)
+            if (len(own) >= seq.end_len or token in seq.stop_token_ids) and seq.ends_with(token):
+                outputs.append(self._finish(seq))  # (Sequence.append_token, inline)
+                continue
+            if now // bs != computed // bs:  # a block filled up: hash it (_commit_filled_block)
                 bm.commit(seq)
         self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
         return outputs

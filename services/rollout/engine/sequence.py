@@ -99,7 +99,13 @@ class Sequence:
         self.out_logprobs.append(logprob)
         if len(token_ids) < self.end_len and token_id not in self.stop_token_ids:
             return False  # (most tokens: below every limit, not a stop token)
-        req = self.req
+        return self.ends_with(token_id)
+
+    def ends_with(self, token_id: int) -> bool:
+        """Whether the chunk ends with ``token_id``, just appended (setting finish_reason
+        when the sample ends): a stop token from min_tokens on, max_tokens, the model's
+        length, or the chunk's budget."""
+        req, token_ids = self.req, self.token_ids
         gen_index = len(token_ids) - 1 - self.num_prompt_tokens
         if token_id in self.stop_token_ids and gen_index >= req.min_tokens:
             self.finish_reason = "stop"

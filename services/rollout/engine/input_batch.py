@@ -217,9 +217,10 @@ class StepSampling:
     masked: torch.Tensor | None  # [num_masked] int64 on the device: row * vocab + token, stop tokens
     #                              out of the distribution before min_tokens; None when none is
     row_slots_host: np.ndarray  # [num_rows] the same slots, on the host
-    # Set by the decode layout only (every sequence feeds its last token, then perhaps a
-    # linear draft; every fed token is a row): the token fed at each row, and where each
-    # sequence's rows start (verifier.verify_linear accepts drafts from them).
+    # Set for a decode-layout step only (every sequence feeds its last token, then perhaps
+    # a linear draft, and masks no stop token; every fed token is a row): the token fed at
+    # each row, and where each sequence's rows start (verifier.verify_linear accepts drafts
+    # from them).
     fed_host: np.ndarray | None = None  # [num_rows]
     query_start_host: np.ndarray | None = None  # [num_seqs + 1]
 

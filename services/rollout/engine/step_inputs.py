@@ -38,9 +38,14 @@ from services.rollout.engine.tree import CAUSAL, depths, row_masks
 
 
 # Below this many sequences the per-sequence path lays a decode step out faster: a numpy
-# call costs a few microseconds on the step's cold caches, a sequence's Python less than
-# one (benchmarks/engine_host.py).
-VECTOR_MIN_SEQS = 8
+# call costs a few microseconds on the step's cold caches (after the forward), a short
+# sequence's Python less than one (benchmarks/engine_host.py: the numpy layout paid at
+# 256 sequences, cost more at 16 and 64). Sequences with long block tables tip it sooner.
+VECTOR_MIN_SEQS = 128
+# From this many sequences a decode-layout step (every sequence its last token, perhaps a
+# linear draft, no masked row) carries ``fed_host`` / ``query_start_host`` whichever path
+# laid it out, so the verifier accepts its drafts by array operations (verify_linear).
+LINEAR_MIN_SEQS = 8
 
 
 @dataclass
@@ -85,6 +90,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
     tables: list[int] = []
     num_tokens, max_query_len = 0, 1  # every scheduled sequence feeds a token at least
     is_prefill = False
+    linear = len(seqs) >= LINEAR_MIN_SEQS  # still a decode layout (LINEAR_MIN_SEQS)
     trees: list[tuple[int, list[int]]] = []  # (first token's index, row masks) of each tree sequence
     for seq in seqs:
         start, n, table, token_ids = seq.num_computed_tokens, seq.num_scheduled_tokens, seq.block_table, seq.token_ids
@@ -101,6 +107,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             end = start + 1
             row_depths = None
         else:
+            linear = linear and n == 1 and start + 1 == length and seq.draft_parents is None
             end = start + n
             input_ids.extend(token_ids[start:end])
             num_rows = 0
@@ -131,6 +138,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             max_query_len = max(max_query_len, end - start)
             is_prefill |= n > 1
         if num_rows and length < seq.mask_stops_below:
+            linear = False
             _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, vocab_size, masked, row_depths)
         cu_q.append(num_tokens)
         seq_lens.append(end)
@@ -152,6 +160,9 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
     if row_slots:
         sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=masked_t if masked else None,
                                 row_slots_host=int64.host_part(4))
+        if linear:
+            sampling.fed_host = np.array(input_ids, dtype=np.int64)
+            sampling.query_start_host = np.array(cu_q, dtype=np.int64)
     return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
                       num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling)
 

@@ -45,6 +45,7 @@ CPU = torch.device("cpu")
 def array_paths(monkeypatch):
     """Every decode step of any batch size takes the numpy layout and the array verify."""
     monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 1)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)
     calls = {"verify_linear": 0}
     real = engine_module.verify_linear
 
@@ -141,20 +142,23 @@ def assert_same_layout(fast, general) -> None:
     assert fast.sampling.row_slots_host.tolist() == general.sampling.row_slots_host.tolist()
     assert fast.sampling.masked is None and general.sampling.masked is None
     # what verify_linear reads: the token fed at each row, each sequence's first row
-    assert fast.sampling.fed_host.tolist() == general.input_ids.tolist()
-    assert fast.sampling.query_start_host.tolist() == general.metadata.query_start_loc.tolist()
+    assert fast.sampling.fed_host.tolist() == general.sampling.fed_host.tolist() == general.input_ids.tolist()
+    assert (fast.sampling.query_start_host.tolist() == general.sampling.query_start_host.tolist()
+            == general.metadata.query_start_loc.tolist())
     for t in (fast.input_ids, fast.positions, fast.metadata.slot_mapping, fast.sample_rows,
               fast.metadata.block_tables, fast.metadata.seq_lens, fast.metadata.query_start_loc):
         assert t.is_contiguous() and t.data_ptr() % 16 == 0
 
 
-def test_decode_layout_equals_the_per_sequence_layout_on_reused_rows():
+def test_decode_layout_equals_the_per_sequence_layout_on_reused_rows(monkeypatch):
     """Rounds of decode batches with linear drafts, sequences of very different lengths
     finishing and new ones taking their rows (and their request slots): the numpy layout
     equals the per-sequence one in every tensor, its block tables padded with zeros where
     a row's last sequence had blocks."""
     rng = random.Random(3)
     bm = BlockManager(num_blocks=512, block_size=4)
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 1)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)  # the per-sequence path marks its linear steps too
     staging, general_staging = new_staging(CPU), new_staging(CPU)
     running, slot_of, free_slots, next_id = [], {}, list(range(40)), 0
     for round_ in range(30):
@@ -166,10 +170,8 @@ def test_decode_layout_equals_the_per_sequence_layout_on_reused_rows():
             slot_of[seq.request_id] = free_slots.pop()
             running.append(seq)
         batch = decode_batch(rng, bm, rng.sample(running, rng.randrange(1, len(running) + 1)), slot_of)
-        fast = prepare_step(batch, bm.block_size, CPU, 50, staging, bm.tables)
-        assert fast.sampling.fed_host is not None or len(batch) < step_inputs.VECTOR_MIN_SEQS
-        if fast.sampling.fed_host is None:
-            continue
+        fast = step_inputs._decode_step(batch, bm.block_size, staging, bm.tables)
+        assert fast is not None
         assert_same_layout(fast, prepare_step(batch, bm.block_size, CPU, 50, general_staging))
         for seq in batch:  # commit one token and drop the drafts' blocks, as the engine does
             seq.token_ids.append(rng.randrange(1, 50))
@@ -182,10 +184,13 @@ def test_decode_layout_equals_the_per_sequence_layout_on_reused_rows():
     assert next_id > 40
 
 
-def test_the_decode_layout_refuses_what_it_does_not_lay_out():
+def test_the_decode_layout_refuses_what_it_does_not_lay_out(monkeypatch):
     """Prefill chunks, draft trees, rows masking stop tokens, and sequences without a row
-    go the per-sequence way (``fed_host`` None: the engine verifies them sequence by
-    sequence)."""
+    go the per-sequence way; a step with any of the first three is not a decode layout
+    (``fed_host`` None: the engine verifies it sequence by sequence), one whose sequences
+    merely lack rows still is."""
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 1)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)
     bm = BlockManager(num_blocks=64, block_size=4)
     seqs = [seq_of(prompt_of(6, i), f"r{i}") for i in range(8)]
     for i, seq in enumerate(seqs):
@@ -193,19 +198,19 @@ def test_the_decode_layout_refuses_what_it_does_not_lay_out():
         seq.slot = i
     rng = random.Random(0)
     decode_batch(rng, bm, seqs, {s.request_id: s.slot for s in seqs})
-    assert prepare_step(seqs, 4, CPU, 50, new_staging(CPU), bm.tables).sampling.fed_host is not None
-    cases = [("num_computed_tokens", 2), ("draft_parents", [-1] * len(seqs[0].draft_token_ids)),
-             ("mask_stops_below", 1 << 20), ("row", -1)]
-    for name, value in cases:
-        seqs[0].draft_token_ids = seqs[0].draft_token_ids or [5]
+    seqs[0].draft_token_ids = seqs[0].draft_token_ids or [5]
+    assert step_inputs._decode_step(seqs, 4, new_staging(CPU), bm.tables) is not None
+    assert step_inputs._decode_step(seqs, 4, new_staging(CPU), None) is None
+    cases = [("num_computed_tokens", 2, False), ("draft_parents", [-1] * len(seqs[0].draft_token_ids), False),
+             ("mask_stops_below", 1 << 20, False), ("row", -1, True)]
+    for name, value, linear in cases:
         saved = getattr(seqs[0], name)
         setattr(seqs[0], name, value)
         if name == "num_computed_tokens":
             seqs[0].num_scheduled_tokens = seqs[0].num_tokens - 2
-        if name == "row":
-            assert prepare_step(seqs, 4, CPU, 50, new_staging(CPU), bm.tables).sampling.fed_host is None
-        else:
-            assert prepare_step(seqs, 4, CPU, 50, new_staging(CPU), bm.tables).sampling.fed_host is None, name
+        assert step_inputs._decode_step(seqs, 4, new_staging(CPU), bm.tables) is None, name
+        general = prepare_step(seqs, 4, CPU, 50, new_staging(CPU), bm.tables)
+        assert (general.sampling.fed_host is not None) == linear, name
         setattr(seqs[0], name, saved)
         seqs[0].num_scheduled_tokens = 1
 

@@ -257,6 +257,8 @@ class BlockTables:
     row is given back), so a gathered row is the table padded with zeros, whichever
     sequence held the row before. The array grows (rows, columns) on demand."""
 
+    MAX_HELD = 1 << 16  # changes held before they are written anyway (a run whose steps never gather)
+
     def __init__(self, rows: int = 16, cols: int = 16):
         self.array = np.zeros((rows, cols), dtype=np.int32)
         self.lengths = np.zeros(rows, dtype=np.int64)
@@ -277,6 +279,8 @@ class BlockTables:
         for col, block in enumerate(blocks, first):
             entries[row, col] = block
         self._lengths[row] = first + len(blocks)
+        if len(entries) > self.MAX_HELD:
+            self.sync()
 
     def truncate(self, row: int, num_blocks: int, old_length: int) -> None:
         """The row's table, ``old_length`` blocks long, was cut to ``num_blocks``."""
@@ -284,6 +288,8 @@ class BlockTables:
         for col in range(num_blocks, old_length):
             entries[row, col] = 0
         self._lengths[row] = num_blocks
+        if len(entries) > self.MAX_HELD:
+            self.sync()
 
     def release(self, row: int, old_length: int) -> None:
         """The row's sequence, its table ``old_length`` blocks long, gave its blocks back."""

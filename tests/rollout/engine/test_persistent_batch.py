@@ -30,6 +30,7 @@ import services.rollout.engine.engine as engine_module
 import services.rollout.engine.step_inputs as step_inputs
 from services.common import metrics as m
 from services.rollout.engine.block_manager import BlockManager
+from services.rollout.engine.input_batch import BlockTables
 from services.rollout.engine.step_inputs import new_staging, prepare_step
 from services.rollout.engine.verifier import accepted_lengths, num_accepted
 from tests.rollout.engine.test_block_manager import seq_of
@@ -74,10 +75,14 @@ def assert_rows_mirror(bm: BlockManager, running: list) -> None:
     assert not array[free].any() and not lengths[free].any(), "a free row kept its last table"
 
 
-def test_block_table_rows_follow_every_change_and_come_back_clean():
+@pytest.mark.parametrize("max_held", [1 << 16, 5])
+def test_block_table_rows_follow_every_change_and_come_back_clean(monkeypatch, max_held):
     """Random admissions (cached prefixes included), growth, truncation, frees: after each
     operation the running sequences' rows equal their tables padded with zeros, and free
-    rows are all zeros. A row that kept a freed sequence's blocks fails here."""
+    rows are all zeros. A row that kept a freed sequence's blocks fails here. With a small
+    ``MAX_HELD`` the changes are also written in between, as a long run without gathers
+    writes them."""
+    monkeypatch.setattr(BlockTables, "MAX_HELD", max_held)
     rng = random.Random(7)
     bm = BlockManager(num_blocks=96, block_size=4)
     running, next_id = [], 0
@@ -107,6 +112,7 @@ def test_block_table_rows_follow_every_change_and_come_back_clean():
             seq = running.pop(rng.randrange(len(running)))
             bm.free(seq)
             assert seq.row == -1
+        assert len(bm.tables._entries) <= max_held  # what is held stays bounded
         if rng.random() < 0.5:  # changes also pile up between syncs (several steps' worth)
             assert_rows_mirror(bm, running)
     assert_rows_mirror(bm, running)

@@ -39,6 +39,13 @@ class LocalRunSettings(BaseSettings):
     record: str = Field("", description="Write every rollout to this trace file (.npz); empty: not recorded.")
     resume: bool = Field(False, description="Continue the --record run from its last finished step (its state is kept "
                                             "beside the trace file), against the services started now.")
+    step_timeout_s: float = Field(600.0, gt=0, description="The trainer's deadline per rollout call (the SDK retries "
+                                                           "a step 3 times): raise it for long steps on a CPU.")
+    worker_threads: int = Field(1, ge=1, description="Torch threads of each worker process (OMP_NUM_THREADS).")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences each worker decodes at once.")
+    kv_blocks: int = Field(1024, ge=1, description="KV-cache blocks of 16 tokens per worker (a real model's long "
+                                                   "samples need max_num_seqs x their length / 16 to avoid "
+                                                   "preemptions).")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     seed: int = Field(0, description="Picks the prompt set and the sampling seeds.")
     partial_credit: float = Field(
@@ -82,7 +89,11 @@ def run_local(settings: LocalRunSettings) -> None:
     start = time.monotonic()
     cluster = LocalCluster(model_dir=model_dir, num_workers=settings.workers, policy=settings.policy,
                            log_dir=ROOT / settings.log_dir,  # relative: to the repository
-                           extra_env={"RHYMERL_WORKER_MEASURE_COST": str(settings.measure_cost).lower()})
+                           extra_env={"RHYMERL_WORKER_MEASURE_COST": str(settings.measure_cost).lower()},
+                           worker_env={f"worker-{i}": {"OMP_NUM_THREADS": settings.worker_threads,
+                                                       "RHYMERL_WORKER_MAX_NUM_SEQS": settings.max_num_seqs,
+                                                       "RHYMERL_WORKER_NUM_KV_BLOCKS": settings.kv_blocks}
+                                       for i in range(settings.workers)})
     with cluster:
         print(f"rhymerl is up after {time.monotonic() - start:.0f} s: scheduler {cluster.scheduler_address}, "
               f"metrics on ports {sorted(cluster.metrics_ports.values())}", flush=True)
@@ -93,7 +104,7 @@ def run_local(settings: LocalRunSettings) -> None:
         trainer = load_example("grpo_trainer")
         print(f"loading the trainer's copy of the policy, then {settings.steps} GRPO steps of {settings.prompts} "
               f"prompts x {settings.n} samples (each step: rollout, rewards, update, weight push)", flush=True)
-        with RolloutClient(cluster.scheduler_address) as client:
+        with RolloutClient(cluster.scheduler_address, timeout_s=settings.step_timeout_s) as client:
             rows = trainer.run(client, model_dir, steps=settings.steps, num_prompts=settings.prompts,
                                n=settings.n, max_tokens=settings.max_tokens, record=settings.record or None,
                                resume=settings.resume, partial_credit=settings.partial_credit,

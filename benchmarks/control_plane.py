@@ -25,7 +25,7 @@ Per row (workers W x samples S x trainers T x step log x policy), everything fre
    step: ``--idle-s`` seconds of heartbeats alone, the scheduler's CPU per 1,000
    workers, the stats polls the fleet answered (registered workers are never polled).
 
-Reported: samples/s and chunks/s (the Run items the fleet answered during the step,
+Reported: samples/s and chunks/s (the work items the fleet answered during the step,
 over the step's wall time), the scheduler's CPU-seconds per 1k samples over the step
 (utime + stime from /proc/<pid>/stat), its peak RSS (VmHWM), health-check latency p50 /
 p99 / max, failures and answers other than SERVING during the step, time to the first
@@ -355,7 +355,7 @@ def run_row(workers: int, samples: int, policy: str, *, trainers: int = 1, step_
             "chunks_rerun": chunks - chunks_needed, "delivered": len(stream.keys), "lost": samples - len(stream.keys),
             "duplicated": stream.duplicated,
             "aborted": stream.aborted, "summary": stream.summary is not None, "error": stream.error,
-            "chunks": chunks, "run_calls": after_fleet["runs"] - before_fleet["runs"],
+            "chunks": chunks, "batches": after_fleet["batches"] - before_fleet["batches"],
             "wall_s": wall, "samples_per_s": len(stream.keys) / wall, "chunks_per_s": chunks / wall,
             "sched_cpu_s": cpu, "sched_cpu_ms_per_1k": 1e6 * cpu / max(1, len(stream.keys)),
             "peak_rss_mb": rss, **_health_fields("health", *health["health"]),
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
                  f"trainer and the health prober (and other work on the machine: load average {load[0]:.1f} at the "
                  "end); the scheduler's CPU-seconds are the honest figure. Marked unhealthy: the scheduler's log over "
                  "the row's life up to the step's end, start-up included (in the step: during the step alone). Chunks "
-                 "re-run: Run items the fleet answered beyond one per chunk of every sample (re-dispatched work)."),
+                 "re-run: work items the fleet answered beyond one per chunk of every sample (re-dispatched work)."),
         "load_average": load,
         "command": " ".join(["python -m benchmarks.control_plane", *(sys.argv[1:] if argv is None else argv)]),
         "commit": git_commit(".", ":(exclude)benchmarks/results"), "device": f"CPU: {cpu_name()}",

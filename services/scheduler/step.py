@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 from rhymerl.v1 import common_pb2, rollout_pb2
 
+from services.common import packed
 from services.scheduler.policies.base import Request, RequestKey
+from services.scheduler.worker_link import step_fields
 
 
 def retained_size(encoded: bytes) -> int:
@@ -36,14 +38,16 @@ def fingerprint(request: rollout_pb2.SubmitStepRequest) -> str:
 
 @dataclass(slots=True)
 class SampleProgress:
-    """Tokens and counters of one sample, accumulated over its chunks."""
+    """Tokens and counters of one sample, accumulated over its chunks. Tokens and logprobs
+    are the workers' packed bytes, concatenated, never decoded (``services/common/packed.py``)."""
 
     request: Request
-    prompt_token_ids: list[int]  # shared by the prompt's samples
+    prompt_field: bytes  # the WorkItem's prompt fields, shared by the prompt's samples (``worker_link.prompt_field``)
     seed: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
+    token_ids: bytes = b""  # packed int32 varints
+    num_tokens: int = 0
+    logprobs: bytes = b""  # float32 little-endian
+    versions: list[list[int]] = field(default_factory=list)  # [policy version, tokens] runs, in order
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -84,6 +88,10 @@ class StepRun:
         self.abort_error = ""  # why the service ended it early (empty: the trainer cancelled it)
         self.closing = False  # its summary is being written
         self.in_policy = False  # its requests were handed to the policy (not held for a push)
+        self.step_fields = step_fields(self.sampling, self.step_id, self.n)  # every WorkItem's part of the step
+        # over the published samples (the summary's figures, without decoding the log)
+        self.num_generated_tokens = 0
+        self.spec = [0, 0, 0]  # num_verify_steps, num_draft_tokens, num_accepted_tokens
 
     fingerprint_of = staticmethod(fingerprint)
 
@@ -110,13 +118,14 @@ class StepRun:
     def sample_results(self) -> list[rollout_pb2.SampleResult]:
         return [e.sample for e in self.events if e.HasField("sample")]
 
-    def record(self, events: Iterable[rollout_pb2.StepEvent]) -> None:
-        """Appends to the log (``publish`` also wakes the streams)."""
-        encoded = [e.SerializeToString() for e in events]
+    def record(self, events: Iterable[rollout_pb2.StepEvent | bytes]) -> None:
+        """Appends to the log (``publish`` also wakes the streams); an event may come
+        serialized already."""
+        encoded = [e if isinstance(e, bytes) else e.SerializeToString() for e in events]
         self._encoded.extend(encoded)
         self.num_bytes += sum(map(retained_size, encoded))
 
-    async def publish(self, events: list[rollout_pb2.StepEvent], last: bool = False) -> None:
+    async def publish(self, events: list[rollout_pb2.StepEvent | bytes], last: bool = False) -> None:
         async with self._changed:
             self.record(events)
             if last:
@@ -127,27 +136,34 @@ class StepRun:
 
     async def follow(self) -> AsyncIterator[rollout_pb2.StepEvent]:
         """Every event from the first, then live ones until the summary."""
+        async for event in self.follow_encoded():
+            yield rollout_pb2.StepEvent.FromString(event)
+
+    async def follow_encoded(self) -> AsyncIterator[bytes]:
+        """``follow``'s events as they are kept, serialized (SubmitStep sends them so)."""
         i = 0
         while True:
             async with self._changed:
                 await self._changed.wait_for(lambda: i < len(self._encoded))
                 batch = self._encoded[i:]
             for event in batch:
-                yield rollout_pb2.StepEvent.FromString(event)
+                yield event
             i += len(batch)
             if self.is_finished and i == len(self._encoded):
                 return
 
-    def sample_result(self, s: SampleProgress, policy_version: int) -> rollout_pb2.SampleResult:
-        versions = s.token_versions
-        mixed = bool(versions) and any(v != versions[0] for v in versions)
-        return rollout_pb2.SampleResult(
+    def encode_sample(self, s: SampleProgress, policy_version: int) -> bytes:
+        """The sample's SampleResult, serialized: its fields but the tokens and logprobs
+        encoded here, the packed payloads spliced in as they came from the workers."""
+        runs = s.versions
+        token_versions = [v for v, count in runs for _ in range(count)] if len(runs) > 1 else []
+        head = rollout_pb2.SampleResult(
             step_id=self.step_id, prompt_id=s.request.prompt_id, sample_index=s.request.sample_index,
-            token_ids=s.token_ids, logprobs=s.logprobs if self.sampling.logprobs else [],
             finish_reason=s.finish_reason,
-            policy_version=min(versions) if versions else policy_version,
-            token_policy_versions=versions if mixed else [],
+            policy_version=min(v for v, _ in runs) if runs else policy_version,
+            token_policy_versions=token_versions,
             spec=common_pb2.SpecCounters(num_verify_steps=s.num_verify_steps,
                                          num_draft_tokens=s.num_draft_tokens,
                                          num_accepted_tokens=s.num_accepted_tokens),
-            num_migrations=s.request.num_migrations, seed=s.seed, error=s.error)
+            num_migrations=s.request.num_migrations, seed=s.seed, error=s.error).SerializeToString()
+        return head + packed.field(4, s.token_ids) + (packed.field(5, s.logprobs) if self.sampling.logprobs else b"")

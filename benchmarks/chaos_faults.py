@@ -152,9 +152,10 @@ class Faults(threading.Thread):
             stub = rollout_pb2_grpc.RolloutServiceStub(ch)
             try:
                 for event in stub.SubmitStep(plan.request(), timeout=60):
-                    if not event.HasField("sample"):
+                    samples = event_samples(event)
+                    if not samples:
                         continue
-                    aborted += event.sample.finish_reason == common_pb2.FINISH_REASON_ABORT
+                    aborted += sum(s.finish_reason == common_pb2.FINISH_REASON_ABORT for s in samples)
                     if not cancelled:
                         cancelled = True
                         stub.CancelStep(rollout_pb2.CancelStepRequest(step_id=plan.step_id), timeout=30)

@@ -260,12 +260,13 @@ def submit_step(address: str, step_id: str, prompts: int, n: int, max_tokens: in
                 if event.HasField("summary"):
                     out.summary = event.summary
                     continue
-                s = event.sample
-                out.arrivals.append(time.perf_counter() - started)
-                key = (s.prompt_id, s.sample_index)
-                out.duplicated += key in out.keys
-                out.aborted += s.finish_reason == common_pb2.FINISH_REASON_ABORT
-                out.keys.add(key)
+                arrived = time.perf_counter() - started
+                for s in event_samples(event):
+                    out.arrivals.append(arrived)
+                    key = (s.prompt_id, s.sample_index)
+                    out.duplicated += key in out.keys
+                    out.aborted += s.finish_reason == common_pb2.FINISH_REASON_ABORT
+                    out.keys.add(key)
         except grpc.RpcError as err:
             out.error = f"{err.code().name}: {err.details()}"
     return out

@@ -46,9 +46,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @grpc_errors
     async def SubmitStep(self, request, context):
-        """Streams the step's events as they are kept, serialized (``raw_responses``)."""
+        """Streams the step's events as they are kept, serialized (``raw_responses``), the
+        samples ready together in one batch."""
         run = await self.core.submit(request)
-        async for event in run.follow_encoded():
+        async for event in run.follow_batched():
             yield event
 
     @grpc_errors

@@ -25,6 +25,10 @@ from services.scheduler.policies.base import Request, RequestKey
 from services.scheduler.worker_link import step_fields
 
 
+MAX_BATCH_BYTES = 1 << 20  # of a StepEvent.samples batch (gRPC's default limit is 4 MiB a message)
+_SAMPLE_KEY = 0x0A  # the first byte of a serialized StepEvent.sample event (field 1, length-delimited)
+
+
 def retained_size(encoded: bytes) -> int:
     """What keeping one serialized event costs in memory: the bytes object (header and
     data, rounded up to the allocator's 16-byte blocks) and its slot in the list."""
@@ -136,19 +140,43 @@ class StepRun:
 
     async def follow(self) -> AsyncIterator[rollout_pb2.StepEvent]:
         """Every event from the first, then live ones until the summary."""
-        async for event in self.follow_encoded():
-            yield rollout_pb2.StepEvent.FromString(event)
-
-    async def follow_encoded(self) -> AsyncIterator[bytes]:
-        """``follow``'s events as they are kept, serialized (SubmitStep sends them so)."""
         i = 0
         while True:
             async with self._changed:
                 await self._changed.wait_for(lambda: i < len(self._encoded))
                 batch = self._encoded[i:]
             for event in batch:
-                yield event
+                yield rollout_pb2.StepEvent.FromString(event)
             i += len(batch)
+            if self.is_finished and i == len(self._encoded):
+                return
+
+    async def follow_batched(self) -> AsyncIterator[bytes]:
+        """``follow``'s events as they are kept, serialized, the samples that are there
+        together joined into StepEvent.samples batches (what SubmitStep sends: a message
+        per sample costs grpc.aio more than the sample). A kept sample event is
+        ``StepEvent.sample``'s field, which is also a SampleBatch's ``samples`` element,
+        so a batch is the events' bytes behind one key and length."""
+        i = 0
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: i < len(self._encoded))
+                events = self._encoded[i:]
+            i += len(events)
+            batch: list[bytes] = []
+            size = 0
+            for event in events:
+                if event[0] != _SAMPLE_KEY or size + len(event) > MAX_BATCH_BYTES:
+                    if batch:
+                        yield packed.field(3, b"".join(batch))  # StepEvent.samples
+                        batch, size = [], 0
+                if event[0] != _SAMPLE_KEY:
+                    yield event
+                    continue
+                batch.append(event)
+                size += len(event)
+            if batch:
+                yield packed.field(3, b"".join(batch))
             if self.is_finished and i == len(self._encoded):
                 return
 

@@ -129,3 +129,44 @@ async def test_malformed_payloads_cost_attempts_with_a_clear_error_and_never_the
         assert s.finish_reason == common_pb2.FINISH_REASON_ABORT and not s.token_ids
         assert "malformed chunk result: packed_token_ids: 4 token ids, but num_tokens is 3" in s.error
     assert core.workers.workers["garbler"].state.healthy  # its stream and the scheduler go on
+
+
+@run_async
+async def test_the_trainer_gets_samples_finished_together_in_one_message_and_the_sdk_reads_them():
+    """The real scheduler server, a fake worker on a Link stream, the SDK's async client:
+    every sample once with the worker's tokens and logprobs; on the wire the samples a
+    worker batch finished come as one StepEvent.samples message, not one each."""
+    from rhymerl import AsyncRolloutClient, Prompt, SamplingParams
+    from rhymerl.types import event_samples
+    from rhymerl.v1 import rollout_pb2_grpc
+
+    from services.scheduler.server import start_scheduler
+    from services.scheduler.settings import SchedulerSettings
+
+    counts: Counter = Counter()
+    worker = await serve(make_servicer("w", FleetSpec("unused:1", 1, response_tokens=TOKENS), counts))
+    server, port, stop = await start_scheduler(SchedulerSettings(host="127.0.0.1", port=0, metrics_port=0,
+                                                                 health_port=0, policy="rhymerl"))
+    try:
+        address = f"127.0.0.1:{port}"
+        async with grpc.aio.insecure_channel(address) as ch:
+            await worker_pb2_grpc.RegistryServiceStub(ch).Register(worker_pb2.RegisterRequest(
+                worker_id="w", address=f"127.0.0.1:{worker.port}", max_num_seqs=64, vocab_size=32_000,
+                max_model_len=8_192))
+            request = step("wire", 4)
+            request.n = 8
+            raw = rollout_pb2_grpc.RolloutServiceStub(ch).SubmitStep(request)
+            events = [e async for e in raw]
+        assert events[-1].HasField("summary") and events[-1].summary.num_samples == 32
+        on_wire = [event_samples(e) for e in events[:-1]]
+        assert sum(map(len, on_wire)) == 32 and len(on_wire) < 32 and max(map(len, on_wire)) > 1
+        async with AsyncRolloutClient(address, timeout_s=60) as client:
+            result = await client.rollout("sdk", [Prompt(f"q{i}", [7, 8, i + 9]) for i in range(4)], n=8,
+                                          sampling=SamplingParams(max_tokens=8, seed=5))
+        assert len(result.samples) == 32 and len({s.key for s in result.samples}) == 32
+        for s in result.samples:
+            assert s.token_ids == fleet_tokens(s) and s.logprobs == [-0.5] * TOKENS and s.finish_reason == "stop"
+        assert result.summary.num_samples == 32 and result.summary.num_generated_tokens == 32 * TOKENS
+    finally:
+        await stop()
+        await worker.stop(0)

@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+from rhymerl.types import event_samples
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from benchmarks.chaos_trainer import MAX_N, SEEDS, StepPlan, prompt_pool, run_step

@@ -7,6 +7,7 @@ import signal
 
 import pytest
 from rhymerl import Prompt, RolloutClient, SamplingParams
+from rhymerl.types import event_samples
 
 from services.local import LocalCluster
 from tests.e2e.cluster import save_tiny_model

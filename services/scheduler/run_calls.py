@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from rhymerl.v1 import common_pb2
 
 from services.common import metrics
-from services.scheduler.policies.base import Assignment, RequestKey
+from services.scheduler.policies.base import Assignment, Request, RequestKey
 from services.scheduler.step import SampleProgress, StepRun
 from services.scheduler.worker_link import Chunk, ChunkDone, ChunkFailed, RunEnded, RunOutcome
 from services.scheduler.workers import WorkerHandle
@@ -44,7 +44,7 @@ class _Stream:
 
     def __init__(self, worker: WorkerHandle, link):
         self.worker, self.address, self.link = worker, worker.address, link
-        self.pending: dict[str, Assignment] = {}
+        self.pending: dict[str, Request] = {}
         self.task: asyncio.Task | None = None
 
 
@@ -68,7 +68,7 @@ class RunCalls:
         chunks = [self._chunk(worker, a, now) for a in assignments]
         pending = stream.pending
         for c, a in zip(chunks, assignments):
-            pending[c.dispatch_id] = a
+            pending[c.dispatch_id] = a.request
         stream.link.send(self.core.policy_version, chunks)
 
     def abort(self, worker_id: str, dispatch_ids: list[str]) -> None:
@@ -134,15 +134,15 @@ class RunCalls:
         worker, pending, now = stream.worker, stream.pending, time.monotonic()
         finished: dict[str, tuple[StepRun, list[SampleProgress]]] = {}
         for ev in events:
-            a = pending.pop(ev.dispatch_id, None)
-            if a is None:
+            r = pending.pop(ev.dispatch_id, None)
+            if r is None:
                 continue
             if isinstance(ev, ChunkDone):
-                done = self._on_chunk(worker, a, ev, now)
+                done = self._on_chunk(worker, r, ev, now)
                 if done is not None:
                     finished.setdefault(done[0].step_id, (done[0], []))[1].append(done[1])
             else:
-                await self._on_failed(worker, a, ev)
+                await self._on_failed(worker, r, ev)
         for run, progs in finished.values():
             await self.core.delivery.finish(run, progs)
         self.core.wake()
@@ -162,24 +162,30 @@ class RunCalls:
         if not worker.state.running:
             self.core.delivery.set_busy(worker.worker_id, False, now)
 
-    def _on_chunk(self, worker: WorkerHandle, a: Assignment, ev: ChunkDone,
+    def _on_chunk(self, worker: WorkerHandle, r: Request, ev: ChunkDone,
                   now: float) -> tuple[StepRun, SampleProgress] | None:
         """Extends the sample by the chunk's payloads (as bytes); returns it when finished."""
-        entry = self._current(a.request.key, ev.dispatch_id)
+        entry = self._current(r.key, ev.dispatch_id)
         if entry is None:
             return None
         run, prog = entry
-        r, num = a.request, ev.num_tokens
+        num = ev.num_tokens
         self._release(worker, run, prog, now)
         if num:
             prog.token_ids += ev.token_ids
             prog.logprobs += ev.logprobs
+            version = ev.policy_version
+            if prog.version < 0:
+                prog.version = version
+            elif prog.versions is not None or version != prog.version:  # spans versions: runs kept
+                runs = prog.versions
+                if runs is None:
+                    runs = prog.versions = [[prog.version, prog.num_tokens]]
+                if runs[-1][0] == version:
+                    runs[-1][1] += num
+                else:
+                    runs.append([version, num])
             prog.num_tokens += num
-            runs = prog.versions
-            if runs and runs[-1][0] == ev.policy_version:
-                runs[-1][1] += num
-            else:
-                runs.append([ev.policy_version, num])
         prog.num_verify_steps += ev.num_verify_steps
         prog.num_draft_tokens += ev.num_draft_tokens
         prog.num_accepted_tokens += ev.num_accepted_tokens
@@ -192,19 +198,19 @@ class RunCalls:
             self.core.policy.on_chunk_done(r, worker.worker_id, num, finished, now)
         return (run, prog) if finished else None
 
-    async def _on_failed(self, worker: WorkerHandle, a: Assignment, ev: ChunkFailed) -> None:
+    async def _on_failed(self, worker: WorkerHandle, r: Request, ev: ChunkFailed) -> None:
         """The worker gave no tokens for this chunk: the engine failed on it (back to the
         pool, a chunk of 0 tokens, until ``max_attempts``; then the sample is given up),
         it refused the input (given up: no retry can help), or it drains or serves another
         version (marked unhealthy; the chunk runs elsewhere, not charged)."""
-        entry = self._current(a.request.key, ev.dispatch_id)
+        entry = self._current(r.key, ev.dispatch_id)
         if entry is None:
             return
         error = f"worker {worker.worker_id}: {ev.error}"
         if ev.outcome in (RunOutcome.LOST, RunOutcome.WRONG_VERSION):
             log.warning("worker %s refused a chunk: %s", worker.worker_id, ev.error)
             self.core.workers.mark_unhealthy(worker.worker_id)
-            self._requeue(worker, {ev.dispatch_id: a})
+            self._requeue(worker, {ev.dispatch_id: r})
             return
         run, prog = entry
         self._release(worker, run, prog, time.monotonic())
@@ -212,18 +218,18 @@ class RunCalls:
             prog.num_failures += 1
             await self.core.delivery.give_up(run, prog, worker.worker_id, error)
         elif not await self._charge(worker, run, prog, error):
-            self.core.policy.on_chunk_done(a.request, worker.worker_id, 0, False, time.monotonic())
+            self.core.policy.on_chunk_done(r, worker.worker_id, 0, False, time.monotonic())
         self.core.wake()
 
-    async def _on_run_ended(self, worker: WorkerHandle, pending: dict[str, Assignment], ev: RunEnded) -> None:
+    async def _on_run_ended(self, worker: WorkerHandle, pending: dict[str, Request], ev: RunEnded) -> None:
         if ev.outcome is RunOutcome.DONE:  # the worker ended it: what it had not reported runs elsewhere
             return
         if ev.outcome in (RunOutcome.LOST, RunOutcome.WRONG_VERSION):
             self.core.workers.mark_unhealthy(worker.worker_id)  # gone, draining or on another version
         log.warning("worker %s's stream failed: %s", worker.worker_id, ev.error)
         error = f"worker {worker.worker_id}: {ev.error}"
-        for dispatch_id, a in list(pending.items()):
-            entry = self._current(a.request.key, dispatch_id)
+        for dispatch_id, r in list(pending.items()):
+            entry = self._current(r.key, dispatch_id)
             if entry is None or ev.outcome not in (RunOutcome.REJECTED, RunOutcome.ENGINE_FAILED):
                 continue
             run, prog = entry
@@ -245,11 +251,11 @@ class RunCalls:
         await self.core.delivery.give_up(run, prog, worker.worker_id, error)
         return True
 
-    def _requeue(self, worker: WorkerHandle, pending: dict[str, Assignment]) -> None:
+    def _requeue(self, worker: WorkerHandle, pending: dict[str, Request]) -> None:
         """Chunks their worker will not report run again elsewhere (same seed, same tokens)."""
         now, lost = time.monotonic(), []
-        for dispatch_id, a in pending.items():
-            entry = self._current(a.request.key, dispatch_id)
+        for dispatch_id, r in pending.items():
+            entry = self._current(r.key, dispatch_id)
             if entry is None:
                 continue
             run, prog = entry
@@ -257,7 +263,7 @@ class RunCalls:
             if run.cancelled:
                 self.core.delivery.abort_queued(run, [prog])
             else:
-                lost.append(a.request)
+                lost.append(r)
         pending.clear()
         if lost:
             log.info("re-queueing %d requests from worker %s", len(lost), worker.worker_id)

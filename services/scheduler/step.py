@@ -51,7 +51,8 @@ class SampleProgress:
     token_ids: bytes = b""  # packed int32 varints
     num_tokens: int = 0
     logprobs: bytes = b""  # float32 little-endian
-    versions: list[list[int]] = field(default_factory=list)  # [policy version, tokens] runs, in order
+    version: int = -1  # the policy version of its first tokens (-1: none yet)
+    versions: list[list[int]] | None = None  # [policy version, tokens] runs, only once a second version came
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -93,6 +94,7 @@ class StepRun:
         self.closing = False  # its summary is being written
         self.in_policy = False  # its requests were handed to the policy (not held for a push)
         self.step_fields = step_fields(self.sampling, self.step_id, self.n)  # every WorkItem's part of the step
+        self._step_id_field = packed.field(1, self.step_id.encode())  # every SampleResult's
         # over the published samples (the summary's figures, without decoding the log)
         self.num_generated_tokens = 0
         self.spec = [0, 0, 0]  # num_verify_steps, num_draft_tokens, num_accepted_tokens
@@ -181,17 +183,28 @@ class StepRun:
                 return
 
     def encode_sample(self, s: SampleProgress, policy_version: int) -> bytes:
-        """The sample's SampleResult, serialized: its fields but the tokens and logprobs
-        encoded here, the packed payloads spliced in as they came from the workers."""
-        runs = s.versions
-        token_versions = [v for v, count in runs for _ in range(count)] if len(runs) > 1 else []
-        head = rollout_pb2.SampleResult(
-            step_id=self.step_id, prompt_id=s.request.prompt_id, sample_index=s.request.sample_index,
-            finish_reason=s.finish_reason,
-            policy_version=min(v for v, _ in runs) if runs else policy_version,
-            token_policy_versions=token_versions,
-            spec=common_pb2.SpecCounters(num_verify_steps=s.num_verify_steps,
-                                         num_draft_tokens=s.num_draft_tokens,
-                                         num_accepted_tokens=s.num_accepted_tokens),
-            num_migrations=s.request.num_migrations, seed=s.seed, error=s.error).SerializeToString()
-        return head + packed.field(4, s.token_ids) + (packed.field(5, s.logprobs) if self.sampling.logprobs else b"")
+        """The sample's SampleResult, serialized by splicing: its scalar fields encoded
+        here, the packed payloads as they came from the workers (the rare per-token
+        versions of a sample that spans several versions through protobuf)."""
+        request = s.request
+        version = policy_version if s.version < 0 else s.version
+        tail = b""
+        if s.versions is not None:
+            version = min(v for v, _ in s.versions)
+            tail = rollout_pb2.SampleResult(
+                token_policy_versions=[v for v, count in s.versions for _ in range(count)]).SerializeToString()
+        spec = b"\x4a\x00"  # spec is always set, as protobuf writes an empty SpecCounters
+        if s.num_verify_steps or s.num_draft_tokens or s.num_accepted_tokens:
+            spec = packed.field(9, common_pb2.SpecCounters(
+                num_verify_steps=s.num_verify_steps, num_draft_tokens=s.num_draft_tokens,
+                num_accepted_tokens=s.num_accepted_tokens).SerializeToString())
+        index, reason, migrations = request.sample_index, s.finish_reason, request.num_migrations
+        return b"".join((
+            self._step_id_field, packed.field(2, request.prompt_id.encode()),
+            b"\x18" + packed.varint(index) if index else b"",
+            packed.field(4, s.token_ids), packed.field(5, s.logprobs) if self.sampling.logprobs else b"",
+            b"\x30" + packed.varint(reason) if reason else b"",
+            b"\x38" + packed.varint(version) if version else b"", tail, spec,
+            b"\x50" + packed.varint(migrations) if migrations else b"",
+            b"\x58" + packed.varint(s.seed) if s.seed else b"",
+            packed.field(12, s.error.encode()) if s.error else b""))

@@ -29,7 +29,7 @@ from services.scheduler.workers import WorkerHandle
 LINK_METHOD = "/rhymerl.v1.WorkerService/Link"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more
 class Chunk:
     """One sample's next chunk of work."""
 
@@ -44,7 +44,7 @@ class Chunk:
     step_fields: tuple[bytes, bytes]  # ``step_fields``: the step's part of the WorkItem
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkDone:
     dispatch_id: str
     token_ids: bytes  # packed (``packed.pack_token_ids``)

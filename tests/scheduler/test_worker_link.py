@@ -214,3 +214,35 @@ def test_refusals_and_failures_map_to_outcomes():
         assert isinstance(failed, ChunkFailed) and failed.outcome is expected and failed.error == "why"
     (failed,) = events_of(_result(error="RuntimeError: boom"))
     assert failed.outcome is RunOutcome.ENGINE_FAILED
+
+
+@settings(max_examples=60, deadline=None)
+@given(index=st.integers(0, 2**31 - 1), seed=st.integers(0, 2**64 - 1), reason=st.sampled_from([0, 1, 2, 3]),
+       migrations=st.integers(0, 1000), error=st.text(max_size=20), spec=st.tuples(*[st.integers(0, 2**40)] * 3),
+       runs=st.lists(st.tuples(st.integers(0, 2**40), st.integers(1, 5)), max_size=4),
+       logprobs=st.booleans(), prompt_id=st.text(min_size=1, max_size=10))
+def test_a_spliced_sample_result_parses_as_the_one_protobuf_builds(index, seed, reason, migrations, error, spec,
+                                                                     runs, logprobs, prompt_id):
+    """Every field of the SampleResult the scheduler splices, against protobuf's own."""
+    request = rollout_pb2.SubmitStepRequest(step_id="step/é", n=1, sampling=common_pb2.SamplingParams(
+        max_tokens=1000, logprobs=logprobs))
+    r = Request("step/é", prompt_id, index, prompt_len=2, max_tokens=1000)
+    r.num_migrations = migrations
+    tokens = [t for v, count in runs for t in range(count)]
+    prog = SampleProgress(r, b"", seed=seed, token_ids=packed.pack_token_ids(tokens), num_tokens=len(tokens),
+                          logprobs=packed.pack_logprobs([-1.25] * len(tokens)), finish_reason=reason, error=error,
+                          num_verify_steps=spec[0], num_draft_tokens=spec[1], num_accepted_tokens=spec[2])
+    versions = [v for v, count in runs for _ in range(count)]
+    if runs:
+        prog.version = runs[0][0]
+        if len(set(versions)) > 1:
+            prog.versions = [list(run) for run in runs]
+    run = StepRun(request, [prog])
+    expected = rollout_pb2.SampleResult(
+        step_id="step/é", prompt_id=prompt_id, sample_index=index, token_ids=tokens,
+        logprobs=[-1.25] * len(tokens) if logprobs else [], finish_reason=reason,
+        policy_version=min(versions) if versions else 7,
+        token_policy_versions=versions if len(set(versions)) > 1 else [],
+        spec=common_pb2.SpecCounters(num_verify_steps=spec[0], num_draft_tokens=spec[1], num_accepted_tokens=spec[2]),
+        num_migrations=migrations, seed=seed, error=error)
+    assert rollout_pb2.SampleResult.FromString(run.encode_sample(prog, 7)) == expected

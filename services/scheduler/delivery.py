@@ -80,6 +80,7 @@ class Delivery:
             spec[1] += prog.num_draft_tokens
             spec[2] += prog.num_accepted_tokens
             sample = run.encode_sample(prog, version)
+            prog.token_ids = prog.logprobs = b""  # in the event now: the step keeps only that
             logged.append((key, sample))
             events.append(packed.field(1, sample))  # StepEvent.sample
             reasons.append(prog.finish_reason)

@@ -26,7 +26,7 @@ Per row (workers W x samples S x trainers T x step log x policy), everything fre
    workers, the stats polls the fleet answered (registered workers are never polled).
 
 Reported: samples/s and chunks/s (the work items the fleet answered during the step,
-over the step's wall time), the scheduler's CPU-seconds per 1k samples over the step
+over the step's wall time), the batches they came in (LinkRequest messages the fleet read), the scheduler's CPU-seconds per 1k samples over the step
 (utime + stime from /proc/<pid>/stat), its peak RSS (VmHWM), health-check latency p50 /
 p99 / max, failures and answers other than SERVING during the step, time to the first
 and to the median sample,
@@ -77,7 +77,7 @@ COLUMNS = [("policy", "policy", "{}"), ("workers", "workers", "{}"), ("samples",
            ("gRPC-port health p99 ms", "health_main_p99_ms", "{:.0f}"),
            ("first sample s", "first_sample_s", "{:.2f}"), ("median sample s", "median_sample_s", "{:.2f}"),
            ("wall s", "wall_s", "{:.1f}"), ("marked unhealthy (in step)", "unhealthy_cell", "{}"),
-           ("chunks re-run", "chunks_rerun", "{}"),
+           ("chunks re-run", "chunks_rerun", "{}"), ("Link batches", "batches", "{}"),
            ("idle CPU cores", "idle_cpu_cores", "{:.3f}")]
 
 

@@ -58,7 +58,7 @@ class SampleProgress:
     num_accepted_tokens: int = 0
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     done: bool = False
-    num_failures: int = 0  # Run calls that failed while it was in them
+    num_failures: int = 0  # its chunks that failed (a worker crash, an engine error)
     error: str = ""  # why the service gave it up (finish reason ABORT)
     dispatch_id: str | None = None  # the chunk in flight; a result for any other is stale
 

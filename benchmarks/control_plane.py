@@ -26,10 +26,11 @@ Per row (workers W x samples S x trainers T x step log x policy), everything fre
    workers, the stats polls the fleet answered (registered workers are never polled).
 
 Reported: samples/s and chunks/s (the work items the fleet answered during the step,
-over the step's wall time), the batches they came in (LinkRequest messages the fleet read), the scheduler's CPU-seconds per 1k samples over the step
-(utime + stime from /proc/<pid>/stat), its peak RSS (VmHWM), health-check latency p50 /
-p99 / max, failures and answers other than SERVING during the step, time to the first
-and to the median sample,
+over the step's wall time), the batches they came in (LinkRequest messages the fleet
+read), the scheduler's CPU-seconds per 1k samples over the step (utime + stime from
+/proc/<pid>/stat), its peak RSS (VmHWM), health-check latency p50 / p99 / max, failures
+and answers other than SERVING during the step, time to the first and to the median
+sample,
 and workers marked unhealthy and dropped over the row's whole life (the scheduler's log).
 Each row checks its counts: every (prompt, sample) delivered once.
 

@@ -3,7 +3,8 @@
 Thin transport: Link (the scheduler's one stream) turns work items into checked engine
 requests (work_item.py), has the prompts' history loaded into the drafter
 (drafter_history.py), hands the items to the engine loop and streams the chunks' results
-back in batches, their tokens and logprobs packed (services/common/packed.py); weight updates are verified, then applied while idle.
+back in batches, their tokens and logprobs packed (services/common/packed.py); weight
+updates are verified, then applied while idle.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 import sys
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rhymerl.v1 import common_pb2, rollout_pb2
 

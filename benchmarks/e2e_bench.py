@@ -3,6 +3,12 @@
     python -m benchmarks.e2e_bench                                 # CPU: 2 workers, the tiny policy
     python -m benchmarks.e2e_bench --device cuda --workers 4       # GPU (make e2e-gpu): workers share it
     python -m benchmarks.e2e_bench --device cuda --workers 1 --widen Qwen2.5-1.5B   # at a real shape
+    python -m benchmarks.e2e_bench --model smollm2 --workers 1 --epochs 3 --prompts 8 --n 4 --max-tokens 128
+
+With --model smollm2 the workers serve SmolLM2-135M-Instruct (models/smollm2-135m, written
+by `make model-smollm2`; docs/smollm2.md) and the trainer runs GRPO on the English
+word-problem task (chat template, real tokenizer, its last 2 layers trained); the results
+go to e2e_smollm2.{md,json} beside the tiny policy's e2e.{md,json}.
 
 With --widen, the workers serve the policy widened to a real shape (services/rollout/models/
 widen.py: the same function at that shape's cost); the trainer keeps training the small
@@ -175,9 +181,11 @@ def _fmt(x, spec: str = "{:.2f}") -> str:
 
 
 def write(out: Path, result: dict) -> None:
+    """e2e.{json,md}; e2e_smollm2.{json,md} for the real pretrained policy."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "e2e.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "e2e.md").write_text(markdown(result))
+    stem = "e2e_smollm2" if result.get("task") == "words" else "e2e"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32, help="the first N prompts of the recorded set (32)")
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=768)
-    p.add_argument("--model-dir", help="default: models/small on CUDA when trained, else models/tiny")
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                   help="tiny: the policy trained here on the synthetic task (recorded prompts); smollm2: "
+                        "SmolLM2-135M-Instruct on English word problems (make model-smollm2)")
+    p.add_argument("--model-dir", help="default: models/small on CUDA when trained, else models/tiny; "
+                                       "with --model smollm2: models/smollm2-135m")
     p.add_argument("--dtype", help="worker dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV-cache blocks of 16 tokens per worker")
@@ -201,10 +213,23 @@ def main(argv: list[str] | None = None) -> int:
                                     "NAME=hidden,intermediate,layers,heads,kv_heads,head_dim,vocab)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
+    if args.model == "smollm2" and args.widen:
+        p.error("--widen widens the tiny policy; --model smollm2 is served at its own shape")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     small = ROOT / "models" / "small"
     model_dir = args.model_dir or str(small if args.device == "cuda" and (small / "config.json").exists()
                                       else ROOT / "models" / "tiny")
+    task = {}  # the example trainer's options for the model
+    if args.model == "smollm2":
+        from devtools.smollm2 import FetchError, ensure_smollm2
+
+        model_dir = args.model_dir or str(ROOT / "models" / "smollm2-135m")
+        try:
+            ensure_smollm2(Path(model_dir))
+        except FetchError as e:
+            print(f"e2e_bench --model smollm2: {e}", file=sys.stderr)
+            return 2
+        task = {"task": "words", "train_layers": 2}
     if args.device == "cuda":
         import torch
 
@@ -220,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     elif not (Path(model_dir) / "config.json").exists():
         print(f"e2e_bench: no checkpoint at {model_dir}", file=sys.stderr)
         return 2
-    recorded = {r.prompt_id: [int(t) for t in r.prompt_token_ids] for r in read_traces(RECORDED)}
+    # The tiny policy's prompts must be the recorded set's; the word problems are generated from the seed.
+    recorded = None if task else {r.prompt_id: [int(t) for t in r.prompt_token_ids] for r in read_traces(RECORDED)}
     tmp = tempfile.TemporaryDirectory(prefix="e2e-")
     worker_dir, shape = model_dir, None
     if args.widen:
@@ -239,11 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         command=" ".join(["python -m benchmarks.e2e_bench", *argv]),
         ratio_kind=f"a CPU ratio: both systems' workers and the trainer share {os.cpu_count()} CPU cores"
         if args.device == "cpu" else "GPU ratio: the workers share one GPU",
-        model=Path(model_dir).name, dtype=args.dtype, model_shape=model_shape(worker_dir, args.widen),
-        setting=f"{args.prompts} recorded prompts x {args.n} samples, max {args.max_tokens} tokens, T=1, "
+        model=Path(model_dir).name, task=task.get("task", "reasoning"), dtype=args.dtype, model_shape=model_shape(worker_dir, args.widen),
+        setting=f"{args.prompts} {'word-problem' if task else 'recorded'} prompts x {args.n} samples, max {args.max_tokens} tokens, T=1, "
                 f"{args.workers} workers per system, model {Path(model_dir).name}"
                 f"{f' widened to {args.widen}' if args.widen else ''} ({args.dtype}), "
-                f"GRPO updates between epochs (lr 2e-4, 2 updates, partial credit 0.5)",
+                f"GRPO updates between epochs (lr 2e-4, 2 updates, partial credit 0.5"
+                f"{', last 2 layers trained' if task else ''})",
         baseline="static placement, workers without speculation",
         rhymerl="rhymerl placement (" + (f"chunks of {args.chunk_tokens} tokens" if args.chunk_tokens else
                                         "the scheduler's default chunks") + "), history drafts",
@@ -296,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 client = WidenedPushes(client, read_config(model_dir), shape, args.device, args.dtype)
             try:
                 stats = trainer.run(client, model_dir, steps=args.epochs, num_prompts=args.prompts, n=args.n,
-                                    max_tokens=args.max_tokens, partial_credit=0.5, device=args.device,
+                                    max_tokens=args.max_tokens, partial_credit=0.5, device=args.device, **task,
                                     log=lambda line: print("  trainer: " + line, flush=True))
                 for row, step in zip(rows, stats):
                     row["reward"] = step["reward"]

@@ -15,13 +15,19 @@ the engine):
   draft     LLMEngine._propose_drafts (the drafter below is a dictionary lookup)
   prepare   ModelRunner.prepare (the step's flat inputs and attention metadata)
   forward   ModelRunner.run minus prepare (the model, the logits)
-  verify    verify() (or sample_rows(), on steps without drafts) minus the sampler
+  verify    verify() (or sample_rows() on steps without drafts, verify_linear() on
+            decode-layout steps, where the measured tree has them) minus the sampler
             (kernels.sampling.sample, whose CPU reference
             computes Gumbel noise in PyTorch; on a GPU a Triton kernel does it), i.e.
             the sampling rows, the verdicts
   commit    the rest of step(): postprocess, commit each sequence's tokens, finish,
             metrics
-"host" is schedule + draft + prepare + verify + commit; "without draft" leaves out the
+  deferred  EngineMetrics.flush, where the measured tree has it: the last step's metric
+            exports, run after this step's forward is launched (on a GPU they overlap the
+            forward: the host does them while the device computes); a tree without it
+            exports inside commit
+"host" is schedule + draft + prepare + verify + commit (what the device waits for);
+"host + deferred" adds the deferred exports back; "without draft" leaves out the
 drafter's share (a dictionary lookup here, a real drafter's cost elsewhere). Only full-batch decode/verify
 steps count (no prefill, no sequence finished yet); each phase's figure is its mean
 over those steps, from the fastest of ``--repeats`` runs (by host time).
@@ -58,7 +64,7 @@ from benchmarks.report import markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _clock = time.thread_time
-PHASES = ("schedule", "draft", "prepare", "forward", "verify", "sample", "commit")
+PHASES = ("schedule", "draft", "prepare", "forward", "verify", "sample", "commit", "deferred")
 HOST = ("schedule", "draft", "prepare", "verify", "commit")
 
 
@@ -120,11 +126,18 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
     engine._propose_drafts = timed("draft", engine._propose_drafts)
     engine.runner.prepare = timed("prepare", engine.runner.prepare)
     engine.runner.run = timed("run", engine.runner.run)
-    saved = engine_module.verify, verifier_module.sample, getattr(engine_module, "sample_rows", None)
+    saved = engine_module.verify, verifier_module.sample
+    # Other ways the engine verifies, where the measured tree has them: draftless steps
+    # sampled without verdicts (sample_rows), decode-layout steps accepted by array
+    # operations (verify_linear).
+    other = {name: getattr(engine_module, name) for name in ("sample_rows", "verify_linear")
+             if hasattr(engine_module, name)}
     engine_module.verify = timed("verify_all", engine_module.verify)
-    if saved[2] is not None:  # the engine samples draftless steps without verdicts
-        engine_module.sample_rows = timed("verify_all", saved[2])
+    for name, fn in other.items():
+        setattr(engine_module, name, timed("verify_all", fn))
     verifier_module.sample = timed("sample", verifier_module.sample)
+    if hasattr(engine.metrics, "flush"):
+        engine.metrics.flush = timed("deferred", engine.metrics.flush)
     try:
         for r in requests(batch, new_tokens):
             engine.add_request(r)
@@ -141,17 +154,20 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
                 parts = dict(schedule=s["schedule"], draft=s.get("draft", 0.0), prepare=s["prepare"],
                              forward=s["run"] - s["prepare"], verify=s["verify_all"] - s.get("sample", 0.0),
                              sample=s.get("sample", 0.0))
-                parts["commit"] = step_s - s["schedule"] - s.get("draft", 0.0) - s["run"] - s["verify_all"]
+                parts["deferred"] = s.get("deferred", 0.0)
+                parts["commit"] = (step_s - s["schedule"] - s.get("draft", 0.0) - s["run"] - s["verify_all"]
+                                   - parts["deferred"])
                 for p in PHASES:
                     totals[p] += parts[p]
                 counted[0] += 1
     finally:
-        engine_module.verify, verifier_module.sample = saved[:2]
-        if saved[2] is not None:
-            engine_module.sample_rows = saved[2]
+        engine_module.verify, verifier_module.sample = saved
+        for name, fn in other.items():
+            setattr(engine_module, name, fn)
     n = max(counted[0], 1)
     ms = {p: totals[p] / n * 1e3 for p in PHASES}
     ms["host"] = sum(ms[p] for p in HOST)
+    ms["host_deferred"] = ms["host"] + ms["deferred"]
     ms["steps"] = counted[0]
     c = engine.metrics.counters
     ms["accepted"] = c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0
@@ -236,11 +252,14 @@ def main() -> None:
         old = next((b for b in before if (b["workload"], b["batch"]) == (row["workload"], row["batch"])), None)
         row["host_before"] = old["host"] if old else None
         row["speedup"] = old["host"] / row["host"] if old else None
+        row["share"] = row["host"] / old["host"] if old else None
+        row["share_deferred"] = row["host_deferred"] / old["host"] if old else None
         row["bookkeeping"] = row["host"] - row["draft"]
         row["bookkeeping_before"] = old["host"] - old["draft"] if old else None
         row["bookkeeping_speedup"] = row["bookkeeping_before"] / row["bookkeeping"] if old else None
     columns = [("workload", "workload", "{}"), ("batch", "batch", "{}"), ("accepted", "accepted", "{:.2f}")]
-    columns += [(f"{p} ms", p, "{:.3f}") for p in PHASES] + [("host ms", "host", "{:.3f}")]
+    columns += [(f"{p} ms", p, "{:.3f}") for p in PHASES] + [("host ms", "host", "{:.3f}"),
+                                                             ("host + deferred ms", "host_deferred", "{:.3f}")]
     meta = dict(device=f"cpu ({cpu_name()}, 1 torch thread)", commit=commit,
                 command="python -m benchmarks.engine_host " + " ".join(sys.argv[1:]),
                 torch=torch.__version__, before_commit=before_commit)
@@ -248,14 +267,18 @@ def main() -> None:
             f"command: `{meta['command']}`",
             "accepted: the share of draft tokens accepted. Model: random, 1 layer, hidden 64 (the forward is negligible); ms per full-batch decode/verify "
             "step, mean over the steps of the fastest run. host = schedule + draft + prepare + verify + commit "
-            "(verify without the sampler, `sample`). See the docstring of benchmarks/engine_host.py.",
+            "(verify without the sampler, `sample`); deferred: the metric exports the engine runs after "
+            "launching the next forward (overlapped on a GPU; a tree without them exports inside commit). "
+            "See the docstring of benchmarks/engine_host.py.",
             f"## This tree ({commit})\n\n" + markdown_table(rows, columns)]
     if before:
         text.append(f"## Before (commit {before_commit})\n\n" + markdown_table(before, columns))
         text.append("## Host ms per step, before vs after\n\n" + markdown_table(
             rows, [("workload", "workload", "{}"), ("batch", "batch", "{}"),
                    (f"before ({before_commit})", "host_before", "{:.3f}"), (f"after ({commit})", "host", "{:.3f}"),
-                   ("speedup", "speedup", "{:.2f}x"), ("without draft: before", "bookkeeping_before", "{:.3f}"),
+                   ("speedup", "speedup", "{:.2f}x"), ("after / before", "share", "{:.0%}"),
+                   ("after + deferred", "host_deferred", "{:.3f}"), ("/ before", "share_deferred", "{:.0%}"),
+                   ("without draft: before", "bookkeeping_before", "{:.3f}"),
                    ("after", "bookkeeping", "{:.3f}"), ("speedup", "bookkeeping_speedup", "{:.2f}x")]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "engine_host.md").write_text("\n\n".join(text) + "\n")

@@ -34,7 +34,11 @@ class LocalRunSettings(BaseSettings):
                             "training its last 2 layers (slow on a CPU).")
     model_dir: str = Field("models/tiny", description="The policy checkpoint; trained here if missing (4-6 min on 2 cores). "
                                                       "With --model smollm2 the default is models/smollm2-135m.")
+    log_dir: str = Field("runs/local", description="The services' logs, redis data and the scheduler's weight "
+                                                  "files (two runs at once need two directories).")
     record: str = Field("", description="Write every rollout to this trace file (.npz); empty: not recorded.")
+    resume: bool = Field(False, description="Continue the --record run from its last finished step (its state is kept "
+                                            "beside the trace file), against the services started now.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature.")
     seed: int = Field(0, description="Picks the prompt set and the sampling seeds.")
     partial_credit: float = Field(
@@ -63,15 +67,21 @@ def policy_checkpoint(settings: LocalRunSettings) -> tuple[str, dict]:
 
 
 def run_local(settings: LocalRunSettings) -> None:
+    import signal
+    import sys
+
     from benchmarks.tiny_llm.examples import load_example
     from devtools.run_summary import summary
-    from services.local import LocalCluster
+    from services.local import ROOT, LocalCluster
 
     model_dir, trainer_options = policy_checkpoint(settings)
+    # SIGTERM (a time limit, `kill`) unwinds like Ctrl-C: the cluster stops the processes it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print(f"starting history (with its redis-server), the scheduler and {settings.workers} CPU workers; "
-          "each loads the policy (logs in runs/local/)...", flush=True)
+          f"each loads the policy (logs in {settings.log_dir}/)...", flush=True)
     start = time.monotonic()
     cluster = LocalCluster(model_dir=model_dir, num_workers=settings.workers, policy=settings.policy,
+                           log_dir=ROOT / settings.log_dir,  # relative: to the repository
                            extra_env={"RHYMERL_WORKER_MEASURE_COST": str(settings.measure_cost).lower()})
     with cluster:
         print(f"rhymerl is up after {time.monotonic() - start:.0f} s: scheduler {cluster.scheduler_address}, "
@@ -86,7 +96,8 @@ def run_local(settings: LocalRunSettings) -> None:
         with RolloutClient(cluster.scheduler_address) as client:
             rows = trainer.run(client, model_dir, steps=settings.steps, num_prompts=settings.prompts,
                                n=settings.n, max_tokens=settings.max_tokens, record=settings.record or None,
-                               partial_credit=settings.partial_credit, temperature=settings.temperature,
+                               resume=settings.resume, partial_credit=settings.partial_credit,
+                               temperature=settings.temperature,
                                seed=settings.seed, **trainer_options)
         print("stopping the services (workers drain first)...", flush=True)
     print(summary(rows, settings.measure_cost), flush=True)

@@ -14,6 +14,7 @@ import typer
 from services.common.settings_cli import settings_command
 from services.history.settings import HistorySettings
 from services.rollout.settings import WorkerSettings
+from services.router.settings import RouterSettings
 from services.scheduler.settings import SchedulerSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -31,6 +32,14 @@ def history(settings: HistorySettings) -> None:
 @settings_command(app, "scheduler", SchedulerSettings, "Run the scheduler (trainers submit steps to it).")
 def scheduler(settings: SchedulerSettings) -> None:
     from services.scheduler.server import serve
+
+    asyncio.run(serve(settings))
+
+
+@settings_command(app, "router", RouterSettings,
+                  "Run the step router (trainers submit steps to it; it splits them over scheduler shards).")
+def router(settings: RouterSettings) -> None:
+    from services.router.server import serve
 
     asyncio.run(serve(settings))
 

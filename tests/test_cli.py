@@ -18,10 +18,11 @@ from services.cli import app
 from services.common.settings_cli import env_var, settings_command
 from services.history.settings import HistorySettings
 from services.rollout.settings import WorkerSettings
+from services.router.settings import RouterSettings
 from services.scheduler.settings import SchedulerSettings
 
 COMMANDS = {"history": HistorySettings, "scheduler": SchedulerSettings, "worker": WorkerSettings,
-            "local-run": local_run.LocalRunSettings}
+            "router": RouterSettings, "local-run": local_run.LocalRunSettings}
 
 
 def help_text(command: str) -> str:

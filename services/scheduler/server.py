@@ -191,11 +191,20 @@ async def start_scheduler(settings: SchedulerSettings):
     port = await server.start(settings.host, settings.port)
     await watchdog.refresh()
     watcher = asyncio.create_task(watchdog.run())
+    announcer = None
+    if settings.shard_registry_url:  # a shard behind the step router (services/router/)
+        from services.router.registry import ShardAnnouncer, advertised_address
+
+        announcer = ShardAnnouncer(core, settings.shard_registry_url, settings.shard_id,
+                                   advertised_address(settings.host, port, settings.shard_address), settings.shard_ttl_s)
+        announcer.start()
     log.info("scheduler listening on %s:%d (policy %s, weight updates %s, step log %s, heartbeat %g s, health "
              "port %s)", settings.host, port, settings.policy, settings.weight_updates,
              "on" if core.log.enabled else "off", settings.heartbeat_s, server.health_port or "none")
 
     async def stop() -> None:
+        if announcer is not None:
+            await announcer.stop()
         watcher.cancel()
         await server.stop()
         if health is not None:

@@ -104,6 +104,19 @@ class SchedulerSettings(TLSSettings):
                                     "CPython's are 700,10,10). Empty: CPython's defaults, nothing frozen. "
                                     "docs/architecture.md has the measurement behind the default.")
 
+    shard_registry_url: str = Field(
+        "", description="Run as one shard behind a step router (rhymerl router): announce this scheduler (address, "
+                        "capacity, version) in this Redis, which the router reads. Empty: not a shard (trainers talk "
+                        "to this scheduler directly).")
+    shard_address: str = Field(
+        "", description="The address the router dials (in Kubernetes the pod's IP and port); empty: host:port, or "
+                        "this machine's address when host is 0.0.0.0.")
+    shard_id: str = Field("", description="The shard's name in the registry (unique per shard); empty: its address.")
+    shard_ttl_s: float = Field(
+        10.0, gt=0, description="A shard's registry key outlives its last refresh (every min(shard_ttl_s / 3, 1 s)) "
+                                "this long: a hung or partitioned shard leaves the router's shards, and its groups run "
+                                "elsewhere, within this time.")
+
     @field_validator("gc_thresholds")
     @classmethod
     def _three_thresholds(cls, value: str) -> str:

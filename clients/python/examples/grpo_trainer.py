@@ -27,7 +27,12 @@ times, the first PPO loss of the update (clipped surrogate, sign as minimised), 
 version the update was pushed as (`-> vN`).
 
 --record PATH writes every rollout as a trace file (a compressed .npz; layout in
-`write_traces` below, the same as services/common/traces.py reads).
+`write_traces` below, the same as services/common/traces.py reads), after every step,
+and keeps the run's state beside it (PATH.state.pt: the trained parameters, the
+optimizer, the trace so far). --resume continues such a run from its last finished step,
+against a fresh service: the policy it had reached is pushed first, and the epochs that
+follow are the ones the uninterrupted run would have made (a long recording can span
+several sittings).
 """
 
 # No `from __future__ import annotations`: a launcher may load this file with
@@ -68,6 +73,8 @@ class GRPOConfig:
     tokens_per_microbatch: int = 8192  # padded tokens per forward/backward
     partial_credit: float = 0.0
     record: str | None = None
+    # With record: continue that run from its last finished step (state kept beside the trace)
+    resume: bool = False
     device: str = "cpu"  # where the trainer's copy of the policy learns
     task: str = "reasoning"  # a key of TASKS
     # 0: every parameter learns; k > 0: only the last k decoder layers and the final norm
@@ -222,7 +229,8 @@ def write_traces(path: str, rows: list[dict]) -> None:
         return np.concatenate([np.asarray(a, dtype=dtype) for a in arrays]) if arrays else np.zeros(0, dtype)
 
     prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
-    with open(path, "wb") as f:
+    tmp = Path(f"{path}.tmp")  # renamed when whole: a run killed mid-write keeps the previous file
+    with open(tmp, "wb") as f:
         np.savez_compressed(
             f,
             prompt_ids=np.array([r["prompt_id"] for r in rows], dtype=np.str_),
@@ -236,6 +244,55 @@ def write_traces(path: str, rows: list[dict]) -> None:
             token_ids=concat(responses, np.int32),
             logprobs=concat([r["old_logprobs"] for r in rows], np.float32),
         )
+    tmp.replace(path)
+
+
+# What must match for a run to continue another one's state: a different value would make
+# the resumed epochs a different experiment from the recorded ones.
+RESUME_FIELDS = ("num_prompts", "n", "max_tokens", "temperature", "seed", "lr", "clip_eps", "num_updates",
+                 "partial_credit", "task", "train_layers")
+
+
+def state_path(record: str) -> Path:
+    """Where a recording run keeps what it needs to continue: beside its trace file."""
+    return Path(f"{record}.state.pt")
+
+
+def save_state(config: "GRPOConfig", model, optimizer, step: int, version: int, trace_rows: list[dict],
+               stats: list[dict], history: dict) -> None:
+    """After step `step`: the trained parameters, the optimizer, the trace and the counters,
+    written to a temporary file and renamed (a run killed mid-write keeps the previous state)."""
+    path = state_path(config.record)
+    params = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    state = dict(next_step=step + 1, version=version, params=params, optimizer=optimizer.state_dict(),
+                 trace_rows=trace_rows, stats=stats, history=history,
+                 config={f: getattr(config, f) for f in RESUME_FIELDS})
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def load_state(config: "GRPOConfig", model, optimizer) -> dict | None:
+    """The saved state of an earlier run of this recording, loaded into `model` and
+    `optimizer`; None when there is none. ValueError naming the field when the saved run
+    was a different experiment."""
+    path = state_path(config.record)
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False)
+    for field, saved in state["config"].items():
+        if getattr(config, field) != saved:
+            raise ValueError(f"resume: {field} is {getattr(config, field)!r}, the recorded run used {saved!r} "
+                             f"({path})")
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(state["params"]) != trained:
+        raise ValueError(f"resume: the saved parameters are not the ones this run trains ({path})")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in trained:
+                p.copy_(state["params"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    return state
 
 
 def step_advantages(by_prompt: dict[str, list], rewards: dict[tuple[str, int], float]) -> dict[tuple[str, int], float]:
@@ -311,7 +368,18 @@ def run(
     prompt_tokens = {p.prompt_id: p.token_ids for p in prompts}
     history: dict[str, list[list[int]]] = {}
     trace_rows, stats = [], []
-    for step in range(config.steps):
+    first_step = 0
+    if config.resume:
+        if not config.record:
+            raise ValueError("resume: needs record (the run's state is kept beside its trace file)")
+        state = load_state(config, model, optimizer)
+        if state is not None:
+            first_step, trace_rows, stats, history = (state["next_step"], state["trace_rows"], state["stats"],
+                                                      state["history"])
+            # The service starts from the checkpoint: it gets the policy the run had reached.
+            version = client.push_weights(state["version"], weights_bytes(model))
+            log(f"resumed {config.record} after step {first_step - 1}: policy version {version} pushed")
+    for step in range(first_step, config.steps):
         # 1. rollout
         step_id = f"grpo-seed{config.seed}-step{step}"
         sampling = SamplingParams(
@@ -356,6 +424,7 @@ def run(
         if config.record:
             trace_rows.extend(batch)
             write_traces(config.record, trace_rows)
+            save_state(config, model, optimizer, step, version, trace_rows, stats, history)
     return stats
 
 
@@ -379,6 +448,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GRPOConfig]:
     parser.add_argument("--updates", type=int, default=d.num_updates, help="gradient steps per RL step")
     parser.add_argument("--partial-credit", type=float, default=d.partial_credit)
     parser.add_argument("--record", help="write every rollout to this trace file (.npz)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the --record run from its last finished step (its state is kept beside "
+                             "the trace file as <record>.state.pt)")
     parser.add_argument("--task", choices=sorted(TASKS), default=d.task, help="the problems and their reward")
     parser.add_argument("--train-layers", type=int, default=d.train_layers,
                         help="0: train every parameter; k: only the last k decoder layers and the final norm")
@@ -387,7 +459,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GRPOConfig]:
     config = GRPOConfig(
         steps=args.steps, num_prompts=args.prompts, n=args.n, max_tokens=args.max_tokens,
         temperature=args.temperature, seed=args.seed, lr=args.lr, num_updates=args.updates,
-        partial_credit=args.partial_credit, record=args.record, task=args.task, train_layers=args.train_layers,
+        partial_credit=args.partial_credit, record=args.record, resume=args.resume, task=args.task,
+        train_layers=args.train_layers,
     )  # fmt: skip
     return args, config
 

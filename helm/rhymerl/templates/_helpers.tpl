@@ -23,11 +23,15 @@
 {{- printf "%s-%s" (include "rhymerl.fullname" $root | trunc 50 | trimSuffix "-") (index . 1) }}
 {{- end }}
 
+{{/* (list $ "scheduler"), or (list $ "scheduler" "2"): one shard's pods only (sharding). */}}
 {{- define "rhymerl.selectorLabels" -}}
 {{- $root := index . 0 -}}
 app.kubernetes.io/name: {{ include "rhymerl.name" $root }}
 app.kubernetes.io/instance: {{ $root.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
+{{- if and (gt (len .) 2) (ne (index . 2) "") }}
+rhymerl.io/shard: {{ index . 2 | quote }}
+{{- end }}
 {{- end }}
 
 {{- define "rhymerl.labels" -}}
@@ -61,8 +65,56 @@ app.kubernetes.io/part-of: rhymerl
 {{- printf "%s:%d" (include "rhymerl.componentName" (list . "history")) (int .Values.history.port) }}
 {{- end }}
 
+{{/* The Service trainers call: the step router when sharded, else the scheduler. */}}
 {{- define "rhymerl.schedulerAddress" -}}
+{{- if .Values.sharding.enabled }}
+{{- printf "%s:%d" (include "rhymerl.componentName" (list . "router")) (int .Values.router.port) }}
+{{- else }}
 {{- printf "%s:%d" (include "rhymerl.componentName" (list . "scheduler")) (int .Values.scheduler.port) }}
+{{- end }}
+{{- end }}
+
+{{/* The shards as a JSON list: [""] unsharded (the names as ever), else ["0", .., "N-1"]. */}}
+{{- define "rhymerl.shards" -}}
+{{- $shards := list "" }}
+{{- if .Values.sharding.enabled }}
+{{- $shards = list }}
+{{- range $i := until (int .Values.sharding.shards) }}
+{{- $shards = append $shards (toString $i) }}
+{{- end }}
+{{- end }}
+{{- toJson $shards }}
+{{- end }}
+
+{{/* One shard's scheduler (or worker) name: (list $ "scheduler" shard). */}}
+{{- define "rhymerl.shardName" -}}
+{{- $base := include "rhymerl.componentName" (list (index . 0) (index . 1)) }}
+{{- if eq (index . 2) "" }}{{ $base }}{{ else }}{{ printf "%s-%s" $base (index . 2) }}{{ end }}
+{{- end }}
+
+{{/* Whether the release has a Redis the scheduler can share (the step log, the shard
+     registry): scheduler.redisUrl, or history's (external, Secret or bundled); not when
+     history embeds its own. */}}
+{{- define "rhymerl.hasRedis" -}}
+{{- $h := .Values.history }}
+{{- if or .Values.scheduler.redisUrl $h.redisUrlSecret.name .Values.redis.enabled $h.redisUrl }}yes{{ end }}
+{{- end }}
+
+{{/* That Redis's URL as an env var's value or valueFrom. */}}
+{{- define "rhymerl.redisUrlValue" -}}
+{{- $h := .Values.history }}
+{{- if .Values.scheduler.redisUrl }}
+value: {{ .Values.scheduler.redisUrl | quote }}
+{{- else if $h.redisUrlSecret.name }}
+valueFrom:
+  secretKeyRef:
+    name: {{ $h.redisUrlSecret.name }}
+    key: {{ $h.redisUrlSecret.key }}
+{{- else if .Values.redis.enabled }}
+value: {{ printf "redis://%s:%d/0" (include "rhymerl.componentName" (list . "redis")) (int .Values.redis.port) | quote }}
+{{- else }}
+value: {{ $h.redisUrl | quote }}
+{{- end }}
 {{- end }}
 
 {{/* Pod-spec fields every component shares. */}}
@@ -190,7 +242,7 @@ matchLabels:
 matchExpressions:
   - key: app.kubernetes.io/component
     operator: In
-    values: [history, scheduler, worker]
+    values: [history, scheduler, worker{{ if .Values.sharding.enabled }}, router{{ end }}]
 {{- end }}
 
 {{- define "rhymerl.componentRelabel" -}}

@@ -87,19 +87,19 @@ class BatchScheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        # Decodes feed their last token, prefills the next chunk; none of that changes while
-        # decodes preempt below (a preempted sequence leaves ``running`` and is skipped).
-        decodes, prefills = [], []
-        for seq in self.running:
-            left = len(seq.token_ids) - seq.num_computed_tokens
-            if left == 1:
-                decodes.append(seq)
-            elif left > 1:
-                prefills.append(seq)
-        # 1. decodes, each needing a slot for its last token's KV
+        # 1. decodes (their last token), each needing a slot for its last token's KV, in one
+        # pass that sets the prefills (their next chunk) aside. A sequence preempted while
+        # making room leaves ``running`` and is skipped when the pass reaches it.
+        prefills = []
         block_size = self.block_manager.block_size
-        for seq in decodes:
-            if seq.status != SequenceStatus.RUNNING or budget == 0:
+        running, scheduled = SequenceStatus.RUNNING, batch.seqs
+        for seq in list(self.running):
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if left != 1:
+                if left > 1:
+                    prefills.append(seq)
+                continue
+            if seq.status != running or budget == 0:
                 continue  # preempted below while making room, or out of budget
             if len(seq.token_ids) > len(seq.block_table) * block_size:  # its last block is full
                 while not self.block_manager.ensure_slots(seq, seq.num_tokens):
@@ -108,9 +108,9 @@ class BatchScheduler:
                     batch.num_preempted += 1
                     if victim is seq:
                         break
-            if seq.status == SequenceStatus.RUNNING:
+            if seq.status == running:
                 seq.num_scheduled_tokens = 1
-                batch.seqs.append(seq)
+                scheduled.append(seq)
                 budget -= 1
         batch.num_decodes = len(batch.seqs)
         # 2. chunks of prefills already under way
@@ -146,12 +146,20 @@ class BatchScheduler:
         """After the forward: every sequence in it is charged the step's time, and a
         prefill chunk that did not reach the end has its KV computed (its full blocks
         become shareable); sampling sequences are advanced by the engine's commit."""
-        for seq in batch.seqs:
+        for seq in batch.seqs[:batch.num_decodes]:
             seq.busy_s += elapsed_s
+        self.advance_prefills(batch, elapsed_s, charge_sampling=True)
+
+    def advance_prefills(self, batch: ScheduledBatch, elapsed_s: float, charge_sampling: bool = False) -> None:
+        """``postprocess`` for the prefill chunks (the engine's commit pass charges the
+        sampling sequences itself: ``charge_sampling`` False leaves them alone)."""
         for seq in batch.seqs[batch.num_decodes:]:  # (a decode feeds its last token)
             if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                seq.busy_s += elapsed_s
                 seq.num_computed_tokens += seq.num_scheduled_tokens
                 self.block_manager.commit(seq)
+            elif charge_sampling:
+                seq.busy_s += elapsed_s
 
     def budget_left(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens

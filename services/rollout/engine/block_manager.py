@@ -10,6 +10,10 @@ block is its own fresh block, so no copy-on-write is ever needed.
 Freed blocks that carry a hash stay findable until reused (prefix cache); the free pool
 hands out unhashed blocks first, then the least recently freed hashed ones.
 
+Every change to a running sequence's table is also written to its row of ``tables``
+(input_batch.BlockTables): a sequence takes a row when admitted and gives it back when
+its blocks are freed, so the step's inputs gather block tables by row.
+
 This module knows nothing about models or scheduling policy: it sees token ids and
 block tables.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from services.rollout.engine.input_batch import BlockTables
 from services.rollout.engine.sequence import Sequence
 
 
@@ -33,6 +38,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.num_hashed_blocks: dict[int, int] = {}  # seq_id -> leading blocks of its table already hashed
+        self.tables = BlockTables()  # the running sequences' tables, a row each (seq.row)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -77,6 +83,8 @@ class BlockManager:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
         seq.block_table = list(cached)
+        seq.row = self.tables.assign()
+        self.tables.extend(seq.row, 0, seq.block_table)
         seq.num_computed_tokens = len(cached) * self.block_size
         self.num_hashed_blocks[seq.seq_id] = len(cached)
         ok = self.ensure_slots(seq, seq.num_tokens)
@@ -90,13 +98,20 @@ class BlockManager:
         missing = self.num_blocks_for(num_tokens) - len(seq.block_table)
         if missing > self.num_free_blocks:
             return False
-        for _ in range(missing):
-            seq.block_table.append(self._take_free_block())
+        if missing > 0:
+            new = [self._take_free_block() for _ in range(missing)]
+            if seq.row >= 0:
+                self.tables.extend(seq.row, len(seq.block_table), new)
+            seq.block_table.extend(new)
         return True
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the blocks past the first num_tokens tokens (rejected draft tokens' KV)."""
         keep, table = -(-num_tokens // self.block_size), seq.block_table
+        if len(table) <= keep:
+            return
+        if seq.row >= 0:
+            self.tables.truncate(seq.row, keep, len(table))
         while len(table) > keep:
             self._release(table.pop())
 
@@ -122,6 +137,9 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         for block in reversed(seq.block_table):
             self._release(block)
+        if seq.row >= 0:
+            self.tables.release(seq.row, len(seq.block_table))
+            seq.row = -1
         seq.block_table = []
         seq.num_computed_tokens = 0
         self.num_hashed_blocks.pop(seq.seq_id, None)

@@ -34,7 +34,7 @@ from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blo
 from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.tree import MAX_TREE_ROWS, check_tree, is_chain, kv_moves, prune, shape
-from services.rollout.engine.verifier import Verdict, sample_rows, verify
+from services.rollout.engine.verifier import Verdict, sample_rows, verify, verify_linear
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +85,10 @@ class LLMEngine:
                                   max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                                   max_draft_len=self.max_draft_len, use_cuda_graphs=use_cuda_graphs,
                                   batch_invariant=batch_invariant, tree_drafts=self.tree_drafts)
+        self.runner.tables = self.block_manager.tables
         self.batch_invariant = batch_invariant
-        self.metrics = EngineMetrics(worker_id)
+        # The series' exports wait for the next forward's launch (EngineMetrics.flush in step())
+        self.metrics = EngineMetrics(worker_id, deferred=True)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
 
@@ -129,6 +131,7 @@ class LLMEngine:
         for seq in list(self.seqs.values()):
             self._remove(seq)
         self._aborted = []
+        self.metrics.flush()
         return dropped
 
     def has_unfinished(self) -> bool:
@@ -151,6 +154,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward + verify iteration; returns the chunks that ended."""
+        outputs = self._step()
+        if not self.scheduler.has_work():
+            self.metrics.flush()  # idle: no next forward to export behind
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         start, cost_start = time.perf_counter(), self._cost_clock()
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()                                      # 1. schedule
@@ -158,9 +167,14 @@ class LLMEngine:
             return outputs
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
+        # The last step's metric exports, while the device computes this step's forward
+        # (on a GPU, nothing above has waited for it; the sampler's read below does).
+        self.metrics.flush()
         sampling = batch.sampling_seqs()
         if not self.speculative:
             return self._plain_step(batch, sampling, logits, outputs, start, cost_start)  # 4-6 no drafts
+        if self.runner.sampling is not None and self.runner.sampling.fed_host is not None:
+            return self._linear_step(batch, logits, outputs, start, cost_start)  # 4-6 decodes, linear drafts
         verdicts = verify(logits, sampling, self.runner.sampling, self.runner.params,
                           self.runner.reader)                                  # 4. verify
         if self.tree_drafts:
@@ -185,17 +199,84 @@ class LLMEngine:
         making verdicts: this runs for every sequence of every step)."""
         runner = self.runner
         tokens, logprobs = sample_rows(logits, runner.sampling, runner.params, runner.reader) if sampling else ((), ())
-        self.scheduler.postprocess(batch, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        self.scheduler.advance_prefills(batch, elapsed)  # (postprocess; the loop charges the others)
         num_prompt_tokens = batch.num_prompt_tokens()
+        bm = self.block_manager
+        bs = bm.block_size
         for seq, token, logprob in zip(sampling, tokens, logprobs):
+            seq.busy_s += elapsed
             computed = seq.num_computed_tokens
-            seq.num_computed_tokens = computed + seq.num_scheduled_tokens
+            seq.num_computed_tokens = now = computed + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            if seq.append_token(token, logprob):  # the chunk ended
-                outputs.append(self._finish(seq))
-            else:
-                self._commit_filled_block(seq, computed)
+            own = seq.token_ids
+            own.append(token)
+            seq.out_token_ids.append(token)
+            seq.out_logprobs.append(logprob)
+            if (len(own) >= seq.end_len or token in seq.stop_token_ids) and seq.ends_with(token):
+                outputs.append(self._finish(seq))  # (Sequence.append_token, inline)
+                continue
+            if now // bs != computed // bs:  # a block filled up: hash it (_commit_filled_block)
+                bm.commit(seq)
         self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
+        return outputs
+
+    def _linear_step(self, batch: ScheduledBatch, logits, outputs: list[RequestOutput], start: float,
+                     cost_start: float) -> list[RequestOutput]:
+        """Verify, commit and finish a step of the decode layout (every sequence samples:
+        its last token, then perhaps a linear draft; step_inputs._decode_step): the drafts
+        accepted for the whole batch by array operations (``verify_linear``), then one
+        pass over the sequences doing what ``_commit`` does, in the same order (the
+        scheduler's ``postprocess`` has nothing to do for such a step but charge its time)."""
+        runner = self.runner
+        v = verify_linear(logits, runner.sampling, runner.params, runner.reader)
+        elapsed = time.perf_counter() - start
+        tokens, logprobs = v.token_ids, v.logprobs
+        drafter, undrafted, bm = self._drafter, self._undrafted, self.block_manager
+        bs = bm.block_size
+        num_generated = num_drafts = num_accepted = 0
+        for seq, lo, num_draft, a in zip(batch.seqs, v.query_start.tolist(), v.num_draft.tolist(),
+                                         v.num_accepted.tolist()):
+            seq.busy_s += elapsed
+            request_id = seq.request_id
+            if num_draft:
+                num_drafts += 1
+                num_accepted += a
+                seq.record_verify(num_draft, a)
+                seq.draft_token_ids = []
+                if request_id not in undrafted:
+                    try:
+                        drafter.record_acceptance(request_id, num_draft, a)
+                    except Exception:  # noqa: BLE001 - see _undrafted
+                        self._drafter_failed(drafter.record_acceptance, request_id)
+            computed = seq.num_computed_tokens
+            seq.num_computed_tokens = computed + 1 + a  # the fed token and the accepted drafts
+            seq.num_scheduled_tokens = 0
+            token_ids = tokens[lo:lo + a + 1]
+            own = seq.token_ids
+            if len(own) + a + 1 < seq.end_len and seq.stop_token_ids.isdisjoint(token_ids):
+                own += token_ids  # none can end the chunk (Sequence.append_tokens' common case)
+                seq.out_token_ids += token_ids
+                seq.out_logprobs += logprobs[lo:lo + a + 1]
+                num_generated += a + 1
+            else:
+                num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:lo + a + 1])
+                num_generated += num_emitted
+                if ended:
+                    outputs.append(self._finish(seq))
+                    continue
+            if num_draft and len(seq.block_table) * bs >= len(seq.token_ids) + bs:
+                bm.truncate(seq, len(seq.token_ids))  # drop the rejected drafts' blocks
+            if seq.num_computed_tokens // bs != computed // bs:
+                bm.commit(seq)
+            if request_id not in undrafted:
+                try:
+                    drafter.add_tokens(request_id, token_ids)
+                except Exception:  # noqa: BLE001 - see _undrafted
+                    self._drafter_failed(drafter.add_tokens, request_id)
+        num_draft_tokens = len(tokens) - len(batch.seqs)
+        self.metrics.on_accepted(num_drafts, num_draft_tokens, num_accepted, v.num_accepted)
+        self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), num_draft_tokens, num_generated)
         return outputs
 
     def _finish(self, seq: Sequence) -> RequestOutput:
@@ -239,7 +320,8 @@ class LLMEngine:
         room = self.runner.graph_token_room(batch.num_tokens)
         if room is not None:
             budget = min(budget, room)
-        max_lens = [max(0, min(self.max_draft_len, s.max_new_tokens_left() - 1)) for s in decodes]
+        most = self.max_draft_len + 1
+        max_lens = [min(most, s.end_len - len(s.token_ids)) - 1 for s in decodes]  # (max_new_tokens_left() - 1)
         if budget <= 0 or not any(max_lens):
             return
         try:
@@ -255,15 +337,19 @@ class LLMEngine:
             self.metrics.on_drafter_error()
             return
         vocab = self.model.config.vocab_size
+        bm = self.block_manager
+        bs = bm.block_size
         for seq, (draft, parents), max_len in zip(decodes, trees, max_lens):
             if parents is None:
                 draft = [int(t) for t in draft[:min(max_len, budget)]]
             else:
                 draft, parents = self._checked_tree(draft, parents, max_len, budget)
-            if any(not 0 <= t < vocab for t in draft):
-                draft, parents = [], None  # a drafter bug must not crash the step
-            if draft and not self.block_manager.ensure_slots(seq, seq.num_tokens + len(draft)):
-                draft, parents = [], None  # no free KV for the draft: decode plainly this step
+            if draft:
+                if min(draft) < 0 or max(draft) >= vocab:
+                    draft, parents = [], None  # a drafter bug must not crash the step
+                elif (len(seq.token_ids) + len(draft) > len(seq.block_table) * bs
+                      and not bm.ensure_slots(seq, seq.num_tokens + len(draft))):
+                    draft, parents = [], None  # no free KV for the draft: decode plainly this step
             seq.draft_token_ids = draft
             seq.draft_parents = parents
             budget -= len(draft)
@@ -347,14 +433,19 @@ class LLMEngine:
         try:
             method(request_id, *args)
         except Exception:  # noqa: BLE001 - see _undrafted
-            log.exception("drafter.%s failed for %s; it decodes without drafts", method.__name__, request_id)
-            self.metrics.on_drafter_error()
-            self._undrafted.add(request_id)
-            if method != self._drafter.stop_request:
-                try:
-                    self._drafter.stop_request(request_id)
-                except Exception:  # noqa: BLE001 - it may not have started
-                    pass
+            self._drafter_failed(method, request_id)
+
+    def _drafter_failed(self, method, request_id: str) -> None:
+        """``method`` of the drafter raised for ``request_id`` (called from an except
+        block): logged and counted, and the request goes on without drafts."""
+        log.exception("drafter.%s failed for %s; it decodes without drafts", method.__name__, request_id)
+        self.metrics.on_drafter_error()
+        self._undrafted.add(request_id)
+        if method != self._drafter.stop_request:
+            try:
+                self._drafter.stop_request(request_id)
+            except Exception:  # noqa: BLE001 - it may not have started
+                pass
 
     def _validate(self, req: EngineRequest) -> None:
         vocab = self.model.config.vocab_size

@@ -16,11 +16,15 @@ else may make the host wait for the GPU:
     decision from host data (vLLM keeps sampling parameters in its persistent
     ``InputBatch`` the same way).
   - ``HostReader``: the step's one read, through a persistent pinned buffer.
+  - ``BlockTables``: every running sequence's block table as a row of one persistent
+    numpy array (the block manager writes a row when the table changes), so a step's
+    block tables and KV slots are numpy gathers by row, not a Python list per sequence.
 This module knows nothing about scheduling or models.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,46 +43,79 @@ def _pinned_pair(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torc
 
 
 class Staging:
-    """One dtype's host->device staging buffers, reused every step."""
+    """One dtype's host->device staging buffers, reused every step.
+
+    A step's parts are written at aligned offsets of the host buffer and go over in one
+    non-blocking copy; the device tensors handed out are views of the device buffer,
+    kept by layout (the parts' offsets and shapes): a steady batch's steps share one
+    layout, and making a view costs more host time than writing its values."""
+
+    MAX_LAYOUTS = 256  # views kept; past this the cache starts over
 
     def __init__(self, dtype: torch.dtype, device: torch.device, capacity: int = 1024):
         self.dtype, self.device = dtype, device
         self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._bounds: list[tuple[int, int]] = []
+        self._views: dict[tuple, tuple[list[torch.Tensor], list[tuple[int, int]]]] = {}
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
         self.host, self.dev = _pinned_pair(capacity, self.dtype, self.device)
         self.host_np = self.host.numpy()
         self.capacity = capacity
+        self._views = {}
 
     def stage(self, parts: list) -> list[torch.Tensor]:
-        """``parts`` (lists of numbers) as device tensors: slices of the device buffer, each
+        """``parts`` (lists of numbers) as device tensors: views of the device buffer, each
         from an aligned offset, all copied in one non-blocking copy. They are valid until
         the next ``stage`` (the next step). The parts are joined in a Python list and
         converted by one ``np.array``: on a busy host with cold caches that beats a numpy
         assignment per part (benchmarks/engine_host.py)."""
         flat: list[int] = []
-        bounds = []
+        layout = []
         for part in parts:
             flat.extend(_PAD[:-len(flat) % _ALIGN])
-            bounds.append((len(flat), len(flat) + len(part)))
+            layout.append((len(flat), (len(part),)))
             flat.extend(part)
-        values = np.array(flat, dtype=self.np_dtype)
-        self._bounds = bounds
-        if self.device.type != "cuda":  # the host buffer is the device buffer
-            self.host_np = values
-            buf = torch.from_numpy(values)
-            return [buf[a:b] for a, b in bounds]
         end = len(flat)
-        self._event.synchronize()  # the previous step's copy has read the host side (done long ago)
+        self._begin(end)
+        self.host_np[:end] = flat
+        return self._finish(tuple(layout), end)
+
+    def stage_arrays(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """``stage`` for parts that are numpy arrays already, each handed back in its shape
+        (no Python list in between)."""
+        layout, end = [], 0
+        for part in parts:
+            end += -end % _ALIGN
+            layout.append((end, part.shape))
+            end += part.size
+        self._begin(end)
+        host = self.host_np
+        for (a, _), part in zip(layout, parts):
+            host[a:a + part.size] = part.reshape(-1)
+        return self._finish(tuple(layout), end)
+
+    def _begin(self, end: int) -> None:
+        if self._event is not None:
+            self._event.synchronize()  # the previous step's copy has read the host side (done long ago)
         if end > self.capacity:
             self._alloc(1 << (end - 1).bit_length())
-        self.host_np[:end] = values
-        self.dev[:end].copy_(self.host[:end], non_blocking=True)
-        self._event.record()
-        return [self.dev[a:b] for a, b in bounds]
+
+    def _finish(self, layout: tuple, end: int) -> list[torch.Tensor]:
+        if self._event is not None:
+            self.dev[:end].copy_(self.host[:end], non_blocking=True)
+            self._event.record()
+        cached = self._views.get(layout)
+        if cached is None:
+            if len(self._views) >= self.MAX_LAYOUTS:
+                self._views = {}
+            bounds = [(a, a + math.prod(shape)) for a, shape in layout]
+            cached = self._views[layout] = ([self.dev[a:b].view(shape) for (a, b), (_, shape) in zip(bounds, layout)],
+                                            bounds)
+        views, self._bounds = cached
+        return views
 
     def host_part(self, i: int) -> np.ndarray:
         """The host side of the last ``stage``'s i-th part (valid until the next)."""
@@ -180,6 +217,12 @@ class StepSampling:
     masked: torch.Tensor | None  # [num_masked] int64 on the device: row * vocab + token, stop tokens
     #                              out of the distribution before min_tokens; None when none is
     row_slots_host: np.ndarray  # [num_rows] the same slots, on the host
+    # Set for a decode-layout step only (every sequence feeds its last token, then perhaps
+    # a linear draft, and masks no stop token; every fed token is a row): the token fed at
+    # each row, and where each sequence's rows start (verifier.verify_linear accepts drafts
+    # from them).
+    fed_host: np.ndarray | None = None  # [num_rows]
+    query_start_host: np.ndarray | None = None  # [num_seqs + 1]
 
 
 class HostReader:
@@ -199,3 +242,76 @@ class HostReader:
         out = self._buf[:n]
         out.copy_(t.reshape(-1))  # waits for the step's work, then copies
         return out.numpy().reshape(t.shape)
+
+
+class BlockTables:
+    """Each running sequence's block table in a row of one persistent int32 array.
+
+    A sequence gets a row when it is admitted (it holds KV blocks) and gives it back when
+    its blocks are freed (finished, aborted, preempted). The block manager reports each
+    change of a table as it makes it (``extend``, ``truncate``, ``release``); the changes
+    are held in a dict by (row, column), the latest winning, and written into the array
+    in one numpy assignment by ``sync``, which the step's layout calls before it gathers
+    rows (a change costs a dict entry, not numpy calls, on the block manager's path).
+    Entries past a row's length are 0 once synced (cleared as a table shrinks and when the
+    row is given back), so a gathered row is the table padded with zeros, whichever
+    sequence held the row before. The array grows (rows, columns) on demand."""
+
+    MAX_HELD = 1 << 16  # changes held before they are written anyway (a run whose steps never gather)
+
+    def __init__(self, rows: int = 16, cols: int = 16):
+        self.array = np.zeros((rows, cols), dtype=np.int32)
+        self.lengths = np.zeros(rows, dtype=np.int64)
+        self._free = list(range(rows - 1, -1, -1))  # lowest row first
+        self._entries: dict[tuple[int, int], int] = {}  # changes not yet synced: (row, column) -> block
+        self._lengths: dict[int, int] = {}  # row -> its table's length, not yet synced
+
+    def assign(self) -> int:
+        if not self._free:
+            rows = self.array.shape[0]
+            self._resize(2 * rows, self.array.shape[1])
+            self._free.extend(range(2 * rows - 1, rows - 1, -1))
+        return self._free.pop()
+
+    def extend(self, row: int, first: int, blocks: list[int]) -> None:
+        """The row's table, ``first`` blocks long, had ``blocks`` appended."""
+        entries = self._entries
+        for col, block in enumerate(blocks, first):
+            entries[row, col] = block
+        self._lengths[row] = first + len(blocks)
+        if len(entries) > self.MAX_HELD:
+            self.sync()
+
+    def truncate(self, row: int, num_blocks: int, old_length: int) -> None:
+        """The row's table, ``old_length`` blocks long, was cut to ``num_blocks``."""
+        entries = self._entries
+        for col in range(num_blocks, old_length):
+            entries[row, col] = 0
+        self._lengths[row] = num_blocks
+        if len(entries) > self.MAX_HELD:
+            self.sync()
+
+    def release(self, row: int, old_length: int) -> None:
+        """The row's sequence, its table ``old_length`` blocks long, gave its blocks back."""
+        self.truncate(row, 0, old_length)
+        self._free.append(row)
+
+    def sync(self) -> None:
+        """Writes the held changes into ``array`` and ``lengths``."""
+        if self._entries:
+            rows, cols = np.array(list(self._entries), dtype=np.int64).T
+            if cols.max() >= self.array.shape[1]:
+                self._resize(self.array.shape[0], max(int(cols.max()) + 1, 2 * self.array.shape[1]))
+            self.array[rows, cols] = list(self._entries.values())
+            self._entries = {}
+        if self._lengths:
+            self.lengths[list(self._lengths)] = list(self._lengths.values())
+            self._lengths = {}
+
+    def _resize(self, rows: int, cols: int) -> None:
+        array = np.zeros((rows, cols), dtype=np.int32)
+        lengths = np.zeros(rows, dtype=np.int64)
+        old_rows, old_cols = self.array.shape
+        array[:old_rows, :old_cols] = self.array
+        lengths[:old_rows] = self.lengths
+        self.array, self.lengths = array, lengths

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from services.common import metrics as m
 
 
@@ -39,9 +41,18 @@ def batch_bucket(num_seqs: int) -> str:
 
 
 class EngineMetrics:
-    def __init__(self, worker_id: str):
+    """The plain counters change at once. The Prometheus series too, unless ``deferred``:
+    then their updates are held (``_export``) until ``flush``, which the engine calls
+    after it has launched the next step's forward (the exports run while the device
+    computes, not between the sampled tokens' read and the next launch) and when it
+    goes idle, so a scrape sees a busy engine's series at most one step late."""
+
+    def __init__(self, worker_id: str, deferred: bool = False):
         w = worker_id
         self.counters = EngineCounters()
+        self.deferred = deferred
+        self._pending: list[tuple] = []  # held exports: (function, args)
+        self._pending_misses = 0
         self._drafts = m.spec_num_drafts.labels(w)
         self._draft_tokens = m.spec_num_draft_tokens.labels(w)
         self._accepted = m.spec_num_accepted_tokens.labels(w)
@@ -66,10 +77,28 @@ class EngineMetrics:
             for counter in (m.tree_drafts, m.tree_nodes, m.tree_accepted):
                 counter.labels(w, bucket)
 
+    def _export(self, fn, *args) -> None:
+        if self.deferred:
+            self._pending.append((fn, args))
+        else:
+            fn(*args)
+
+    def flush(self) -> None:
+        """Runs the held exports, in order (nothing when not ``deferred``)."""
+        if self._pending_misses:
+            self._misses.inc(self._pending_misses)
+            self._pending_misses = 0
+        pending, self._pending = self._pending, []
+        for fn, args in pending:
+            fn(*args)
+
     def on_draft_miss(self) -> None:
         """A decoding sequence got no draft this step (no match, or cut by the budget)."""
         self.counters.num_draft_misses += 1
-        self._misses.inc()
+        if self.deferred:
+            self._pending_misses += 1  # one export for the step's misses
+        else:
+            self._misses.inc()
 
     def on_tree(self, width: int, depth: int) -> None:
         """A draft tree went into the step's forward (its shape)."""
@@ -77,8 +106,8 @@ class EngineMetrics:
         c.num_tree_drafts += 1
         c.tree_width_sum += width
         c.tree_depth_sum += depth
-        self._tree_width.observe(width)
-        self._tree_depth.observe(depth)
+        self._export(self._tree_width.observe, width)
+        self._export(self._tree_depth.observe, depth)
 
     def on_tree_verdicts(self, verdicts, num_seqs: int) -> None:
         """A step's tree verdicts (``path`` set), by the step's batch-size bucket: nodes
@@ -89,8 +118,10 @@ class EngineMetrics:
         nodes, accepted = sum(v.num_draft for v in trees), sum(v.num_accepted for v in trees)
         self.counters.num_tree_nodes += nodes
         self.counters.num_tree_accepted += accepted
-        bucket = batch_bucket(num_seqs)
-        m.tree_drafts.labels(self._worker, bucket).inc(len(trees))
+        self._export(self._export_trees, len(trees), nodes, accepted, batch_bucket(num_seqs))
+
+    def _export_trees(self, num_trees: int, nodes: int, accepted: int, bucket: str) -> None:
+        m.tree_drafts.labels(self._worker, bucket).inc(num_trees)
         m.tree_nodes.labels(self._worker, bucket).inc(nodes)
         if accepted:
             m.tree_accepted.labels(self._worker, bucket).inc(accepted)
@@ -103,24 +134,40 @@ class EngineMetrics:
         """A step's verdicts (each with ``num_draft`` and ``num_accepted``): the drafts among
         them counted at once, the same totals as one update per draft for fewer calls."""
         drafted = [v for v in verdicts if v.num_draft]
-        if not drafted:
+        if drafted:
+            self.on_accepted(len(drafted), sum(v.num_draft for v in drafted), sum(v.num_accepted for v in drafted),
+                             np.array([v.num_accepted for v in drafted]))
+
+    def on_accepted(self, num_drafts: int, num_draft_tokens: int, num_accepted: int, accepted: np.ndarray) -> None:
+        """A step's drafts: how many, their tokens, the tokens accepted, and per sequence the
+        tokens it accepted (a sequence without a draft: 0); the per-position series are
+        made from ``accepted`` when exported."""
+        if num_drafts == 0:
             return
-        accepted_per_pos = [0] * max(v.num_accepted for v in drafted)
-        for v in drafted:
-            for i in range(v.num_accepted):
-                accepted_per_pos[i] += 1
-        self.on_verifies(len(drafted), sum(v.num_draft for v in drafted), sum(v.num_accepted for v in drafted),
-                         accepted_per_pos)
+        self._count_verifies(num_drafts, num_draft_tokens, num_accepted)
+        self._export(self._export_accepted, num_drafts, num_draft_tokens, num_accepted, accepted)
+
+    def _export_accepted(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
+                         accepted: np.ndarray) -> None:
+        at_least = np.bincount(accepted)[::-1].cumsum()[::-1]  # [k]: drafts that accepted >= k tokens
+        self._export_verifies(num_drafts, num_draft_tokens, num_accepted, at_least[1:].tolist())
 
     def on_verifies(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
                     accepted_per_pos: list[int]) -> None:
         """Several verified drafts at once: vLLM reports a step's totals, not each draft."""
         if num_drafts == 0:
             return
+        self._count_verifies(num_drafts, num_draft_tokens, num_accepted)
+        self._export(self._export_verifies, num_drafts, num_draft_tokens, num_accepted, accepted_per_pos)
+
+    def _count_verifies(self, num_drafts: int, num_draft_tokens: int, num_accepted: int) -> None:
         c = self.counters
         c.num_drafts += num_drafts
         c.num_draft_tokens += num_draft_tokens
         c.num_accepted_tokens += num_accepted
+
+    def _export_verifies(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
+                         accepted_per_pos: list[int]) -> None:
         self._drafts.inc(num_drafts)
         self._draft_tokens.inc(num_draft_tokens)
         if num_accepted:
@@ -137,9 +184,15 @@ class EngineMetrics:
         c.num_steps += 1
         if graphed is not None:
             c.num_eager_forwards += not graphed
-            self._forwards["graph" if graphed else "eager"].inc()
         c.num_prompt_tokens += num_prompt_tokens
         c.num_generation_tokens += num_generation_tokens
+        self._export(self._export_step, kind, seconds, num_prompt_tokens, num_generation_tokens, num_running,
+                     num_waiting, kv_usage, graphed)
+
+    def _export_step(self, kind: str, seconds: float, num_prompt_tokens: int, num_generation_tokens: int,
+                     num_running: int, num_waiting: int, kv_usage: float, graphed: bool | None) -> None:
+        if graphed is not None:
+            self._forwards["graph" if graphed else "eager"].inc()
         if num_prompt_tokens:
             self._prompt.inc(num_prompt_tokens)
         if num_generation_tokens:

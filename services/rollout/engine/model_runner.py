@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
-from services.rollout.engine.input_batch import HostReader, SlotParams, StepSampling
+from services.rollout.engine.input_batch import BlockTables, HostReader, SlotParams, StepSampling
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.step_inputs import StepInputs, new_staging, prepare_step
 
@@ -54,6 +54,7 @@ class ModelRunner:
         self.staging = new_staging(device)
         self.params = SlotParams(cfg.vocab_size, device, capacity=max_num_seqs)
         self.reader = HostReader()
+        self.tables: BlockTables | None = None  # the block manager's table rows (the engine sets them)
         self.sampling: StepSampling | None = None  # the last run's sampler rows
         self.last_graphed = False  # whether the last run replayed a CUDA graph (else eager)
         self.graphs: CUDAGraphs | None = None
@@ -64,7 +65,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ 1. layout
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
-        return prepare_step(seqs, self.block_size, self.device, self.model.config.vocab_size, self.staging)
+        return prepare_step(seqs, self.block_size, self.device, self.model.config.vocab_size, self.staging,
+                            self.tables)
 
     def graph_token_room(self, num_tokens: int) -> int | None:
         """Draft tokens a step of ``num_tokens`` can take and still replay a CUDA graph

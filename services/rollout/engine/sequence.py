@@ -37,6 +37,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.slot = -1  # its row of the runner's SlotParams (the engine assigns it)
         self.block_table: list[int] = []
+        self.row = -1  # its row of the block manager's BlockTables while it holds blocks
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (committed ones only)
         self.num_scheduled_tokens = 0  # this step: tokens of token_ids fed to the model
         self.draft_token_ids: list[int] = []  # this step: draft fed after the last token
@@ -51,6 +52,10 @@ class Sequence:
         self.num_accepted_tokens = 0
         self.accepted_per_pos: list[int] = []
         self.busy_s = 0.0
+        # the length token_ids reaches when this chunk must end at the latest: its budget,
+        # the sample's max_tokens, the model's length (out_token_ids grows with token_ids)
+        self.end_len = min(len(self.token_ids) + req.max_new_tokens, self.num_prompt_tokens + req.max_tokens,
+                           max_model_len)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -74,9 +79,7 @@ class Sequence:
 
     def max_new_tokens_left(self) -> int:
         """Tokens this sequence may still emit in this chunk (>= 1 while running)."""
-        num_tokens, req = len(self.token_ids), self.req  # (no properties: called per sequence per step)
-        return min(req.max_new_tokens - len(self.out_token_ids), req.max_tokens - (num_tokens - self.num_prompt_tokens),
-                   self.max_model_len - num_tokens)
+        return self.end_len - len(self.token_ids)
 
     @property
     def chunk_done(self) -> bool:
@@ -90,11 +93,20 @@ class Sequence:
     # ------------------------------------------------------------------ commit
     def append_token(self, token_id: int, logprob: float) -> bool:
         """Commit one sampled token; returns True when this chunk ends with it."""
-        req, token_ids = self.req, self.token_ids
-        gen_index = len(token_ids) - self.num_prompt_tokens
+        token_ids = self.token_ids
         token_ids.append(token_id)
         self.out_token_ids.append(token_id)
         self.out_logprobs.append(logprob)
+        if len(token_ids) < self.end_len and token_id not in self.stop_token_ids:
+            return False  # (most tokens: below every limit, not a stop token)
+        return self.ends_with(token_id)
+
+    def ends_with(self, token_id: int) -> bool:
+        """Whether the chunk ends with ``token_id``, just appended (setting finish_reason
+        when the sample ends): a stop token from min_tokens on, max_tokens, the model's
+        length, or the chunk's budget."""
+        req, token_ids = self.req, self.token_ids
+        gen_index = len(token_ids) - 1 - self.num_prompt_tokens
         if token_id in self.stop_token_ids and gen_index >= req.min_tokens:
             self.finish_reason = "stop"
         elif gen_index + 1 >= req.max_tokens or len(token_ids) >= self.max_model_len:

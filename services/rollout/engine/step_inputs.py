@@ -28,12 +28,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.rollout.engine.attention import AttentionMetadata
-from services.rollout.engine.input_batch import SlotParams, Staging, StepSampling
+from services.rollout.engine.input_batch import BlockTables, SlotParams, Staging, StepSampling
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.tree import CAUSAL, depths, row_masks
+
+
+# Below this many sequences the per-sequence path lays a decode step out faster: a numpy
+# call costs a few microseconds on the step's cold caches (after the forward), a short
+# sequence's Python less than one (benchmarks/engine_host.py: the numpy layout paid at
+# 256 sequences, cost more at 16 and 64). Sequences with long block tables tip it sooner.
+VECTOR_MIN_SEQS = 128
+# From this many sequences a decode-layout step (every sequence its last token, perhaps a
+# linear draft, no masked row) carries ``fed_host`` / ``query_start_host`` whichever path
+# laid it out, so the verifier accepts its drafts by array operations (verify_linear).
+LINEAR_MIN_SEQS = 8
 
 
 @dataclass
@@ -54,11 +66,13 @@ def new_staging(device: torch.device) -> tuple[Staging, Staging]:
 
 
 def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vocab_size: int = 0,
-                 staging: tuple[Staging, Staging] | None = None) -> StepInputs:
+                 staging: tuple[Staging, Staging] | None = None, tables: BlockTables | None = None) -> StepInputs:
     """The step's inputs, through ``staging`` (a fresh pair when None); ``vocab_size``
-    places the masked stop tokens (any value when no row masks one)."""
+    places the masked stop tokens (any value when no row masks one); ``tables``: the block
+    manager's rows of the sequences' block tables (decode and verify steps gather from
+    them; None: every step is laid out sequence by sequence)."""
     staging = staging or new_staging(device)
-    decode = _decode_step(seqs, block_size, staging)
+    decode = _decode_step(seqs, block_size, staging, tables)
     if decode is not None:
         return decode
     bs = block_size
@@ -76,6 +90,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
     tables: list[int] = []
     num_tokens, max_query_len = 0, 1  # every scheduled sequence feeds a token at least
     is_prefill = False
+    linear = len(seqs) >= LINEAR_MIN_SEQS  # still a decode layout (LINEAR_MIN_SEQS)
     trees: list[tuple[int, list[int]]] = []  # (first token's index, row masks) of each tree sequence
     for seq in seqs:
         start, n, table, token_ids = seq.num_computed_tokens, seq.num_scheduled_tokens, seq.block_table, seq.token_ids
@@ -92,6 +107,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             end = start + 1
             row_depths = None
         else:
+            linear = linear and n == 1 and start + 1 == length and seq.draft_parents is None
             end = start + n
             input_ids.extend(token_ids[start:end])
             num_rows = 0
@@ -122,6 +138,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             max_query_len = max(max_query_len, end - start)
             is_prefill |= n > 1
         if num_rows and length < seq.mask_stops_below:
+            linear = False
             _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, vocab_size, masked, row_depths)
         cu_q.append(num_tokens)
         seq_lens.append(end)
@@ -143,46 +160,71 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
     if row_slots:
         sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=masked_t if masked else None,
                                 row_slots_host=int64.host_part(4))
+        if linear:
+            sampling.fed_host = np.array(input_ids, dtype=np.int64)
+            sampling.query_start_host = np.array(cu_q, dtype=np.int64)
     return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
                       num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling)
 
 
-def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]) -> StepInputs | None:
-    """``prepare_step`` for the common step where every sequence is a plain decode (its
-    last token, no draft, no masked stop token): per sequence only what differs (its
-    token, position, KV slot, request slot and block table), the rest from numpy. None
-    when a sequence is anything else."""
-    input_ids: list[int] = []
-    positions: list[int] = []
+def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging],
+                 tables: BlockTables | None) -> StepInputs | None:
+    """``prepare_step`` for the common step where every sequence decodes: it feeds its last
+    token, then perhaps a linear draft, and masks no stop token. One pass over the
+    sequences gathers what changes every step (last token, draft, position, rows); the
+    rest is numpy over those arrays: positions, KV slots (gathered from the block
+    tables' rows in ``tables``), sampler rows, lengths. None when a sequence is anything
+    else, or when no ``tables`` (the per-sequence path then lays the step out)."""
+    if tables is None or len(seqs) < VECTOR_MIN_SEQS:
+        return None
+    ids: list[int] = []
+    starts: list[int] = []
+    rows: list[int] = []
     slots: list[int] = []
-    row_slots: list[int] = []
-    tables: list[int] = []
-    width = max(len(s.block_table) for s in seqs)
-    zeros = [0] * width
+    num_drafts: list[int] = []
     for seq in seqs:
-        start, token_ids, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
-        if (seq.num_scheduled_tokens != 1 or start + 1 != len(token_ids) or seq.draft_token_ids
-                or start + 1 < seq.mask_stops_below):
+        token_ids, start = seq.token_ids, seq.num_computed_tokens
+        draft = seq.draft_token_ids
+        if (seq.num_scheduled_tokens != 1 or start + 1 != len(token_ids) or seq.draft_parents is not None
+                or start + 1 < seq.mask_stops_below or seq.row < 0):
             return None
-        input_ids.append(token_ids[start])
-        positions.append(start)
-        slots.append(table[start // bs] * bs + start % bs)
-        row_slots.append(seq.slot)
-        tables.extend(table)
-        tables.extend(zeros[len(table):])
-    n = len(seqs)
-    lengths = [p + 1 for p in positions]  # each sequence's length = the position it samples
-    rows = list(range(n + 1))
+        ids.append(token_ids[start])
+        if draft:
+            ids.extend(draft)
+        starts.append(start)
+        rows.append(seq.row)
+        slots.append(seq.slot)
+        num_drafts.append(len(draft))
+    tables.sync()
+    n, num_tokens = len(seqs), len(ids)
+    row_of_seq = np.array(rows, dtype=np.int64)
+    start_of_seq = np.array(starts, dtype=np.int64)
+    slot_of_seq = np.array(slots, dtype=np.int64)
+    if num_tokens == n:  # no drafts: one token per sequence
+        positions, row_of_token, slot_of_row = start_of_seq, row_of_seq, slot_of_seq
+        cu, seq_lens, max_query_len = np.arange(n + 1), start_of_seq + 1, 1
+    else:
+        query_lens = np.array(num_drafts, dtype=np.int64) + 1
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        seq_of_token = np.repeat(np.arange(n), query_lens)
+        positions = start_of_seq[seq_of_token] + (np.arange(num_tokens) - cu[seq_of_token])
+        row_of_token, slot_of_row = row_of_seq[seq_of_token], slot_of_seq[seq_of_token]
+        seq_lens, max_query_len = start_of_seq + query_lens, int(query_lens.max())
+    table = tables.array
+    kv_slots = table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    width = int(tables.lengths[row_of_seq].max())
     int64, int32 = staging
-    ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t = int64.stage(
-        [input_ids, positions, slots, rows[:n], row_slots, lengths])
-    tables_t, lens_t, cu_t = int32.stage([tables, lengths, rows])
-    md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(n, width), seq_lens=lens_t,
-                           query_start_loc=cu_t, max_query_len=1)
+    fed = np.array(ids, dtype=np.int64)
+    ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t = int64.stage_arrays(
+        [fed, positions, kv_slots, np.arange(num_tokens), slot_of_row, positions + 1])
+    tables_t, lens_t, cu_t = int32.stage_arrays([table[row_of_seq, :width], seq_lens, cu])
+    md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t, seq_lens=lens_t,
+                           query_start_loc=cu_t, max_query_len=max_query_len)
     sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=None,
-                            row_slots_host=int64.host_part(4))
+                            row_slots_host=int64.host_part(4), fed_host=fed, query_start_host=cu)
     return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=n,
-                      num_tokens=n, is_prefill=False, sampling=sampling)
+                      num_tokens=num_tokens, is_prefill=False, sampling=sampling)
 
 
 def _mask_stop_tokens(seq: Sequence, first_row: int, num_rows: int, vocab_size: int, masked: list[int],

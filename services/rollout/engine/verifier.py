@@ -23,7 +23,10 @@ depth d samples the token at L + d, and the walk from the root follows the child
 the sampled token (``tree.accept_path``); a chain gives the linear verdict exactly.
 
 The sampled tokens and logprobs come back to the host in one read (the step's only wait
-for the device); the acceptance walk runs on the host lists.
+for the device); the acceptance walk runs on the host lists. A step laid out by
+step_inputs' decode path (every sequence its last token and perhaps a linear draft: the
+common verify step) is accepted by array operations over the whole batch instead
+(``verify_linear``): row r's draft token is the token fed at row r + 1 of its sequence.
 
 This module knows nothing about KV blocks or scheduling.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.sampling import sample
@@ -62,6 +66,13 @@ def sample_rows(logits: torch.Tensor, sampling: StepSampling, params: SlotParams
                 reader: HostReader | None = None) -> tuple[list[int], list[float]]:
     """The policy's token and its logprob at every row of ``logits`` (the step's rows in
     ``sampling``, their parameters in ``params``), read back to the host at once."""
+    tokens, logprobs = sample_arrays(logits, sampling, params, reader)
+    return tokens.tolist(), logprobs.tolist()
+
+
+def sample_arrays(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
+                  reader: HostReader | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``sample_rows`` as numpy arrays: int64 tokens and float64 logprobs, one per row."""
     assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
     temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
     if sampling.masked is not None:
@@ -70,7 +81,44 @@ def sample_rows(logits: torch.Tensor, sampling: StepSampling, params: SlotParams
     tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
                               truncation=truncation)
     host = (reader or HostReader()).read(torch.stack((tokens.double(), logprobs.double())))  # [2, num_rows]
-    return host[0].astype(int).tolist(), host[1].tolist()
+    return host[0].astype(np.int64), host[1]
+
+
+@dataclass(slots=True)
+class LinearVerdicts:
+    """A decode-layout step's verdicts (``verify_linear``), as arrays over its sequences:
+    sequence i's rows are ``query_start[i]:query_start[i + 1]``, it committed the tokens
+    (and logprobs) sampled at its first ``num_accepted[i] + 1`` rows."""
+
+    token_ids: list[int]  # every row's sampled token
+    logprobs: list[float]
+    query_start: np.ndarray  # [num_seqs + 1]
+    num_draft: np.ndarray  # [num_seqs] draft tokens verified
+    num_accepted: np.ndarray  # [num_seqs]
+
+
+def accepted_lengths(sampled: np.ndarray, fed: np.ndarray, query_start: np.ndarray) -> np.ndarray:
+    """Per sequence, the longest draft prefix equal to the policy's samples, for every
+    sequence at once: sequence i fed its last token then its draft at rows
+    ``query_start[i]:query_start[i + 1]`` (``fed``), and row r's sample is compared with
+    the token fed at row r + 1. The first row that does not match (every sequence's last
+    row never does) ends each sequence's accepted run."""
+    matches = np.zeros(len(sampled), dtype=np.bool_)
+    matches[:-1] = fed[1:] == sampled[:-1]
+    matches[query_start[1:] - 1] = False
+    stops = np.flatnonzero(~matches)
+    starts = query_start[:-1]
+    return stops[np.searchsorted(stops, starts)] - starts
+
+
+def verify_linear(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
+                  reader: HostReader | None = None) -> LinearVerdicts:
+    """``verify`` for a step of ``prepare_step``'s decode layout (``sampling.fed_host`` set):
+    every row sampled and every sequence's draft accepted by array operations."""
+    tokens, logprobs = sample_arrays(logits, sampling, params, reader)
+    query_start = sampling.query_start_host
+    num_accepted = accepted_lengths(tokens, sampling.fed_host, query_start)
+    return LinearVerdicts(tokens.tolist(), logprobs.tolist(), query_start, np.diff(query_start) - 1, num_accepted)
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | None = None,

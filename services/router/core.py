@@ -1,0 +1,606 @@
+"""The step router: one trainer-facing step split over scheduler shards by prompt group.
+
+Each shard is a whole scheduler (``rhymerl scheduler``) with its own workers; the router
+talks to it only through the trainer-facing RolloutService, as a trainer would. A step's
+prompt groups (a prompt and its n samples) wait in the router's queue; each shard is
+given at most ``window x capacity`` samples at once (capacity: the slots of its usable
+workers, from the registry), as sub-steps of its own (``<step_id>#<router>.<k>``), and
+a shard that returns groups takes more from the queue: the shard that finishes early
+takes the step's tail (tail stealing at group granularity). The shards' samples are
+merged into the trainer's stream under the trainer's step id.
+
+Nothing lost, nothing duplicated: a sample's seed is a function of (step seed, prompt,
+index) only (``services/common/ids.py``), and every sub-step carries the step's seed
+(one derived from the step id when the trainer set none), so a group re-run on another
+shard draws the same samples. When a shard's call breaks (the shard was killed, its
+connection lost) or its registry key expires (it hangs), the groups it had not
+returned completely go back to the front of the queue; a sample delivered twice (a
+re-run group, a hung shard that wakes up) is dropped by its (prompt_id, sample_index).
+
+Versions: a step runs only on shards serving the router's version (the highest any
+live shard serves), and a weight push waits for the running steps, then goes to every
+shard (steps submitted meanwhile wait for it): every sample of a step has one version,
+as with one scheduler in ``after_steps`` mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+import grpc
+from prometheus_client import Counter, Gauge
+from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, RhymerlError, Unavailable
+from services.common.grpc_server import channel
+from services.common.security import TLSConfig
+from services.common.validation import MAX_N, check_length, check_sampling, check_token_ids
+from services.common.ids import prompt_id_from_tokens, sample_seed
+from services.router.registry import ShardInfo
+from services.scheduler.intake import MAX_ID_BYTES, check_id
+from services.scheduler.step import fingerprint
+
+log = logging.getLogger(__name__)
+ABORT = common_pb2.FINISH_REASON_ABORT
+Key = tuple[str, int]  # (prompt_id, sample_index)
+
+groups_dispatched = Counter("rhymerl:router_groups_dispatched_total", "Prompt groups sent to a shard.", ["shard"])
+groups_requeued = Counter("rhymerl:router_groups_requeued_total",
+                          "Prompt groups taken back from a shard that failed or left, to run elsewhere.")
+duplicates_dropped = Counter("rhymerl:router_duplicates_dropped_total",
+                             "Samples a shard returned that the trainer already had (a re-run group).")
+shards_live = Gauge("rhymerl:router_shards", "Shards the router serves with.")
+
+# A shard call that ends with one of these failed the shard, not the request: its groups run elsewhere.
+SHARD_FAULTS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNAUTHENTICATED}
+
+
+class ShardError(RhymerlError):
+    """A shard's own answer, passed to the trainer with the shard's status code."""
+
+    def __init__(self, error: grpc.aio.AioRpcError, shard: str):
+        super().__init__(f"{error.details()} (shard {shard})")
+        self.code = error.code()
+
+
+def step_seed_of(req: rollout_pb2.SubmitStepRequest) -> int:
+    """The seed every sub-step carries: the trainer's, or one derived from the step id
+    (so a step without a seed still draws fresh noise per step id, and a re-run group
+    draws what its first run drew)."""
+    if req.sampling.HasField("seed"):
+        return req.sampling.seed
+    h = hashlib.blake2b(f"router-step={req.step_id}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class Shard:
+    info: ShardInfo
+    stub: rollout_pb2_grpc.RolloutServiceStub
+    channel: grpc.aio.Channel
+    window: float
+    outstanding: int = 0  # samples sent and not returned
+    failed: str = ""  # why its last call broke; no work until it answers again
+    groups_done: int = 0
+
+    @property
+    def limit(self) -> int:
+        return math.ceil(self.info.capacity * self.window)
+
+    def usable(self, version: int) -> bool:
+        return not self.failed and self.info.capacity > 0 and self.info.policy_version == version
+
+
+@dataclass
+class SubStep:
+    sub_id: str
+    shard: Shard
+    step: "RoutedStep"
+    prompt_ids: list[str]
+    remaining: set[Key]
+    task: asyncio.Task | None = None
+
+
+@dataclass
+class RoutedStep:
+    request: rollout_pb2.SubmitStepRequest  # prompt ids filled in
+    fingerprint: str
+    version: int
+    seed: int
+    queue: collections.deque = field(default_factory=collections.deque)  # prompt ids not sent
+    running: dict[str, SubStep] = field(default_factory=dict)  # prompt id -> the sub-step running it
+    delivered: dict[Key, rollout_pb2.StepEvent] = field(default_factory=dict)  # each a sample event
+    owner: dict[Key, SubStep] = field(default_factory=dict)
+    events: list[rollout_pb2.StepEvent] = field(default_factory=list)
+    summaries: list[rollout_pb2.StepSummary] = field(default_factory=list)
+    delivery_times: list[float] = field(default_factory=list)
+    mismatch: dict[str, rollout_pb2.MismatchStats] = field(default_factory=dict)  # per sub-step
+    started: float = 0.0
+    waiting_since: float | None = None
+    finished: bool = False
+    cancelled: bool = False
+    error: RhymerlError | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def step_id(self) -> str:
+        return self.request.step_id
+
+    @property
+    def n(self) -> int:
+        return self.request.n
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.request.prompts) * self.n
+
+    def group_done(self, pid: str) -> bool:
+        return all((pid, k) in self.delivered for k in range(self.n))
+
+    def notify(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    async def follow(self):
+        """Every event of the step, from the first: replayed, then as they arrive."""
+        i = 0
+        while True:
+            changed = self._changed
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.finished:
+                if self.error is not None:
+                    raise self.error
+                return
+            await changed.wait()
+
+
+def merge_mismatch(parts: list[rollout_pb2.MismatchStats]) -> rollout_pb2.MismatchStats:
+    """Mismatch figures over disjoint sets of samples, as if measured over their union."""
+    tokens = sum(p.num_tokens for p in parts)
+    if not tokens:
+        return rollout_pb2.MismatchStats(num_samples=sum(p.num_samples for p in parts))
+    return rollout_pb2.MismatchStats(
+        num_samples=sum(p.num_samples for p in parts), num_tokens=tokens,
+        num_identical_tokens=sum(p.num_identical_tokens for p in parts),
+        mean_abs_diff=sum(p.mean_abs_diff * p.num_tokens for p in parts) / tokens,
+        max_abs_diff=max(p.max_abs_diff for p in parts),
+        mean_log_ratio=sum(p.mean_log_ratio * p.num_tokens for p in parts) / tokens,
+        kl=sum(p.kl * p.num_tokens for p in parts) / tokens)
+
+
+class Router:
+    """Steps, shards and the queue between them (one per router process).
+
+    Args:
+        window: samples given to a shard at once, as a multiple of its capacity.
+        no_shard_timeout_s: queued groups no shard could take this long end as ABORT.
+        max_steps_retained: finished steps kept (re-submission, rewards, logprobs).
+        max_samples_retained: and at most this many samples over the steps kept (the
+            oldest finished steps go first; a step in flight is always kept).
+        tls: for the channels to the shards; shard_token: bearer token sent to them.
+    """
+
+    def __init__(self, window: float = 1.0, no_shard_timeout_s: float = 120.0, max_steps_retained: int = 64,
+                 tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144):
+        self.window, self.no_shard_timeout_s, self.max_steps_retained = window, no_shard_timeout_s, max_steps_retained
+        self.max_samples_retained = max_samples_retained
+        self.tls = tls
+        self.metadata = (("authorization", f"Bearer {shard_token}"),) if shard_token else ()
+        self.shards: dict[str, Shard] = {}
+        self.steps: collections.OrderedDict[str, RoutedStep] = collections.OrderedDict()
+        self.active: list[RoutedStep] = []  # unfinished, in submission order
+        self.nonce = os.urandom(4).hex()  # sub-step ids of this router process never repeat a previous one's
+        self._counter = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._push_done = asyncio.Event()
+        self._push_done.set()
+        self._push_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+        self._assigner: asyncio.Task | None = None
+
+    # --- shards ----------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        live = [s.info.policy_version for s in self.shards.values() if not s.failed and s.info.capacity > 0]
+        return max(live, default=max((s.info.policy_version for s in self.shards.values()), default=0))
+
+    def update_shards(self, found: dict[str, ShardInfo]) -> None:
+        """The registry's shards now: new ones join, gone ones leave (their groups re-queued)."""
+        for shard_id, info in found.items():
+            shard = self.shards.get(shard_id)
+            if shard is not None and shard.info.address != info.address:
+                self._remove(shard, "moved")
+                shard = None
+            if shard is None:
+                ch = channel(info.address, self.tls)
+                self.shards[shard_id] = Shard(info, rollout_pb2_grpc.RolloutServiceStub(ch), ch, self.window)
+                log.info("shard %s at %s joined (capacity %d, version %d)", shard_id, info.address, info.capacity,
+                         info.policy_version)
+            else:
+                shard.info = info
+        for shard_id in [s for s in self.shards if s not in found]:
+            self._remove(self.shards[shard_id], "its registry key expired")
+        shards_live.set(len(self.shards))
+        self.wake()
+
+    def _remove(self, shard: Shard, why: str) -> None:
+        log.warning("shard %s at %s left (%s)", shard.info.shard_id, shard.info.address, why)
+        del self.shards[shard.info.shard_id]
+        for step in self.active:
+            for sub in {id(s): s for s in step.running.values()}.values():
+                if sub.shard is shard and sub.task is not None:
+                    sub.task.cancel()  # its finally re-queues the groups
+        self._spawn(shard.channel.close())
+
+    async def probe_failed(self) -> None:
+        """A shard whose call broke gets work again once it answers."""
+        async def probe(shard: Shard) -> None:
+            try:
+                stats = await shard.stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=2.0, metadata=self.metadata)
+            except grpc.aio.AioRpcError:
+                return
+            shard.info = replace(shard.info, policy_version=stats.policy_version)
+            log.info("shard %s answers again", shard.info.shard_id)
+            shard.failed = ""
+            self.wake()
+
+        await asyncio.gather(*(probe(s) for s in list(self.shards.values()) if s.failed))
+
+    def _shard_failed(self, shard: Shard, why: str) -> None:
+        if not shard.failed:
+            log.warning("shard %s failed: %s; its groups run elsewhere", shard.info.shard_id, why)
+        shard.failed = why or "failed"
+
+    # --- steps -----------------------------------------------------------------------
+    def check(self, req: rollout_pb2.SubmitStepRequest) -> rollout_pb2.SubmitStepRequest:
+        """The trainer's request checked as one scheduler checks it (each error names its
+        field, in the trainer's numbering); returns it with every prompt id filled in."""
+        check_id(req.step_id, "step_id")
+        if not req.prompts:
+            raise InvalidArgument("must be non-empty", "prompts")
+        if not 1 <= req.n <= MAX_N:
+            raise InvalidArgument(f"must be in [1, {MAX_N}], got {req.n}", "n")
+        if req.policy_version < 0:
+            raise InvalidArgument(f"must be >= 0, got {req.policy_version}", "policy_version")
+        if req.policy_version > self.version:
+            raise FailedPrecondition(f"version {req.policy_version} is not serving yet (serving {self.version}); "
+                                     "push it first", "policy_version")
+        usable = [s.info for s in self.shards.values() if not s.failed and s.info.capacity > 0]
+        if not usable:
+            raise Unavailable("no scheduler shard is alive with a usable worker")
+        vocab = min((i.vocab_size for i in usable if i.vocab_size), default=0)
+        max_len = min((i.max_model_len for i in usable if i.max_model_len), default=0)
+        check_sampling(req.sampling, "sampling", vocab)
+        out = rollout_pb2.SubmitStepRequest()
+        out.CopyFrom(req)
+        seen = set()
+        for i, prompt in enumerate(out.prompts):
+            name = f"prompts[{i}]"
+            check_token_ids(prompt.token_ids, f"{name}.token_ids", vocab)
+            check_length(len(prompt.token_ids), req.sampling.max_tokens, max_len, f"{name}.token_ids",
+                         "sampling.max_tokens")
+            if prompt.prompt_id:
+                check_id(prompt.prompt_id, f"{name}.prompt_id")
+            else:
+                prompt.prompt_id = prompt_id_from_tokens(prompt.token_ids)
+            if prompt.prompt_id in seen:
+                raise InvalidArgument(f"duplicate prompt_id {prompt.prompt_id!r}", f"{name}.prompt_id")
+            seen.add(prompt.prompt_id)
+        return out
+
+    async def submit(self, req: rollout_pb2.SubmitStepRequest) -> RoutedStep:
+        """Starts a step, or joins the one with this step id (same content), or re-runs
+        the aborted samples of a finished one."""
+        await self._push_done.wait()  # a weight push in progress: the step starts after it
+        check_id(req.step_id, "step_id")
+        known = self.steps.get(req.step_id)
+        if known is not None and known.fingerprint != fingerprint(req):
+            raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content", "step_id")
+        if known is not None and not (known.finished and any(e.sample.finish_reason == ABORT
+                                                              for e in known.delivered.values())):
+            return known
+        checked = self.check(req)
+        if known is not None:  # re-run the aborted samples; the others are replayed
+            self.steps.pop(req.step_id)
+        step = RoutedStep(checked, fingerprint(req), self.version, step_seed_of(req), started=time.monotonic())
+        if known is not None:
+            for key, event in known.delivered.items():
+                if event.sample.finish_reason != ABORT:
+                    self._record(step, event, known.owner[key])
+        step.queue.extend(p.prompt_id for p in checked.prompts if not step.group_done(p.prompt_id))
+        self.steps[req.step_id] = step
+        self._forget_old_steps()
+        if step.queue:
+            self.active.append(step)
+            self._idle.clear()
+            self.wake()
+        else:
+            self._finish(step)
+        return step
+
+    def _forget_old_steps(self) -> None:
+        """The oldest finished steps go while more steps or samples are kept than allowed."""
+        kept = sum(s.num_samples for s in self.steps.values())
+        for step_id, step in list(self.steps.items()):
+            if len(self.steps) <= self.max_steps_retained and kept <= self.max_samples_retained:
+                return
+            if step.finished:
+                del self.steps[step_id]
+                kept -= step.num_samples
+
+    def get(self, step_id: str) -> RoutedStep:
+        check_id(step_id, "step_id")
+        step = self.steps.get(step_id)
+        if step is None:
+            raise NotFound(f"no step {step_id!r}", "step_id")
+        return step
+
+    def _sub_id(self, step_id: str) -> str:
+        self._counter += 1
+        suffix = f"#{self.nonce}.{self._counter}"
+        if len(step_id.encode()) + len(suffix) > MAX_ID_BYTES:
+            step_id = "h" + hashlib.blake2b(step_id.encode(), digest_size=16).hexdigest()
+        return step_id + suffix
+
+    # --- dispatch --------------------------------------------------------------------
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._assigner = asyncio.create_task(self._assign_loop())
+
+    async def _assign_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                self.assign()
+            except Exception:  # noqa: BLE001 - the loop must outlive a bug in one round
+                log.exception("assigning groups failed")
+
+    def assign(self) -> None:
+        """Sends queued groups to shards with room, steps in submission order: while the
+        queue exceeds the room, each shard fills its window; once the room exceeds it,
+        the rest is split in proportion to each shard's room (its capacity, at a step's
+        start)."""
+        for step in list(self.active):
+            if not step.queue:
+                continue
+            shards = [s for s in self.shards.values() if s.usable(step.version)]
+            if not shards:
+                step.waiting_since = step.waiting_since or time.monotonic()
+                continue
+            step.waiting_since = None
+            room = {s.info.shard_id: max(0, s.limit - s.outstanding) for s in shards}
+            total = sum(room.values())
+            if total == 0 and all(s.outstanding for s in shards):
+                return  # every shard is full: later steps wait too
+            num_queued = len(step.queue)
+            for shard in sorted(shards, key=lambda s: -room[s.info.shard_id]):
+                free = room[shard.info.shard_id]
+                if num_queued * step.n <= total:  # the rest fits: split in proportion to the room
+                    take = math.ceil(num_queued * free / total)
+                else:  # refill a window once a quarter of it is free: fewer, larger sub-steps
+                    take = free // step.n if free >= shard.limit / 4 else 0
+                if take < 1 and shard.outstanding == 0:
+                    take = 1  # a group larger than a shard's window still runs, alone
+                take = min(take, len(step.queue))
+                if take > 0:
+                    self._dispatch(step, shard, [step.queue.popleft() for _ in range(take)])
+
+    def _dispatch(self, step: RoutedStep, shard: Shard, prompt_ids: list[str]) -> None:
+        sub = SubStep(self._sub_id(step.step_id), shard, step, prompt_ids,
+                      {(p, k) for p in prompt_ids for k in range(step.n)})
+        for pid in prompt_ids:
+            step.running[pid] = sub
+        shard.outstanding += len(sub.remaining)
+        groups_dispatched.labels(shard=shard.info.shard_id).inc(len(prompt_ids))
+        sub.task = self._spawn(self._run(sub))
+
+    def _sub_request(self, sub: SubStep) -> rollout_pb2.SubmitStepRequest:
+        step = sub.step
+        by_id = {p.prompt_id: p for p in step.request.prompts}
+        req = rollout_pb2.SubmitStepRequest(step_id=sub.sub_id, policy_version=step.request.policy_version,
+                                            prompts=[by_id[p] for p in sub.prompt_ids], n=step.n)
+        req.sampling.CopyFrom(step.request.sampling)
+        req.sampling.seed = step.seed
+        return req
+
+    async def _run(self, sub: SubStep) -> None:
+        """One sub-step on its shard; whatever it did not return goes back to the queue."""
+        shard, step = sub.shard, sub.step
+        try:
+            call = shard.stub.SubmitStep(self._sub_request(sub), metadata=self.metadata)
+            async for event in call:
+                if event.HasField("summary"):
+                    step.summaries.append(event.summary)
+                elif event.HasField("sample"):
+                    self._receive(sub, event)
+                else:  # a batch (a shard sends the samples it has ready together): one event each
+                    for sample in event.samples.samples:
+                        self._receive(sub, rollout_pb2.StepEvent(sample=sample))
+            shard.groups_done += len(sub.prompt_ids)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in SHARD_FAULTS:
+                self._shard_failed(shard, f"{exc.code().name}: {exc.details()}")
+            elif not step.finished:  # the request itself (every shard would refuse it): the step fails
+                step.error = ShardError(exc, shard.info.shard_id)
+                self._finish(step)
+        finally:
+            shard.outstanding -= len(sub.remaining)
+            self._requeue(sub)
+            self.wake()
+
+    def _requeue(self, sub: SubStep) -> None:
+        step = sub.step
+        back = [p for p in sub.prompt_ids if step.running.get(p) is sub and not step.group_done(p)]
+        for pid in sub.prompt_ids:
+            if step.running.get(pid) is sub:
+                del step.running[pid]
+        if back and not step.finished:
+            step.queue.extendleft(reversed(back))
+            groups_requeued.inc(len(back))
+            log.info("step %s: %d groups of shard %s run again elsewhere", step.step_id, len(back),
+                     sub.shard.info.shard_id)
+
+    def _receive(self, sub: SubStep, event: rollout_pb2.StepEvent) -> None:
+        sample = event.sample
+        key = (sample.prompt_id, sample.sample_index)
+        if key in sub.remaining:
+            sub.remaining.discard(key)
+            sub.shard.outstanding -= 1
+        step = sub.step
+        if key in step.delivered or step.finished:
+            duplicates_dropped.inc()
+            return
+        self._record(step, event, sub)
+        if len(step.delivered) == step.num_samples:
+            self._finish(step)
+
+    def _record(self, step: RoutedStep, event: rollout_pb2.StepEvent, sub: SubStep | None) -> None:
+        """Keeps a sample event (the shard's own message, renamed to the trainer's step:
+        no copy) and wakes the step's followers."""
+        sample = event.sample
+        key = (sample.prompt_id, sample.sample_index)
+        sample.step_id = step.step_id
+        step.delivered[key] = event
+        step.owner[key] = sub
+        step.delivery_times.append(time.monotonic())
+        step.events.append(event)
+        step.notify()
+
+    def _finish(self, step: RoutedStep) -> None:
+        if step.finished:
+            return
+        step.finished = True
+        if step in self.active:
+            self.active.remove(step)
+        for sub in {id(s): s for s in step.running.values()}.values():
+            if sub.task is not None:
+                sub.task.cancel()
+        if step.error is None:
+            step.events.append(rollout_pb2.StepEvent(summary=self._summary(step)))
+        if not self.active:
+            self._idle.set()
+        step.notify()
+
+    def _summary(self, step: RoutedStep) -> rollout_pb2.StepSummary:
+        """The merged summary: counts over the delivered samples; the workers' busy time
+        and the history hit rate over the shards' sub-steps."""
+        samples = [e.sample for e in step.delivered.values()]
+        times = sorted(step.delivery_times)
+        makespan = (times[-1] - step.started) if times else 0.0
+        tail = times[-1] - times[max(0, math.ceil(0.9 * len(times)) - 1)] if times else 0.0
+        out = rollout_pb2.StepSummary(
+            step_id=step.step_id, num_samples=len(samples),
+            num_generated_tokens=sum(len(s.token_ids) for s in samples), makespan_s=makespan, tail_time_s=tail,
+            num_migrations=sum(s.num_migrations for s in samples))
+        out.spec.num_verify_steps = sum(s.spec.num_verify_steps for s in samples)
+        out.spec.num_draft_tokens = sum(s.spec.num_draft_tokens for s in samples)
+        out.spec.num_accepted_tokens = sum(s.spec.num_accepted_tokens for s in samples)
+        weight = sum(s.num_samples for s in step.summaries)
+        if weight:
+            out.bubble_ratio = sum(s.bubble_ratio * s.num_samples for s in step.summaries) / weight
+            out.history_hit_rate = sum(s.history_hit_rate * s.num_samples for s in step.summaries) / weight
+        for s in step.summaries:
+            for worker, busy in s.worker_busy_s.items():
+                out.worker_busy_s[worker] = out.worker_busy_s.get(worker, 0.0) + busy
+        policies = sorted({s.policy for s in step.summaries if s.policy})
+        out.policy = "router:" + ",".join(policies)
+        return out
+
+    def expire_waiting(self) -> None:
+        """Groups no shard could take for no_shard_timeout_s end as ABORT with the reason."""
+        now = time.monotonic()
+        for step in list(self.active):
+            if step.waiting_since is None or now - step.waiting_since < self.no_shard_timeout_s:
+                continue
+            error = (f"no scheduler shard served version {step.version} for "
+                     f"{now - step.waiting_since:.0f} s")
+            self._abort_queued(step, error)
+
+    def _abort_queued(self, step: RoutedStep, error: str) -> int:
+        num = 0
+        while step.queue:
+            pid = step.queue.popleft()
+            for k in range(step.n):
+                if (pid, k) not in step.delivered:
+                    self._record(step, rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
+                        prompt_id=pid, sample_index=k, finish_reason=ABORT, error=error,
+                        seed=sample_seed(step.seed, step.step_id, pid, k))), None)
+                    num += 1
+        if len(step.delivered) == step.num_samples:
+            self._finish(step)
+        return num
+
+    async def cancel(self, step_id: str) -> int:
+        step = self.get(step_id)
+        if step.finished:
+            return 0
+        step.cancelled = True
+        num = self._abort_queued(step, "")
+        subs = {id(s): s for s in step.running.values()}.values()
+        answers = await asyncio.gather(*(s.shard.stub.CancelStep(rollout_pb2.CancelStepRequest(step_id=s.sub_id),
+                                                                 timeout=30, metadata=self.metadata)
+                                         for s in subs), return_exceptions=True)
+        return num + sum(a.num_cancelled for a in answers if isinstance(a, rollout_pb2.CancelStepResponse))
+
+    # --- per-sample reports, routed to the shard that produced the sample ---------------
+    def owners(self, step: RoutedStep, keys: list[tuple[str, int, str]]) -> dict[str, tuple[SubStep, list[int]]]:
+        """(prompt_id, sample_index, field) -> per sub-step, the reported items' positions."""
+        by_sub: dict[str, tuple[SubStep, list[int]]] = {}
+        for i, (pid, k, name) in enumerate(keys):
+            sub = step.owner.get((pid, k))
+            if sub is None:
+                raise NotFound(f"no sample ({pid!r}, {k}) in step {step.step_id!r}"
+                               + (" delivered by a shard" if (pid, k) in step.delivered else ""), name)
+            by_sub.setdefault(sub.sub_id, (sub, []))[1].append(i)
+        return by_sub
+
+    async def call_shard(self, shard: Shard, method: str, request, timeout: float = 60.0):
+        try:
+            return await getattr(shard.stub, method)(request, timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise ShardError(exc, shard.info.shard_id) from None
+
+    # --- weights -----------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def weights_gate(self):
+        """Around a weight push: new steps wait for it; it waits for the running steps."""
+        async with self._push_lock:
+            self._push_done.clear()
+            try:
+                await self._idle.wait()
+                yield
+            finally:
+                self._push_done.set()
+                self.wake()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        if self._assigner is not None:
+            self._assigner.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for shard in self.shards.values():
+            await shard.channel.close()

@@ -1,0 +1,137 @@
+"""Scheduler shards behind a step router, as real processes on loopback: what the router's
+e2e tests and the shards benchmark start.
+
+One redis-server is the shard registry; each shard is a ``LocalCluster`` (its history,
+scheduler and CPU workers) whose scheduler announces itself there; the router is a
+``rhymerl router`` process reading it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.redis_server import EmbeddedRedis, free_port
+from services.local import ROOT, LocalCluster
+
+
+@dataclass
+class ShardedCluster:
+    """``num_shards`` shards of ``workers_per_shard`` CPU workers each, and a router.
+
+    Args:
+        shard_ttl_s: the shards' registry TTL (a hung shard leaves after it).
+        max_num_seqs: each worker's slots (a shard's capacity is their sum).
+        router_env: environment of the router process (RHYMERL_ROUTER_*).
+        worker_env: environment of every worker (RHYMERL_WORKER_*).
+    """
+
+    model_dir: str
+    num_shards: int = 2
+    workers_per_shard: int = 1
+    policy: str = "rhymerl"
+    chunk_tokens: int = 64
+    max_num_seqs: int = 64
+    shard_ttl_s: float = 10.0
+    log_dir: Path = ROOT / "runs" / "sharded"
+    router_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)  # every worker's (RHYMERL_WORKER_*)
+    shards: list[LocalCluster] = field(default_factory=list)
+    registry: EmbeddedRedis | None = None
+    router: subprocess.Popen | None = None
+    router_port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.router_port}"
+
+    def start(self, timeout_s: float = 180.0) -> "ShardedCluster":
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.registry = EmbeddedRedis().start()
+        for i in range(self.num_shards):
+            shard = LocalCluster(
+                model_dir=self.model_dir, num_workers=self.workers_per_shard, policy=self.policy,
+                chunk_tokens=self.chunk_tokens, log_dir=self.log_dir / f"shard-{i}",
+                extra_env={"RHYMERL_SCHEDULER_SHARD_REGISTRY_URL": self.registry.url,
+                           "RHYMERL_SCHEDULER_SHARD_ID": f"shard-{i}",
+                           "RHYMERL_SCHEDULER_SHARD_TTL_S": str(self.shard_ttl_s)},
+                worker_env={f"worker-{j}": {"RHYMERL_WORKER_ID": f"s{i}-worker-{j}",
+                                            "RHYMERL_WORKER_MAX_NUM_SEQS": self.max_num_seqs, **self.worker_env}
+                            for j in range(self.workers_per_shard)})
+            self.shards.append(shard)
+            shard.start(timeout_s)
+        self.router_port = free_port()
+        env = {"RHYMERL_ROUTER_HOST": "127.0.0.1", "RHYMERL_ROUTER_PORT": self.router_port,
+               "RHYMERL_ROUTER_METRICS_PORT": 0, "RHYMERL_ROUTER_REGISTRY_URL": self.registry.url,
+               "RHYMERL_ROUTER_REFRESH_S": 0.5, "PYTHONUNBUFFERED": "1", **self.router_env}
+        log = open(self.log_dir / "router.log", "a")
+        self.router = subprocess.Popen([sys.executable, "-m", "services.cli", "router"], cwd=ROOT,
+                                       env={**os.environ, **{k: str(v) for k, v in env.items()}},
+                                       stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.wait_router(timeout_s)
+        return self
+
+    def wait_router(self, timeout_s: float) -> None:
+        """Until the router is ready and sees every running shard with its capacity."""
+        from rhymerl import RolloutClient
+
+        deadline = time.monotonic() + timeout_s
+        expected = sum(s.is_running(w) for s in self.shards for w in s.workers)
+        while True:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"router exited; see {self.log_dir / 'router.log'}")
+            try:
+                with RolloutClient(self.address, timeout_s=5, max_retries=0) as client:
+                    if len([w for w in client.stats().workers if w.healthy]) >= expected and self._ready():
+                        return
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router not ready; see {self.log_dir / 'router.log'}")
+            time.sleep(0.2)
+
+    def _ready(self) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as ch:
+            answer = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="rhymerl.v1.RolloutService"), timeout=1)
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    def scheduler_pid(self, shard: int) -> int:
+        return self.shards[shard].procs["scheduler"].pid
+
+    def signal_scheduler(self, shard: int, sig: int) -> None:
+        self.shards[shard].procs["scheduler"].send_signal(sig)
+
+    def stop(self) -> None:
+        if self.router is not None and self.router.poll() is None:
+            self.router.send_signal(signal.SIGTERM)
+            try:
+                self.router.wait(15)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+                self.router.wait()
+        for shard in self.shards:
+            if shard.procs.get("scheduler") is not None and shard.procs["scheduler"].poll() is None:
+                shard.procs["scheduler"].send_signal(signal.SIGCONT)  # a test may have stopped it
+            shard.stop()
+        if self.registry is not None:
+            self.registry.stop()
+
+    def __enter__(self) -> "ShardedCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

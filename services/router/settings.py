@@ -1,0 +1,38 @@
+"""Step router settings (environment variables prefixed RHYMERL_ROUTER_)."""
+
+from pydantic import Field
+
+from pydantic_settings import SettingsConfigDict
+
+from services.common.security import TLSSettings
+
+
+class RouterSettings(TLSSettings):
+    model_config = SettingsConfigDict(env_prefix="RHYMERL_ROUTER_")
+
+    host: str = Field("0.0.0.0", description="Interface the gRPC server binds.")
+    port: int = Field(50050, description="gRPC port of RolloutService (trainers submit steps here).")
+    metrics_port: int = Field(9090, description="Prometheus /metrics port; 0 turns the endpoint off.")
+    registry_url: str = Field(
+        "", description="Redis the scheduler shards announce themselves in (their RHYMERL_SCHEDULER_SHARD_REGISTRY_URL): "
+                        "the router serves with every shard whose key is alive. Required.")
+    refresh_s: float = Field(2.0, gt=0, description="How often the registry is read (shards joining, leaving, "
+                                                    "their capacity and version).")
+    window: float = Field(
+        1.0, gt=0, description="Samples a shard is given at once, as a multiple of its capacity (the slots of its "
+                               "workers); the step's other prompt groups wait in the router and go to whichever shard "
+                               "finishes groups first (tail stealing). At least one group per shard.")
+    no_shard_timeout_s: float = Field(
+        120.0, gt=0, description="A step's groups that no shard could take for this long (none alive at the step's "
+                                 "version) finish as ABORT with the reason.")
+    max_steps_retained: int = Field(
+        64, ge=1, description="Finished steps kept for idempotent re-submission, rewards and logprobs reports (the "
+                              "oldest go first).")
+    max_samples_retained: int = Field(
+        262_144, ge=1, description="And at most this many samples over the steps kept (the oldest finished steps go "
+                                   "first): what bounds the router's memory (each sample kept with its tokens).")
+    auth_tokens: str = Field(
+        "", description="Bearer tokens trainers must send (comma-separated). Empty: no auth (a trusted network only).")
+    shard_auth_token: str = Field(
+        "", description="Bearer token the router sends to the shards (one of their RHYMERL_SCHEDULER_AUTH_TOKENS); "
+                        "empty: none.")

@@ -1,0 +1,325 @@
+"""The engine's persistent per-slot state and the array paths built on it.
+
+  - ``BlockTables``: each running sequence's block table as a row of one numpy array,
+    written by the block manager; a row given back and taken again must hold nothing of
+    its last sequence (a stale block id there makes the forward read another sequence's
+    KV);
+  - the decode layout (``step_inputs._decode_step``: numpy over the batch, rows gathered
+    from ``BlockTables``) against the per-sequence layout, on batches whose rows were
+    reused;
+  - ``accepted_lengths`` (every sequence's draft accepted by array operations) against
+    the one-sequence walk;
+  - engines on the array paths (``VECTOR_MIN_SEQS`` = 1, so even small batches take
+    them): output equal to the reference and to plain decoding, with sampling slots and
+    table rows reused after finishes, aborts and preemptions;
+  - metric exports deferred behind the next forward, flushed when the engine goes idle.
+
+If these fail, a reused slot leaks its last request's state into a new one, or the fast
+paths stopped computing what the per-sequence ones do.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import services.rollout.engine.engine as engine_module
+import services.rollout.engine.step_inputs as step_inputs
+from services.common import metrics as m
+from services.rollout.engine.block_manager import BlockManager
+from services.rollout.engine.input_batch import BlockTables
+from services.rollout.engine.step_inputs import new_staging, prepare_step
+from services.rollout.engine.verifier import accepted_lengths, num_accepted
+from tests.rollout.engine.test_block_manager import seq_of
+from tests.rollout.engine.test_engine import (CONFIG, OracleDrafter, _engine_with, assert_same, make_request,
+                                              mixed_requests, model, prompt_of, reference_generate, run_to_end)
+
+__all__ = ["model"]  # the module-scoped fixture, from test_engine
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def array_paths(monkeypatch):
+    """Every decode step of any batch size takes the numpy layout and the array verify."""
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 1)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)
+    calls = {"verify_linear": 0}
+    real = engine_module.verify_linear
+
+    def counted(*args, **kw):
+        calls["verify_linear"] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "verify_linear", counted)
+    return calls
+
+
+# ---------------------------------------------------------------------- BlockTables
+
+
+def assert_rows_mirror(bm: BlockManager, running: list) -> None:
+    bm.tables.sync()
+    rows = [s.row for s in running]
+    assert len(set(rows)) == len(rows) and min(rows, default=0) >= 0
+    array, lengths = bm.tables.array, bm.tables.lengths
+    for seq in running:
+        n = len(seq.block_table)
+        assert lengths[seq.row] == n
+        assert array[seq.row, :n].tolist() == seq.block_table
+        assert not array[seq.row, n:].any(), "a row holds blocks past its table"
+    free = [r for r in range(array.shape[0]) if r not in set(rows)]
+    assert not array[free].any() and not lengths[free].any(), "a free row kept its last table"
+
+
+@pytest.mark.parametrize("max_held", [1 << 16, 5])
+def test_block_table_rows_follow_every_change_and_come_back_clean(monkeypatch, max_held):
+    """Random admissions (cached prefixes included), growth, truncation, frees: after each
+    operation the running sequences' rows equal their tables padded with zeros, and free
+    rows are all zeros. A row that kept a freed sequence's blocks fails here. With a small
+    ``MAX_HELD`` the changes are also written in between, as a long run without gathers
+    writes them."""
+    monkeypatch.setattr(BlockTables, "MAX_HELD", max_held)
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=96, block_size=4)
+    running, next_id = [], 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.3 or not running:
+            prompt = [rng.randrange(1, 5) for _ in range(rng.randrange(1, 30))]
+            seq = seq_of(prompt, f"r{next_id}")
+            next_id += 1
+            cached = bm.cached_prefix(seq)
+            if bm.num_new_blocks_to_admit(seq, cached) <= bm.num_free_blocks:
+                bm.admit(seq, cached)
+                running.append(seq)
+        elif op < 0.55:
+            seq = rng.choice(running)
+            seq.token_ids.extend(rng.randrange(1, 5) for _ in range(rng.randrange(1, 9)))
+            bm.ensure_slots(seq, seq.num_tokens)
+        elif op < 0.7:
+            seq = rng.choice(running)
+            bm.truncate(seq, rng.randrange(1, seq.num_tokens + 1))
+            del seq.token_ids[len(seq.block_table) * bm.block_size:]
+        elif op < 0.8:
+            seq = rng.choice(running)
+            seq.num_computed_tokens = len(seq.token_ids)
+            bm.commit(seq)
+        else:
+            seq = running.pop(rng.randrange(len(running)))
+            bm.free(seq)
+            assert seq.row == -1
+        assert len(bm.tables._entries) <= max_held  # what is held stays bounded
+        if rng.random() < 0.5:  # changes also pile up between syncs (several steps' worth)
+            assert_rows_mirror(bm, running)
+    assert_rows_mirror(bm, running)
+    assert next_id > 100 and bm.tables.array.shape[0] >= 8  # rows were taken back and given out again
+
+
+# ---------------------------------------------------------------------- the decode layout
+
+
+def decode_batch(rng: random.Random, bm: BlockManager, seqs: list, slot_of: dict) -> list:
+    """Each of ``seqs`` made a decode at its last token with a random linear draft (KV for it
+    ensured), as the engine leaves them before the forward."""
+    for seq in seqs:
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.num_scheduled_tokens = 1
+        seq.draft_token_ids = [rng.randrange(1, 50) for _ in range(rng.choice([0, 0, 1, 3, 6]))]
+        assert bm.ensure_slots(seq, seq.num_tokens + len(seq.draft_token_ids))
+        seq.slot = slot_of[seq.request_id]
+    return seqs
+
+
+def assert_same_layout(fast, general) -> None:
+    for name in ("input_ids", "positions", "sample_rows"):
+        assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name
+    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        assert getattr(fast.metadata, name).tolist() == getattr(general.metadata, name).tolist(), name
+        assert getattr(fast.metadata, name).dtype == getattr(general.metadata, name).dtype, name
+    assert fast.metadata.max_query_len == general.metadata.max_query_len
+    assert fast.metadata.tree_mask is None and general.metadata.tree_mask is None
+    assert (fast.num_seqs, fast.num_tokens, fast.is_prefill) == (general.num_seqs, general.num_tokens, False)
+    for name in ("row_slots", "positions"):
+        assert getattr(fast.sampling, name).tolist() == getattr(general.sampling, name).tolist(), name
+    assert fast.sampling.row_slots_host.tolist() == general.sampling.row_slots_host.tolist()
+    assert fast.sampling.masked is None and general.sampling.masked is None
+    # what verify_linear reads: the token fed at each row, each sequence's first row
+    assert fast.sampling.fed_host.tolist() == general.sampling.fed_host.tolist() == general.input_ids.tolist()
+    assert (fast.sampling.query_start_host.tolist() == general.sampling.query_start_host.tolist()
+            == general.metadata.query_start_loc.tolist())
+    for t in (fast.input_ids, fast.positions, fast.metadata.slot_mapping, fast.sample_rows,
+              fast.metadata.block_tables, fast.metadata.seq_lens, fast.metadata.query_start_loc):
+        assert t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def test_decode_layout_equals_the_per_sequence_layout_on_reused_rows(monkeypatch):
+    """Rounds of decode batches with linear drafts, sequences of very different lengths
+    finishing and new ones taking their rows (and their request slots): the numpy layout
+    equals the per-sequence one in every tensor, its block tables padded with zeros where
+    a row's last sequence had blocks."""
+    rng = random.Random(3)
+    bm = BlockManager(num_blocks=512, block_size=4)
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 1)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)  # the per-sequence path marks its linear steps too
+    staging, general_staging = new_staging(CPU), new_staging(CPU)
+    running, slot_of, free_slots, next_id = [], {}, list(range(40)), 0
+    for round_ in range(30):
+        while len(running) < 12:  # a mix of long and short sequences
+            length = rng.choice([2, 3, 5, 60, 90]) if round_ % 2 else rng.choice([1, 2, 4])
+            seq = seq_of([rng.randrange(1, 50) for _ in range(length)], f"r{next_id}")
+            next_id += 1
+            bm.admit(seq, bm.cached_prefix(seq))
+            slot_of[seq.request_id] = free_slots.pop()
+            running.append(seq)
+        batch = decode_batch(rng, bm, rng.sample(running, rng.randrange(1, len(running) + 1)), slot_of)
+        fast = step_inputs._decode_step(batch, bm.block_size, staging, bm.tables)
+        assert fast is not None
+        assert_same_layout(fast, prepare_step(batch, bm.block_size, CPU, 50, general_staging))
+        for seq in batch:  # commit one token and drop the drafts' blocks, as the engine does
+            seq.token_ids.append(rng.randrange(1, 50))
+            seq.draft_token_ids = []
+            bm.truncate(seq, seq.num_tokens)
+        for seq in rng.sample(running, rng.randrange(0, 5)):  # finish / abort / preempt: row and slot back
+            running.remove(seq)
+            bm.free(seq)
+            free_slots.append(slot_of.pop(seq.request_id))
+    assert next_id > 40
+
+
+def test_the_decode_layout_refuses_what_it_does_not_lay_out(monkeypatch):
+    """Prefill chunks, draft trees, rows masking stop tokens, and sequences without a row
+    go the per-sequence way; a step with any of the first three is not a decode layout
+    (``fed_host`` None: the engine verifies it sequence by sequence), one whose sequences
+    merely lack rows still is."""
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 1)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)
+    bm = BlockManager(num_blocks=64, block_size=4)
+    seqs = [seq_of(prompt_of(6, i), f"r{i}") for i in range(8)]
+    for i, seq in enumerate(seqs):
+        bm.admit(seq, [])
+        seq.slot = i
+    rng = random.Random(0)
+    decode_batch(rng, bm, seqs, {s.request_id: s.slot for s in seqs})
+    seqs[0].draft_token_ids = seqs[0].draft_token_ids or [5]
+    assert step_inputs._decode_step(seqs, 4, new_staging(CPU), bm.tables) is not None
+    assert step_inputs._decode_step(seqs, 4, new_staging(CPU), None) is None
+    cases = [("num_computed_tokens", 2, False), ("draft_parents", [-1] * len(seqs[0].draft_token_ids), False),
+             ("mask_stops_below", 1 << 20, False), ("row", -1, True)]
+    for name, value, linear in cases:
+        saved = getattr(seqs[0], name)
+        setattr(seqs[0], name, value)
+        if name == "num_computed_tokens":
+            seqs[0].num_scheduled_tokens = seqs[0].num_tokens - 2
+        assert step_inputs._decode_step(seqs, 4, new_staging(CPU), bm.tables) is None, name
+        general = prepare_step(seqs, 4, CPU, 50, new_staging(CPU), bm.tables)
+        assert (general.sampling.fed_host is not None) == linear, name
+        setattr(seqs[0], name, saved)
+        seqs[0].num_scheduled_tokens = 1
+
+
+# ---------------------------------------------------------------------- acceptance by arrays
+
+
+def test_accepted_lengths_equal_the_walk_per_sequence():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 20))
+        drafts = [rng.integers(0, 3, size=int(rng.integers(0, 7))).tolist() for _ in range(n)]
+        sampled = [rng.integers(0, 3, size=len(d) + 1).tolist() for d in drafts]
+        # each sequence's last token, then its draft (a last token may equal the sample before it)
+        fed = np.array([t for d in drafts for t in [int(rng.integers(0, 3))] + d])
+        starts = np.concatenate(([0], np.cumsum([len(d) + 1 for d in drafts])))
+        got = accepted_lengths(np.array([t for s in sampled for t in s]), fed, starts)
+        assert got.tolist() == [num_accepted(d, s) for d, s in zip(drafts, sampled)]
+
+
+# ---------------------------------------------------------------------- engines on the array paths
+
+
+def test_array_paths_match_the_reference_across_finishes_and_late_joins(model, array_paths):
+    reqs = mixed_requests()
+    refs = {r.request_id: reference_generate(model, r) for r in reqs}
+    engine = _engine_with(model, reqs[:3], max_num_batched_tokens=16, speculative=False)
+    assert_same(run_to_end(engine, late={3: reqs[3:5], 9: reqs[5:]}), refs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_array_verify_is_lossless(model, array_paths, wrong_every):
+    """Speculation through verify_linear: the same tokens, logprobs and per-request counts as
+    decoding without drafts."""
+    reqs = mixed_requests()
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    drafter = OracleDrafter({rid: out.token_ids for rid, out in plain.items()}, wrong_every)
+    engine = _engine_with(model, reqs, drafter=drafter)
+    spec = run_to_end(engine)
+    assert array_paths["verify_linear"] >= 3
+    for rid, out in plain.items():
+        assert spec[rid].token_ids == out.token_ids and spec[rid].finish_reason == out.finish_reason
+        assert torch.allclose(torch.tensor(spec[rid].logprobs), torch.tensor(out.logprobs), atol=1e-5)
+    c = engine.metrics.counters
+    assert sum(o.num_draft_tokens for o in spec.values()) == c.num_draft_tokens > 0
+    assert sum(o.num_accepted_tokens for o in spec.values()) == c.num_accepted_tokens
+    assert (c.num_accepted_tokens == c.num_draft_tokens) == (wrong_every == 0)
+    assert not drafter.generated
+
+
+def test_reused_slots_and_rows_carry_nothing_of_their_last_request(model, array_paths):
+    """A first wave of requests runs (two aborted mid-way, the rest finish; a small KV cache
+    preempts some), then a second wave with other seeds and sampling settings takes their
+    sampling slots and table rows: each second-wave sample equals its reference, the one a
+    fresh engine would draw. A slot keeping its last seed, temperature or top-k, or a row
+    keeping a block id, changes these samples."""
+    first = [make_request(i, prompt_of(5 + 7 * i, i), temperature=1.0, top_k=3, seed=i, max_tokens=14,
+                          max_new_tokens=14) for i in range(6)]
+    second = [make_request(10 + i, prompt_of(3 + 5 * i, 10 + i), temperature=[0.0, 0.7, 1.3][i % 3],
+                           top_p=[1.0, 0.9, 1.0][i % 3], min_p=[0.0, 0.0, 0.05][i % 3], seed=500 + i,
+                           max_tokens=16, max_new_tokens=16) for i in range(6)]
+    engine = _engine_with(model, first, num_kv_blocks=26, speculative=False)
+    for _ in range(6):
+        engine.step()
+    assert engine.abort("r1") and engine.abort("r4")
+    run_to_end(engine)
+    slots_before = set(engine.runner.params._free)
+    refs = {r.request_id: reference_generate(model, r) for r in second}
+    for r in second:
+        engine.add_request(r)
+    assert {s.slot for s in engine.seqs.values()} <= slots_before  # the first wave's slots, reused
+    assert_same(run_to_end(engine), refs)
+    assert engine.metrics.counters.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == 26
+
+
+# ---------------------------------------------------------------------- deferred metric exports
+
+
+def test_metric_exports_wait_for_the_next_forward_and_flush_when_idle(model):
+    """A step's Prometheus exports run in the next step, after its forward is launched
+    (before the sampler reads anything), and all of them once the engine is idle: the
+    series then equal the counters."""
+    engine = _engine_with(model, mixed_requests()[:3], speculative=False, worker_id="deferred-test")
+    generated = m.generation_tokens.labels("deferred-test")
+    order = []
+    for obj, name in ((engine.runner, "run"), (engine.metrics, "flush"), (engine_module, "sample_rows")):
+        real = getattr(obj, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            order.append(_name)
+            return _real(*args, **kw)
+
+        setattr(obj, name, spy)
+    exported = []
+    while engine.has_unfinished():
+        engine.step()
+        exported.append((generated._value.get(), engine.metrics.counters.num_generation_tokens))
+    assert order[:3] == ["run", "flush", "sample_rows"]
+    # while busy, the series lag the counters by exactly the last step
+    for (value, _), (_, counted_before) in zip(exported[1:-1], exported[:-2]):
+        assert value == counted_before
+    assert exported[-1][0] == exported[-1][1] == engine.metrics.counters.num_generation_tokens > 0
+    steps = sum(m.engine_step_seconds.labels("deferred-test", k)._sum.get() > 0 for k in ("prefill", "decode"))
+    assert steps == 2

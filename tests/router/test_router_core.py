@@ -1,0 +1,330 @@
+"""The step router against scripted shards: real gRPC servers on loopback that answer
+RolloutService as a scheduler does (each sample's seed derived as the scheduler derives
+it, its tokens a function of the seed), but fail, hold or leave when a test says so.
+Every wait is on state; the hang guard only bounds a broken router."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import grpc
+import pytest
+from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+from services.common.ids import sample_seed
+from services.router.core import Router, duplicates_dropped, step_seed_of
+from services.router.registry import ShardAnnouncer, ShardDirectory, ShardInfo
+from services.router.server import RouterServicer
+from tests.aio import run_async
+
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
+    """A shard that runs sub-steps instantly, unless held; ``fail_after`` samples into its
+    next sub-step it ends the call UNAVAILABLE (as a killed scheduler's stream ends)."""
+
+    def __init__(self, name: str, fail_after: int | None = None, held: bool = False):
+        self.name, self.fail_after = name, fail_after
+        self.release = asyncio.Event()
+        if not held:
+            self.release.set()
+        self.version = 0
+        self.sub_steps: list[rollout_pb2.SubmitStepRequest] = []
+        self.delivered: list[tuple[str, int]] = []
+        self.rewards: list[rollout_pb2.ReportRewardsRequest] = []
+        self.cancelled: set[str] = set()
+
+    async def SubmitStep(self, request, context):
+        self.sub_steps.append(request)
+        step_seed = request.sampling.seed if request.sampling.HasField("seed") else None
+        for prompt in request.prompts:
+            for k in range(request.n):
+                await self.release.wait()
+                if request.step_id in self.cancelled:  # as a scheduler ends a cancelled step's samples
+                    yield rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
+                        step_id=request.step_id, prompt_id=prompt.prompt_id, sample_index=k,
+                        finish_reason=common_pb2.FINISH_REASON_ABORT))
+                    continue
+                if self.fail_after is not None and len(self.delivered) >= self.fail_after:
+                    self.fail_after = None
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "shard going down")
+                seed = sample_seed(step_seed, request.step_id, prompt.prompt_id, k)
+                self.delivered.append((prompt.prompt_id, k))
+                yield rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
+                    step_id=request.step_id, prompt_id=prompt.prompt_id, sample_index=k, token_ids=[seed % 997, 1],
+                    seed=seed, finish_reason=LENGTH, policy_version=self.version))
+        yield rollout_pb2.StepEvent(summary=rollout_pb2.StepSummary(step_id=request.step_id, policy="fake"))
+
+    async def CancelStep(self, request, context):
+        self.cancelled.add(request.step_id)
+        running = sum(len(r.prompts) * r.n for r in self.sub_steps if r.step_id == request.step_id)
+        self.release.set()
+        return rollout_pb2.CancelStepResponse(num_cancelled=running)
+
+    async def PushWeights(self, request_iterator, context):
+        chunks = [c async for c in request_iterator]
+        self.version = chunks[0].header.version
+        return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
+
+    async def GetStats(self, request, context):
+        return rollout_pb2.ServiceStats(policy_version=self.version, num_generated_tokens=2 * len(self.delivered))
+
+    async def ReportRewards(self, request, context):
+        self.rewards.append(request)
+        return rollout_pb2.ReportRewardsResponse(num_recorded=len(request.rewards))
+
+
+class Fleet:
+    """Scripted shards served on loopback, and a router that knows them (capacity 4 each:
+    a window of two groups of n=2)."""
+
+    def __init__(self, *shards: ScriptedShard, capacity: int = 4):
+        self.shards, self.capacity = list(shards), capacity
+        self.servers: list[grpc.aio.Server] = []
+        self.router = Router(window=1.0)
+        self.infos: dict[str, ShardInfo] = {}
+
+    async def __aenter__(self) -> Fleet:
+        for shard in self.shards:
+            server = grpc.aio.server()
+            rollout_pb2_grpc.add_RolloutServiceServicer_to_server(shard, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.servers.append(server)
+            self.infos[shard.name] = ShardInfo(shard.name, f"127.0.0.1:{port}", self.capacity, 1, 0)
+        self.router.start()
+        self.router.update_shards(dict(self.infos))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for shard in self.shards:
+            shard.release.set()
+        await self.router.stop()
+        for server in self.servers:
+            await server.stop(0)
+
+    def prompt_ids(self, name: str) -> list[str]:
+        shard = next(s for s in self.shards if s.name == name)
+        return [p.prompt_id for sub in shard.sub_steps for p in sub.prompts]
+
+
+def step(step_id: str, num_prompts: int, n: int = 2, seed: int | None = None) -> rollout_pb2.SubmitStepRequest:
+    req = rollout_pb2.SubmitStepRequest(step_id=step_id, n=n, prompts=[
+        common_pb2.Prompt(prompt_id=f"p{i}", token_ids=[3, 4 + i]) for i in range(num_prompts)])
+    req.sampling.max_tokens = 8
+    if seed is not None:
+        req.sampling.seed = seed
+    return req
+
+
+async def until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+async def collect(router: Router, req) -> list[rollout_pb2.StepEvent]:
+    return [e async for e in (await router.submit(req)).follow()]
+
+
+def samples(events) -> list[rollout_pb2.SampleResult]:
+    return [e.sample for e in events if e.HasField("sample")]
+
+
+@run_async
+async def test_a_group_cut_short_runs_again_elsewhere_without_losing_or_duplicating_a_sample():
+    """Shard a returns one sample and dies; its two groups re-run on b, which returns that
+    sample again: the trainer gets it once, and every sample has the seed of its (step,
+    prompt, index) whichever shard and sub-step ran it."""
+    a, b = ScriptedShard("a", fail_after=1), ScriptedShard("b")
+    before = duplicates_dropped._value.get()
+    async with Fleet(a, b) as fleet:
+        req = step("s1", 4)  # no seed: the router derives the step's from its id
+        got = samples(await collect(fleet.router, req))
+    keys = [(s.prompt_id, s.sample_index) for s in got]
+    assert sorted(keys) == sorted((f"p{i}", k) for i in range(4) for k in range(2)), "lost or duplicated"
+    assert a.delivered[0] in b.delivered, "the cut-short group did not run again"
+    assert duplicates_dropped._value.get() == before + 1
+    seed = step_seed_of(req)
+    for s in got:
+        assert s.step_id == "s1"
+        assert s.seed == sample_seed(seed, "anything", s.prompt_id, s.sample_index)
+        assert list(s.token_ids) == [s.seed % 997, 1]
+
+
+@run_async
+async def test_the_shard_that_finishes_first_takes_the_queue():
+    """Shard a holds the two groups of its window; b runs the other eight, two at a time
+    (its window), before a returns anything."""
+    a, b = ScriptedShard("a", held=True), ScriptedShard("b")
+    async with Fleet(a, b) as fleet:
+        run = await fleet.router.submit(step("s2", 10, seed=3))
+        await until(lambda: len(run.delivered) == 16)
+        assert len(fleet.prompt_ids("a")) == 2 and len(fleet.prompt_ids("b")) == 8
+        assert all(len(sub.prompts) <= 2 for sub in b.sub_steps), "a shard was given more than its window"
+        a.release.set()
+        events = [e async for e in run.follow()]
+    assert len(samples(events)) == 20 and events[-1].summary.num_samples == 20
+
+
+@run_async
+async def test_a_step_that_fits_is_split_in_proportion_to_capacity():
+    a, b = ScriptedShard("a", held=True), ScriptedShard("b", held=True)
+    async with Fleet(a, b, capacity=8) as fleet:
+        fleet.router.update_shards({**fleet.infos, "b": ShardInfo("b", fleet.infos["b"].address, 24, 3, 0)})
+        await fleet.router.submit(step("s3", 8))
+        await until(lambda: len(a.sub_steps) + len(b.sub_steps) == 2)
+        assert (len(fleet.prompt_ids("a")), len(fleet.prompt_ids("b"))) == (2, 6)
+
+
+@run_async
+async def test_a_shard_leaving_the_registry_gives_its_groups_to_the_others():
+    a, b = ScriptedShard("a", held=True), ScriptedShard("b")
+    async with Fleet(a, b) as fleet:
+        run = await fleet.router.submit(step("s4", 6, seed=1))
+        await until(lambda: len(run.delivered) == 8)
+        fleet.router.update_shards({"b": fleet.infos["b"]})  # a's key expired: it hangs
+        await until(lambda: run.finished)
+        a.release.set()
+    assert sorted(run.delivered) == sorted((f"p{i}", k) for i in range(6) for k in range(2))
+    assert len(fleet.prompt_ids("b")) == 6
+
+
+@run_async
+async def test_a_push_waits_for_the_running_step_then_reaches_every_shard_and_reports_route_to_owners():
+    a, b = ScriptedShard("a", held=True), ScriptedShard("b")
+    async with Fleet(a, b) as fleet:
+        server = grpc.aio.server()
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RouterServicer(fleet.router), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            await _push_and_report(fleet, a, b, port)
+        finally:
+            await server.stop(0)
+
+
+async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, port: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+        events = stub.SubmitStep(step("old", 6, seed=2))
+        run = await until_step(fleet.router, "old")
+        data = b"x" * 10
+
+        async def chunks():
+            yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+                version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+            yield common_pb2.WeightChunk(data=data)
+
+        push = asyncio.ensure_future(stub.PushWeights(chunks()))
+        await until(lambda: len(run.delivered) == 8)
+        assert not push.done() and a.version == b.version == 0, "the push did not wait for the step"
+        a.release.set()
+        got = [e async for e in events]
+        assert {e.sample.policy_version for e in got if e.HasField("sample")} == {0}
+        assert (await push).version == 1 and a.version == b.version == 1
+        after = [e async for e in stub.SubmitStep(step("new", 4, seed=2))]
+        assert {e.sample.policy_version for e in after if e.HasField("sample")} == {1}
+
+        answer = await stub.ReportRewards(rollout_pb2.ReportRewardsRequest(step_id="old", rewards=[
+            rollout_pb2.SampleReward(prompt_id=f"p{i}", sample_index=k, reward=1.0)
+            for i in range(6) for k in range(2)]))
+        assert answer.num_recorded == 12
+        by_shard = {s.name: sorted((r.prompt_id, r.sample_index) for req in s.rewards for r in req.rewards)
+                    for s in (a, b)}
+        owned = {name: sorted(k for k, sub in run.owner.items() if sub.shard.info.shard_id == name)
+                 for name in ("a", "b")}
+        assert by_shard == owned and len(owned["a"]) == 4 and len(owned["b"]) == 8
+        assert all(req.step_id.startswith("old#") for s in (a, b) for req in s.rewards)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.ReportRewards(rollout_pb2.ReportRewardsRequest(step_id="old", rewards=[
+                rollout_pb2.SampleReward(prompt_id="p0", sample_index=0, reward=1.0),
+                rollout_pb2.SampleReward(prompt_id="p9", sample_index=0, reward=1.0)]))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details().startswith("rewards[1].prompt_id")
+
+
+async def until_step(router: Router, step_id: str):
+    await until(lambda: step_id in router.steps)
+    return router.steps[step_id]
+
+
+class _Worker:
+    def __init__(self, capacity: int):
+        self.state = type("State", (), {"capacity": capacity})()
+        self.vocab_size, self.max_model_len = 100, 64
+
+
+class _Core:
+    policy_version = 3
+
+    class workers:
+        @staticmethod
+        def usable():
+            return [_Worker(4), _Worker(8)]
+
+
+@run_async
+async def test_a_shard_announces_itself_and_leaves_when_it_stops_or_its_key_expires(clean_redis):
+    directory = ShardDirectory(clean_redis)
+    announcer = ShardAnnouncer(_Core(), clean_redis, "s0", "10.0.0.1:50051", ttl_s=30)
+    announcer.start()
+    found = {}
+    while not found:
+        found = await directory.scan()
+    assert found == {"s0": ShardInfo("s0", "10.0.0.1:50051", 12, 2, 3, 100, 64)}
+    await announcer.stop()
+    assert await directory.scan() == {}  # a clean exit deletes its key
+
+    hung = ShardAnnouncer(_Core(), clean_redis, "s1", "10.0.0.2:50051", ttl_s=0.3)
+    await hung.announce()  # announced once, then silent: the key expires
+    assert "s1" in await directory.scan()
+    while await directory.scan():
+        await asyncio.sleep(0.05)
+    await hung.client.aclose()
+    await directory.close()
+
+
+@run_async
+async def test_finished_steps_are_forgotten_oldest_first_within_the_sample_bound():
+    async with Fleet(ScriptedShard("a")) as fleet:
+        fleet.router.max_samples_retained = 20  # two steps of 8 samples, not three
+        for i in range(3):
+            await collect(fleet.router, step(f"r{i}", 4))
+        assert list(fleet.router.steps) == ["r1", "r2"]
+        with pytest.raises(Exception, match="no step 'r0'"):
+            fleet.router.get("r0")
+
+
+@run_async
+async def test_a_cancel_aborts_the_queued_groups_and_cancels_the_running_sub_steps():
+    a = ScriptedShard("a", held=True)
+    async with Fleet(a) as fleet:
+        run = await fleet.router.submit(step("c", 5))  # a's window: 2 groups; 3 queued
+        await until(lambda: len(a.sub_steps) == 1)
+        assert await fleet.router.cancel("c") == 3 * 2 + 2 * 2
+        events = [e async for e in run.follow()]
+    got = samples(events)
+    assert sorted((s.prompt_id, s.sample_index) for s in got) == sorted((f"p{i}", k) for i in range(5) for k in range(2))
+    assert all(s.finish_reason == common_pb2.FINISH_REASON_ABORT for s in got)
+    assert a.cancelled == {a.sub_steps[0].step_id} and events[-1].summary.num_samples == 10
+
+
+@run_async
+async def test_groups_no_shard_can_take_end_as_abort_with_the_reason():
+    """A step at version 0 while the only shard serves 1 (it took a push the router has
+    not seen): after no_shard_timeout_s its groups end ABORT, each saying why."""
+    a = ScriptedShard("a")
+    async with Fleet(a) as fleet:
+        run = await fleet.router.submit(step("stuck", 2))
+        fleet.router.update_shards({"a": ShardInfo("a", fleet.infos["a"].address, 4, 1, 1)})
+        run.version = 0  # submitted before the shard moved on
+        fleet.router.assign()
+        assert not a.sub_steps or run.finished
+        fleet.router.no_shard_timeout_s = 0.0
+        fleet.router.expire_waiting()
+        events = [e async for e in run.follow()]
+    aborted = [s for s in samples(events) if s.finish_reason == common_pb2.FINISH_REASON_ABORT]
+    assert len(aborted) == 4 - len(a.delivered)
+    assert all("no scheduler shard served version 0" in s.error for s in aborted)

@@ -25,6 +25,7 @@ from collections import Counter
 from pathlib import Path
 
 import grpc
+from rhymerl.types import event_samples
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from benchmarks.chaos_trainer import MAX_N, SEEDS, StepPlan, prompt_pool, run_step
@@ -152,9 +153,10 @@ class Faults(threading.Thread):
             stub = rollout_pb2_grpc.RolloutServiceStub(ch)
             try:
                 for event in stub.SubmitStep(plan.request(), timeout=60):
-                    if not event.HasField("sample"):
+                    samples = event_samples(event)
+                    if not samples:
                         continue
-                    aborted += event.sample.finish_reason == common_pb2.FINISH_REASON_ABORT
+                    aborted += sum(s.finish_reason == common_pb2.FINISH_REASON_ABORT for s in samples)
                     if not cancelled:
                         cancelled = True
                         stub.CancelStep(rollout_pb2.CancelStepRequest(step_id=plan.step_id), timeout=30)

@@ -25,11 +25,12 @@ Per row (workers W x samples S x trainers T x step log x policy), everything fre
    step: ``--idle-s`` seconds of heartbeats alone, the scheduler's CPU per 1,000
    workers, the stats polls the fleet answered (registered workers are never polled).
 
-Reported: samples/s and chunks/s (the Run items the fleet answered during the step,
-over the step's wall time), the scheduler's CPU-seconds per 1k samples over the step
-(utime + stime from /proc/<pid>/stat), its peak RSS (VmHWM), health-check latency p50 /
-p99 / max, failures and answers other than SERVING during the step, time to the first
-and to the median sample,
+Reported: samples/s and chunks/s (the work items the fleet answered during the step,
+over the step's wall time), the batches they came in (LinkRequest messages the fleet
+read), the scheduler's CPU-seconds per 1k samples over the step (utime + stime from
+/proc/<pid>/stat), its peak RSS (VmHWM), health-check latency p50 / p99 / max, failures
+and answers other than SERVING during the step, time to the first and to the median
+sample,
 and workers marked unhealthy and dropped over the row's whole life (the scheduler's log).
 Each row checks its counts: every (prompt, sample) delivered once.
 
@@ -55,6 +56,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rhymerl.types import event_samples
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from benchmarks.fake_fleet import FakeFleet, FleetSpec
@@ -76,7 +78,7 @@ COLUMNS = [("policy", "policy", "{}"), ("workers", "workers", "{}"), ("samples",
            ("gRPC-port health p99 ms", "health_main_p99_ms", "{:.0f}"),
            ("first sample s", "first_sample_s", "{:.2f}"), ("median sample s", "median_sample_s", "{:.2f}"),
            ("wall s", "wall_s", "{:.1f}"), ("marked unhealthy (in step)", "unhealthy_cell", "{}"),
-           ("chunks re-run", "chunks_rerun", "{}"),
+           ("chunks re-run", "chunks_rerun", "{}"), ("Link batches", "batches", "{}"),
            ("idle CPU cores", "idle_cpu_cores", "{:.3f}")]
 
 
@@ -260,12 +262,13 @@ def submit_step(address: str, step_id: str, prompts: int, n: int, max_tokens: in
                 if event.HasField("summary"):
                     out.summary = event.summary
                     continue
-                s = event.sample
-                out.arrivals.append(time.perf_counter() - started)
-                key = (s.prompt_id, s.sample_index)
-                out.duplicated += key in out.keys
-                out.aborted += s.finish_reason == common_pb2.FINISH_REASON_ABORT
-                out.keys.add(key)
+                arrived = time.perf_counter() - started
+                for s in event_samples(event):
+                    out.arrivals.append(arrived)
+                    key = (s.prompt_id, s.sample_index)
+                    out.duplicated += key in out.keys
+                    out.aborted += s.finish_reason == common_pb2.FINISH_REASON_ABORT
+                    out.keys.add(key)
         except grpc.RpcError as err:
             out.error = f"{err.code().name}: {err.details()}"
     return out
@@ -355,7 +358,7 @@ def run_row(workers: int, samples: int, policy: str, *, trainers: int = 1, step_
             "chunks_rerun": chunks - chunks_needed, "delivered": len(stream.keys), "lost": samples - len(stream.keys),
             "duplicated": stream.duplicated,
             "aborted": stream.aborted, "summary": stream.summary is not None, "error": stream.error,
-            "chunks": chunks, "run_calls": after_fleet["runs"] - before_fleet["runs"],
+            "chunks": chunks, "batches": after_fleet["batches"] - before_fleet["batches"],
             "wall_s": wall, "samples_per_s": len(stream.keys) / wall, "chunks_per_s": chunks / wall,
             "sched_cpu_s": cpu, "sched_cpu_ms_per_1k": 1e6 * cpu / max(1, len(stream.keys)),
             "peak_rss_mb": rss, **_health_fields("health", *health["health"]),
@@ -503,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
                  f"trainer and the health prober (and other work on the machine: load average {load[0]:.1f} at the "
                  "end); the scheduler's CPU-seconds are the honest figure. Marked unhealthy: the scheduler's log over "
                  "the row's life up to the step's end, start-up included (in the step: during the step alone). Chunks "
-                 "re-run: Run items the fleet answered beyond one per chunk of every sample (re-dispatched work)."),
+                 "re-run: work items the fleet answered beyond one per chunk of every sample (re-dispatched work)."),
         "load_average": load,
         "command": " ".join(["python -m benchmarks.control_plane", *(sys.argv[1:] if argv is None else argv)]),
         "commit": git_commit(".", ":(exclude)benchmarks/results"), "device": f"CPU: {cpu_name()}",

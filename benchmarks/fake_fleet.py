@@ -4,7 +4,7 @@ Each fake worker is a real WorkerService endpoint (its own gRPC server and port 
 loopback) that registers with the scheduler exactly as a real worker does
 (``services.rollout.registration.keep_registered``: one Heartbeat stream over its own
 channel, a beat at the interval the scheduler names), answers stats polls, and answers
-every Run call at once: each item gets ``response_tokens`` fixed tokens in total (fewer
+every batch on its Link stream at once: each item gets ``response_tokens`` fixed tokens in total (fewer
 when its ``max_tokens`` or chunk budget ends first), then FINISH_REASON_STOP. No model,
 no engine: what is measured is the scheduler.
 
@@ -16,6 +16,7 @@ their counters and stops them. ``benchmarks/control_plane.py`` and its test use 
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
 from collections import Counter
@@ -38,39 +39,54 @@ class FleetSpec:
     channel_options: tuple[tuple[str, int], ...] = ()  # added to every channel (benchmarks compare options)
 
 
-def _tokens(position: int, count: int, sample_index: int) -> list[int]:
-    return [3 + (sample_index * 31 + position + i) % (VOCAB_SIZE - 3) for i in range(count)]
+@functools.lru_cache(maxsize=1 << 16)
+def _tokens(position: int, count: int, sample_index: int) -> bytes:
+    """The fake tokens, packed as a worker sends them (cached: the fakes share the cores
+    with the scheduler they load)."""
+    from services.common import packed
+
+    return packed.pack_token_ids([3 + (sample_index * 31 + position + i) % (VOCAB_SIZE - 3) for i in range(count)])
+
+
+@functools.lru_cache(maxsize=1024)
+def _logprobs(count: int) -> bytes:
+    from services.common import packed
+
+    return packed.pack_logprobs([-0.5] * count)
 
 
 def make_servicer(worker_id: str, spec: FleetSpec, counts: Counter):
-    """One fake worker's WorkerService (counts into ``counts``: runs, items, tokens,
-    stats polls, aborts)."""
+    """One fake worker's WorkerService (counts into ``counts``: batches, items, tokens,
+    finished, stats polls, aborts). Each batch on its Link stream is answered at once, by
+    one batch of results."""
     from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
     class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         running = 0
 
-        async def Run(self, request, context):
-            counts["runs"] += 1
-            counts["items"] += len(request.items)
-            self.running += len(request.items)
-            try:
-                for item in request.items:
-                    done = len(item.generated_token_ids)
-                    limit = item.sampling.max_tokens or spec.response_tokens
-                    n = max(0, min(item.max_new_tokens, spec.response_tokens - done, limit - done))
-                    total = done + n
-                    finish = (common_pb2.FINISH_REASON_STOP if total >= spec.response_tokens
-                              else common_pb2.FINISH_REASON_LENGTH if total >= limit
-                              else common_pb2.FINISH_REASON_UNSPECIFIED)
-                    counts["tokens"] += n
-                    counts["finished"] += finish != common_pb2.FINISH_REASON_UNSPECIFIED
-                    yield worker_pb2.ChunkResult(
-                        request_id=item.request_id, token_ids=_tokens(done, n, item.sample_index),
-                        logprobs=[-0.5] * n if spec.logprobs and item.sampling.logprobs else [],
-                        finish_reason=finish, policy_version=request.policy_version)
-            finally:
-                self.running -= len(request.items)
+        async def Link(self, request_iterator, context):
+            async for batch in request_iterator:
+                counts["batches"] += 1
+                counts["items"] += len(batch.items)
+                counts["aborts"] += len(batch.abort_request_ids)
+                results = [self._answer(item, batch.policy_version) for item in batch.items]
+                if results:
+                    yield worker_pb2.LinkResponse(results=results)
+
+        def _answer(self, item, policy_version: int):
+            done = len(item.generated_token_ids)
+            limit = item.sampling.max_tokens or spec.response_tokens
+            n = max(0, min(item.max_new_tokens, spec.response_tokens - done, limit - done))
+            total = done + n
+            finish = (common_pb2.FINISH_REASON_STOP if total >= spec.response_tokens
+                      else common_pb2.FINISH_REASON_LENGTH if total >= limit
+                      else common_pb2.FINISH_REASON_UNSPECIFIED)
+            counts["tokens"] += n
+            counts["finished"] += finish != common_pb2.FINISH_REASON_UNSPECIFIED
+            return worker_pb2.ChunkResult(
+                request_id=item.request_id, packed_token_ids=_tokens(done, n, item.sample_index), num_tokens=n,
+                packed_logprobs=_logprobs(n) if spec.logprobs and item.sampling.logprobs else b"",
+                finish_reason=finish, policy_version=policy_version)
 
         async def Abort(self, request, context):
             counts["aborts"] += len(request.request_ids)
@@ -156,7 +172,7 @@ def _process_main(conn, spec: FleetSpec, worker_ids: list[str]) -> None:
 class FakeFleet:
     """``spec.workers`` fake workers in ceil(workers / per_process) processes.
 
-    Use as a context manager; ``stats()`` sums the counters of every process (runs,
+    Use as a context manager; ``stats()`` sums the counters of every process (batches,
     items, tokens, finished, stats, aborts)."""
 
     def __init__(self, spec: FleetSpec):

@@ -122,3 +122,28 @@ def channel(address: str, tls: TLSConfig | None = None) -> grpc.aio.Channel:
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS + tls.channel_options())
+
+
+def _message_or_bytes(message) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def raw_responses(add: Callable, methods: Iterable[str]) -> Callable:
+    """``add`` (a generated ``add_XServicer_to_server``) whose ``methods`` may also answer
+    with messages already serialized (bytes, sent as they are): a service that keeps its
+    answers serialized does not parse them again to send them."""
+    methods = frozenset(methods)
+
+    def add_raw(servicer, server) -> None:
+        class Registrar:  # takes the generated handlers, registers them with the serializers replaced
+            def add_generic_rpc_handlers(self, handlers) -> None:
+                pass  # built again below from the replaced handlers
+
+            def add_registered_method_handlers(self, name, handlers) -> None:
+                handlers = {m: h._replace(response_serializer=_message_or_bytes) if m in methods else h
+                            for m, h in handlers.items()}
+                server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+                server.add_registered_method_handlers(name, handlers)
+
+        add(servicer, Registrar())
+    return add_raw

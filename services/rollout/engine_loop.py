@@ -142,8 +142,8 @@ class EngineLoop:
     def _add(self, request, sink: asyncio.Queue) -> None:
         try:
             self.engine.add_request(request)
-        except Exception as exc:  # noqa: BLE001 - delivered to the caller as its error
-            self._loop.call_soon_threadsafe(sink.put_nowait, exc)
+        except Exception as exc:  # noqa: BLE001 - delivered to the caller as this item's error
+            self._loop.call_soon_threadsafe(sink.put_nowait, ItemFailed(request.request_id, exc))
             return
         self._sinks[request.request_id] = sink
         self._requests[request.request_id] = request

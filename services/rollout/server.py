@@ -1,8 +1,10 @@
 """The rollout worker process: WorkerService over an engine running in its own thread.
 
-Thin transport: Run turns work items into checked engine requests (work_item.py), has
-the prompts' history loaded into the drafter (drafter_history.py), hands the items to
-the engine loop and streams each chunk's result back; weight updates are verified, then applied while idle.
+Thin transport: Link (the scheduler's one stream) turns work items into checked engine
+requests (work_item.py), has the prompts' history loaded into the drafter
+(drafter_history.py), hands the items to the engine loop and streams the chunks' results
+back in batches, their tokens and logprobs packed (services/common/packed.py); weight
+updates are verified, then applied while idle.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import time
 
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from services.common import metrics
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable, grpc_errors
+from services.common import metrics, packed
+from services.common.errors import InvalidArgument, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.rollout import weight_receiver
 from services.rollout.drafter_history import DrafterHistory
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, None: common_pb2.FINISH_REASON_UNSPECIFIED}
 MAX_WEIGHT_BYTES = 1 << 40
+_END = object()  # the scheduler closed its side of a Link stream
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -48,67 +51,118 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.max_num_seqs = max_num_seqs
         self.feed = feed  # the drafter's global index: finished samples + the history stream
         self.accepting = True
-        self.num_runs = 0
+        self.num_items = 0  # in the engine from Link streams (a drain waits for them)
         self.num_generated_tokens = 0
         self.spec = common_pb2.SpecCounters()
         self._weights_lock = asyncio.Lock()
         metrics.weight_version.labels(component=worker_id).set(version)
 
-    # --- Run ---------------------------------------------------------------------
+    # --- Link --------------------------------------------------------------------
     @grpc_errors
-    async def Run(self, request, context):
-        if not self.accepting:
-            raise Unavailable("worker is draining")
-        if request.policy_version and request.policy_version != self.version:
-            raise FailedPrecondition(f"this worker serves version {self.version}, not {request.policy_version}",
-                                     "policy_version")
-        engine_requests = [to_engine_request(item, f"items[{i}]", self.config.vocab_size,
-                                             self.config.max_position_embeddings)
-                           for i, item in enumerate(request.items)]
-        if self.drafter_history is not None:
-            await self.drafter_history.load(request.items)
-        if self.feed is not None:
-            await self.feed.step_started({it.step_id for it in request.items})
-        by_id = {r.request_id: r for r in engine_requests}
+    async def Link(self, request_iterator, context):
+        """The scheduler's stream: batches of items and aborts in, batches of results out
+        (every result ready when the stream writes goes in one message). An item is
+        checked alone: one that is not valid input, or that this worker will not run
+        (draining, another version), comes back at once with its refusal. A stream that
+        breaks aborts what it holds."""
         sink: asyncio.Queue = asyncio.Queue()
-        pending = {r.request_id for r in engine_requests}
-        self.num_runs += 1
+        pending: dict[str, object] = {}  # request_id -> EngineRequest, in the engine
+        reader = asyncio.create_task(self._take(request_iterator, sink, pending))
         try:
-            for r in engine_requests:
-                self.loop.submit(r, sink)
-            while pending:
-                out = await sink.get()
-                if isinstance(out, ValueError):
-                    raise InvalidArgument(str(out))
-                if isinstance(out, ItemFailed):
-                    pending.discard(out.request_id)
-                    yield worker_pb2.ChunkResult(request_id=out.request_id, policy_version=self.version,
-                                                 error=f"{type(out.error).__name__}: {out.error}")
-                    continue
-                if isinstance(out, Exception):
-                    raise out
-                pending.discard(out.request_id)
-                if self.feed is not None and getattr(out, "finish_reason", None) in ("stop", "length"):
-                    r = by_id[out.request_id]
-                    self.feed.finished(r.prompt_id, r.step_id, r.sample_index,
-                                       [*r.generated_token_ids, *out.token_ids])
-                yield self._chunk_result(out)
+            closing = False
+            while not (closing and not pending):
+                outs = [await sink.get()]
+                while not sink.empty():
+                    outs.append(sink.get_nowait())
+                results = []
+                for out in outs:
+                    if out is _END:
+                        closing = True
+                    elif isinstance(out, BaseException):
+                        raise out  # the reader's own failure, or the engine's beyond one item
+                    elif isinstance(out, worker_pb2.ChunkResult):  # a refusal
+                        results.append(out)
+                    else:
+                        results.append(self._result(out, pending))
+                if results:
+                    yield worker_pb2.LinkResponse(results=results)
         finally:
-            self.num_runs -= 1
+            reader.cancel()
             for rid in pending:
                 self.loop.abort(rid)
+            self.num_items -= len(pending)
+            pending.clear()
 
-    def _chunk_result(self, out) -> worker_pb2.ChunkResult:
+    async def _take(self, request_iterator, sink: asyncio.Queue, pending: dict) -> None:
+        """Reads the scheduler's batches into the engine; _END when it closed its side."""
+        try:
+            async for batch in request_iterator:
+                for rid in batch.abort_request_ids:
+                    self.loop.abort(rid)
+                if batch.items:
+                    await self._start(batch, sink, pending)
+            sink.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - ends the stream with it (grpc_errors words it)
+            sink.put_nowait(exc)
+
+    async def _start(self, batch: worker_pb2.LinkRequest, sink: asyncio.Queue, pending: dict) -> None:
+        refusal, why = worker_pb2.REFUSAL_NONE, ""
+        if not self.accepting:
+            refusal, why = worker_pb2.REFUSAL_DRAINING, "worker is draining"
+        elif batch.policy_version and batch.policy_version != self.version:
+            refusal = worker_pb2.REFUSAL_WRONG_VERSION
+            why = f"policy_version: this worker serves version {self.version}, not {batch.policy_version}"
+        accepted = []
+        for i, item in enumerate(batch.items):
+            if refusal:
+                sink.put_nowait(self._refusal(item.request_id, refusal, why))
+                continue
+            try:
+                accepted.append((item, to_engine_request(item, f"items[{i}]", self.config.vocab_size,
+                                                         self.config.max_position_embeddings)))
+            except InvalidArgument as exc:
+                sink.put_nowait(self._refusal(item.request_id, worker_pb2.REFUSAL_INVALID_ARGUMENT, str(exc)))
+        if not accepted:
+            return
+        items = [item for item, _ in accepted]
+        if self.drafter_history is not None:
+            await self.drafter_history.load(items)
+        if self.feed is not None:
+            await self.feed.step_started({it.step_id for it in items})
+        for _, r in accepted:
+            pending[r.request_id] = r
+            self.num_items += 1
+            self.loop.submit(r, sink)
+
+    def _refusal(self, request_id: str, refusal: int, error: str) -> worker_pb2.ChunkResult:
+        return worker_pb2.ChunkResult(request_id=request_id, refusal=refusal, error=error,
+                                      policy_version=self.version)
+
+    def _result(self, out, pending: dict) -> worker_pb2.ChunkResult:
+        """An engine output (a chunk, an abort, an item's failure) as its ChunkResult."""
+        r = pending.pop(out.request_id, None)
+        if r is not None:
+            self.num_items -= 1
+        if isinstance(out, ItemFailed):
+            if isinstance(out.error, ValueError):  # the engine refused the input
+                return self._refusal(out.request_id, worker_pb2.REFUSAL_INVALID_ARGUMENT, str(out.error))
+            return worker_pb2.ChunkResult(request_id=out.request_id, policy_version=self.version,
+                                          error=f"{type(out.error).__name__}: {out.error}")
         if isinstance(out, AbortedChunk):
             return worker_pb2.ChunkResult(request_id=out.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT,
                                           policy_version=self.version)
+        if r is not None and self.feed is not None and out.finish_reason in ("stop", "length"):
+            self.feed.finished(r.prompt_id, r.step_id, r.sample_index, [*r.generated_token_ids, *out.token_ids])
         spec = common_pb2.SpecCounters(num_verify_steps=out.num_verify_steps, num_draft_tokens=out.num_draft_tokens,
                                        num_accepted_tokens=out.num_accepted_tokens)
         self.num_generated_tokens += len(out.token_ids)
         for name in ("num_verify_steps", "num_draft_tokens", "num_accepted_tokens"):
             setattr(self.spec, name, getattr(self.spec, name) + getattr(spec, name))
         return worker_pb2.ChunkResult(
-            request_id=out.request_id, token_ids=out.token_ids, logprobs=out.logprobs,
+            request_id=out.request_id, packed_token_ids=packed.pack_token_ids(out.token_ids),
+            num_tokens=len(out.token_ids), packed_logprobs=packed.pack_logprobs(out.logprobs),
             finish_reason=FINISH[out.finish_reason], policy_version=self.version, spec=spec, busy_s=out.busy_s)
 
     # --- control -----------------------------------------------------------------
@@ -260,7 +314,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         if registration is not None:
             await deregister(settings.scheduler_address, servicer.worker_id, settings.tls())
         deadline = time.monotonic() + settings.drain_timeout_s
-        while servicer.num_runs and time.monotonic() < deadline:
+        while servicer.num_items and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if registration is not None:
             registration.cancel()

@@ -426,10 +426,13 @@ class Router:
         try:
             call = shard.stub.SubmitStep(self._sub_request(sub), metadata=self.metadata)
             async for event in call:
-                if event.HasField("sample"):
-                    self._receive(sub, event)
-                else:
+                if event.HasField("summary"):
                     step.summaries.append(event.summary)
+                elif event.HasField("sample"):
+                    self._receive(sub, event)
+                else:  # a batch (a shard sends the samples it has ready together): one event each
+                    for sample in event.samples.samples:
+                        self._receive(sub, rollout_pb2.StepEvent(sample=sample))
             shard.groups_done += len(sub.prompt_ids)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in SHARD_FAULTS:

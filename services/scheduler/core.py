@@ -7,7 +7,8 @@ A step's path (docs/architecture.md has the whole story):
      before a restart, is joined (only its missing samples run); a new step is split
      into one request per (prompt, sample) and admitted within the sample limit.
   2. ``_dispatch`` asks the policy for chunks whenever something changed, each step
-     capped at its fair share of the slots, and sends each worker one Run call.
+     capped at its fair share of the slots, and sends each worker its chunks as one
+     batch on its Link stream.
   3. Each chunk's tokens extend their sample; an unfinished sample goes back to the
      policy (its next chunk may run on another worker).
   4. A finished sample goes to the step log, then to the trainer (``delivery.py``).
@@ -47,7 +48,7 @@ ABORT = common_pb2.FINISH_REASON_ABORT
 @dataclass(frozen=True)
 class CoreLimits:
     max_samples_in_flight: int = 262_144  # admitted, unfinished samples over all steps
-    max_attempts: int = 3  # Run calls a sample may fail before it is given up
+    max_attempts: int = 3  # chunks of a sample that may fail before it is given up
     no_worker_timeout_s: float = 30.0  # queued work with no worker this long is aborted
     history_epochs: int = 4  # epochs of history used for length prediction
     fair_share: str = "matched"  # fair_share.py: "matched", "equal" or "work_conserving"

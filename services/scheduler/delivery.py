@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from rhymerl.v1 import common_pb2, rollout_pb2
 
-from services.common import metrics
+from services.common import metrics, packed
 from services.scheduler import summary
 from services.scheduler.step import SampleProgress, StepRun
 from services.scheduler.timeline import StepTimeline
@@ -41,7 +41,7 @@ class Delivery:
                       logged: dict[tuple[str, int], rollout_pb2.SampleResult],
                       logged_summary: rollout_pb2.StepSummary | None) -> None:
         """Publishes the samples a previous scheduler logged; they are not generated again."""
-        results = []
+        events, reasons = [], []
         for s in samples:
             result = logged.get((s.request.prompt_id, s.request.sample_index))
             if result is not None:
@@ -49,37 +49,55 @@ class Delivery:
                 run.num_done += 1
                 if result.finish_reason == ABORT:
                     run.aborted.add((result.prompt_id, result.sample_index))
-                results.append(result)
-        if results:
-            await self._publish(run, results, logged_summary)
+                run.num_generated_tokens += len(result.token_ids)
+                for i, name in enumerate(summary.SPEC_FIELDS):
+                    run.spec[i] += getattr(result.spec, name)
+                events.append(rollout_pb2.StepEvent(sample=result).SerializeToString())
+                reasons.append(result.finish_reason)
+        if events:
+            await self._publish(run, events, reasons, logged_summary)
 
     async def finish(self, run: StepRun, progs: list[SampleProgress]) -> None:
-        """Ends samples whose ``finish_reason`` is set: logged, then streamed."""
-        now, results = time.monotonic(), []
+        """Ends samples whose ``finish_reason`` is set: logged, then streamed. Each goes
+        as the bytes ``StepRun.encode_sample`` splices (its tokens never decoded)."""
+        now, logged, events, reasons = time.monotonic(), [], [], []
+        timeline = self.timelines.get(run.step_id)
+        version = self.core.policy_version
         for prog in progs:
             if prog.done:
                 continue
             prog.done = True
             self.core.unfinished.pop(prog.request.key, None)
             run.num_done += 1
-            if run.step_id in self.timelines:
-                self.timelines[run.step_id].on_sample_done(now)
+            if timeline is not None:
+                timeline.on_sample_done(now)
+            key = (prog.request.prompt_id, prog.request.sample_index)
             if prog.finish_reason == ABORT:
-                run.aborted.add((prog.request.prompt_id, prog.request.sample_index))
-            results.append(run.sample_result(prog, self.core.policy_version))
+                run.aborted.add(key)
+            run.num_generated_tokens += prog.num_tokens
+            spec = run.spec
+            spec[0] += prog.num_verify_steps
+            spec[1] += prog.num_draft_tokens
+            spec[2] += prog.num_accepted_tokens
+            sample = run.encode_sample(prog, version)
+            prog.token_ids = prog.logprobs = b""  # in the event now: the step keeps only that
+            logged.append((key, sample))
+            events.append(packed.field(1, sample))  # StepEvent.sample
+            reasons.append(prog.finish_reason)
         metrics.samples_in_flight.set(len(self.core.unfinished))
-        if results:  # shielded: a cancelled caller (a lost worker's Run call) must not lose them
-            await asyncio.shield(self._deliver(run, results))
+        if events:  # shielded: a cancelled caller (a lost worker's stream) must not lose them
+            await asyncio.shield(self._deliver(run, logged, events, reasons))
 
-    async def _deliver(self, run: StepRun, results: list[rollout_pb2.SampleResult]) -> None:
-        await self.core.log.append(run.step_id, results)
-        await self._publish(run, results)
+    async def _deliver(self, run: StepRun, logged: list[tuple[tuple[str, int], bytes]], events: list[bytes],
+                       reasons: list[int]) -> None:
+        await self.core.log.append(run.step_id, logged)
+        await self._publish(run, events, reasons)
 
-    async def _publish(self, run: StepRun, results: list[rollout_pb2.SampleResult],
+    async def _publish(self, run: StepRun, events: list[bytes], reasons: list[int],
                        logged_summary: rollout_pb2.StepSummary | None = None) -> None:
-        summary.count_samples(results)
-        await run.publish([rollout_pb2.StepEvent(sample=r) for r in results])
-        run.num_published += len(results)
+        summary.count_samples(reasons)
+        await run.publish(events)
+        run.num_published += len(events)
         if run.num_published == run.num_samples and not run.closing:
             run.closing = True
             await self._close(run, logged_summary)
@@ -136,8 +154,6 @@ class Delivery:
             await self.finish(run, queued[i:i + CANCEL_BATCH])
             await asyncio.sleep(0)
         for worker_id, dispatch_ids in running.items():
-            worker = core.workers.workers.get(worker_id)
-            if worker is not None:
-                await core.link.abort(worker, dispatch_ids)
+            core.runs.abort(worker_id, dispatch_ids)
         metrics.steps_total.labels(status="cancelled").inc()
         return len(queued) + sum(map(len, running.values()))

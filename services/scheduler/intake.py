@@ -16,6 +16,7 @@ from services.common.ids import prompt_id_from_tokens, sample_seed
 from services.common.validation import MAX_N, check_length, check_sampling, check_token_ids
 from services.scheduler.policies.base import Request
 from services.scheduler.step import SampleProgress
+from services.scheduler.worker_link import prompt_field
 
 # Step and prompt ids are copied into every sample, history key and step-log entry.
 MAX_ID_BYTES = 256
@@ -71,8 +72,9 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[Sam
         if pid in seen:
             raise InvalidArgument(f"duplicate prompt_id {pid!r}", f"{field}.prompt_id")
         seen.add(pid)
-        tokens = list(prompt.token_ids)
-        yield [SampleProgress(Request(req.step_id, pid, k, prompt_len=len(tokens), max_tokens=max_tokens), tokens,
+        encoded = prompt_field(pid, prompt.token_ids)  # once per prompt; its samples share it
+        num_tokens = len(prompt.token_ids)
+        yield [SampleProgress(Request(req.step_id, pid, k, prompt_len=num_tokens, max_tokens=max_tokens), encoded,
                               sample_seed(step_seed, req.step_id, pid, k)) for k in range(req.n)]
 
 

@@ -1,9 +1,13 @@
-"""The Run calls in flight: chunks sent to a worker, their results applied to the samples,
-their failures retried or given up.
+"""The chunks in flight on the workers' Link streams: chunks sent to a worker in
+batches, their results applied to the samples a batch at a time, their failures retried
+or given up.
 
-Every chunk gets a dispatch id of its own. A sample's ``dispatch_id`` names its chunk in
-flight; a result for any other id is stale (its worker was declared lost and the chunk
-re-ran elsewhere) and is ignored, so a sample never takes a chunk's tokens twice.
+Each worker has one long-lived stream (``worker_link.LinkStream``), opened when it is
+first given work; a dispatch pass sends a worker one batch. Every chunk gets a dispatch
+id of its own. A sample's ``dispatch_id`` names its chunk in flight; a result for any
+other id is stale (its worker was declared lost and the chunk re-ran elsewhere) and is
+ignored, so a sample never takes a chunk's tokens twice. A stream that ends (a broken
+worker, its loss) re-queues the chunks it had not reported, exactly those.
 """
 
 from __future__ import annotations
@@ -13,13 +17,12 @@ import itertools
 import logging
 import secrets
 import time
-from collections import defaultdict
 from typing import TYPE_CHECKING
 
 from rhymerl.v1 import common_pb2
 
 from services.common import metrics
-from services.scheduler.policies.base import Assignment, RequestKey
+from services.scheduler.policies.base import Assignment, Request, RequestKey
 from services.scheduler.step import SampleProgress, StepRun
 from services.scheduler.worker_link import Chunk, ChunkDone, ChunkFailed, RunEnded, RunOutcome
 from services.scheduler.workers import WorkerHandle
@@ -29,6 +32,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ABORT = common_pb2.FINISH_REASON_ABORT
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+class _Stream:
+    """One worker's open stream and the chunks it has not reported (dispatch id ->
+    assignment)."""
+
+    __slots__ = ("worker", "address", "link", "pending", "task")
+
+    def __init__(self, worker: WorkerHandle, link):
+        self.worker, self.address, self.link = worker, worker.address, link
+        self.pending: dict[str, Request] = {}
+        self.task: asyncio.Task | None = None
 
 
 class RunCalls:
@@ -39,26 +56,52 @@ class RunCalls:
         self._no_chunks.set()
         self._dispatch_ids = itertools.count()
         self._incarnation = secrets.token_hex(4)  # dispatch ids never repeat across restarts
-        self._by_worker: dict[str, set[asyncio.Task]] = defaultdict(set)
+        self._streams: dict[str, _Stream] = {}  # worker_id -> its open stream
 
     async def drained(self) -> None:
         """Returns when no chunk is in flight."""
         await self._no_chunks.wait()
 
     def start(self, worker: WorkerHandle, assignments: list[Assignment], now: float) -> None:
-        """Sends ``assignments`` to ``worker`` in one Run call (a task of its own)."""
+        """Sends ``assignments`` to ``worker`` as one batch on its stream."""
+        stream = self._stream(worker)
         chunks = [self._chunk(worker, a, now) for a in assignments]
-        pending = {c.dispatch_id: a for c, a in zip(chunks, assignments)}
-        task = self.core.spawn(self._run(worker, pending, chunks))
-        self._by_worker[worker.worker_id].add(task)
-        task.add_done_callback(self._by_worker[worker.worker_id].discard)
-        # cancelled before its first step (its worker lost at once), _run's finally never runs
-        task.add_done_callback(lambda t: self._requeue(worker, pending) if t.cancelled() and pending else None)
+        pending = stream.pending
+        for c, a in zip(chunks, assignments):
+            pending[c.dispatch_id] = a.request
+        stream.link.send(self.core.policy_version, chunks)
+
+    def abort(self, worker_id: str, dispatch_ids: list[str]) -> None:
+        """Asks the worker to abort these chunks (on its stream: a worker with none open
+        runs none); their results come back as ABORT."""
+        stream = self._streams.get(worker_id)
+        if stream is not None:
+            stream.link.abort(dispatch_ids)
 
     def worker_lost(self, worker: WorkerHandle) -> None:
-        """Cancels ``worker``'s Run calls; their chunks are re-queued."""
-        for task in list(self._by_worker.get(worker.worker_id, ())):
-            task.cancel()
+        """Ends ``worker``'s stream; its chunks are re-queued."""
+        stream = self._streams.pop(worker.worker_id, None)
+        if stream is not None:
+            stream.task.cancel()
+
+    def _stream(self, worker: WorkerHandle) -> _Stream:
+        stream = self._streams.get(worker.worker_id)
+        if stream is not None and stream.address == worker.address:
+            return stream
+        if stream is not None:  # it moved (a new process elsewhere): the old stream's chunks run again
+            stream.task.cancel()
+        stream = self._streams[worker.worker_id] = _Stream(worker, self.core.link.open(worker))
+        stream.task = self.core.spawn(self._read(stream))
+        stream.task.add_done_callback(lambda _, s=stream: self._closed(s))
+        return stream
+
+    def _closed(self, stream: _Stream) -> None:
+        """The stream's reader ended (the stream broke, or was cancelled: also before its
+        first step): what it had not reported runs again elsewhere."""
+        if self._streams.get(stream.worker.worker_id) is stream:
+            del self._streams[stream.worker.worker_id]
+        stream.link.close()
+        self._requeue(stream.worker, stream.pending)
 
     def _chunk(self, worker: WorkerHandle, a: Assignment, now: float) -> Chunk:
         run, prog = self.core.unfinished[a.request.key]
@@ -74,27 +117,35 @@ class RunCalls:
         if a.is_migration:
             timeline.on_migration()
             metrics.migrations_total.inc()
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(run.sampling)
-        sampling.seed = prog.seed
-        return Chunk(prog.dispatch_id, a.request.key, prog.prompt_token_ids, list(prog.token_ids), sampling,
-                     a.max_new_tokens, run.n)
+        return Chunk(prog.dispatch_id, a.request.key, prog.prompt_field, prog.token_ids, prog.num_tokens,
+                     run.sampling, prog.seed, a.max_new_tokens, run.step_fields)
 
-    async def _run(self, worker: WorkerHandle, pending: dict[str, Assignment], chunks: list[Chunk]) -> None:
-        try:
-            async for event in self.core.link.run(worker, self.core.policy_version, chunks):
-                if isinstance(event, RunEnded):
-                    await self._on_run_ended(worker, pending, event)
-                    break
-                a = pending.pop(event.dispatch_id, None)
-                if a is None:
-                    continue
-                if isinstance(event, ChunkFailed):
-                    await self._on_failed(worker, a, event.dispatch_id, f"worker {worker.worker_id}: {event.error}")
-                else:
-                    await self._on_chunk(worker, a, event)
-        finally:
-            self._requeue(worker, pending)
+    async def _read(self, stream: _Stream) -> None:
+        async for batch in stream.link.events():
+            if isinstance(batch, RunEnded):
+                if self._streams.get(stream.worker.worker_id) is stream:  # new work opens a new stream
+                    del self._streams[stream.worker.worker_id]
+                await self._on_run_ended(stream.worker, stream.pending, batch)
+                return
+            await self._on_batch(stream, batch)
+
+    async def _on_batch(self, stream: _Stream, events: list) -> None:
+        """A batch of results: applied, then each step's finished samples delivered together."""
+        worker, pending, now = stream.worker, stream.pending, time.monotonic()
+        finished: dict[str, tuple[StepRun, list[SampleProgress]]] = {}
+        for ev in events:
+            r = pending.pop(ev.dispatch_id, None)
+            if r is None:
+                continue
+            if isinstance(ev, ChunkDone):
+                done = self._on_chunk(worker, r, ev, now)
+                if done is not None:
+                    finished.setdefault(done[0].step_id, (done[0], []))[1].append(done[1])
+            else:
+                await self._on_failed(worker, r, ev)
+        for run, progs in finished.values():
+            await self.core.delivery.finish(run, progs)
+        self.core.wake()
 
     def _current(self, key: RequestKey, dispatch_id: str) -> tuple[StepRun, SampleProgress] | None:
         """The sample, if ``dispatch_id`` is its chunk in flight (else the result is stale)."""
@@ -111,49 +162,74 @@ class RunCalls:
         if not worker.state.running:
             self.core.delivery.set_busy(worker.worker_id, False, now)
 
-    async def _on_chunk(self, worker: WorkerHandle, a: Assignment, ev: ChunkDone) -> None:
-        entry = self._current(a.request.key, ev.dispatch_id)
+    def _on_chunk(self, worker: WorkerHandle, r: Request, ev: ChunkDone,
+                  now: float) -> tuple[StepRun, SampleProgress] | None:
+        """Extends the sample by the chunk's payloads (as bytes); returns it when finished."""
+        entry = self._current(r.key, ev.dispatch_id)
         if entry is None:
-            return
+            return None
         run, prog = entry
-        r, now = a.request, time.monotonic()
+        num = ev.num_tokens
         self._release(worker, run, prog, now)
-        prog.token_ids.extend(ev.token_ids)
-        prog.logprobs.extend(ev.logprobs)
-        prog.token_versions.extend([ev.policy_version] * len(ev.token_ids))
+        if num:
+            prog.token_ids += ev.token_ids
+            prog.logprobs += ev.logprobs
+            version = ev.policy_version
+            if prog.version < 0:
+                prog.version = version
+            elif prog.versions is not None or version != prog.version:  # spans versions: runs kept
+                runs = prog.versions
+                if runs is None:
+                    runs = prog.versions = [[prog.version, prog.num_tokens]]
+                if runs[-1][0] == version:
+                    runs[-1][1] += num
+                else:
+                    runs.append([version, num])
+            prog.num_tokens += num
         prog.num_verify_steps += ev.num_verify_steps
         prog.num_draft_tokens += ev.num_draft_tokens
         prog.num_accepted_tokens += ev.num_accepted_tokens
-        self.core.num_generated_tokens += len(ev.token_ids)
-        finished = ev.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED or len(prog.token_ids) >= r.max_tokens
-        prog.finish_reason = ev.finish_reason or (common_pb2.FINISH_REASON_LENGTH if finished else 0)
+        self.core.num_generated_tokens += num
+        finished = ev.finish_reason != UNSPECIFIED or prog.num_tokens >= r.max_tokens
+        prog.finish_reason = ev.finish_reason or (LENGTH if finished else 0)
         if run.cancelled:  # the policy already forgot the step: the sample ends here
             prog.finish_reason, prog.error, finished = ABORT, run.abort_error, True
         else:
-            self.core.policy.on_chunk_done(r, worker.worker_id, len(ev.token_ids), finished, now)
-        if finished:
-            await self.core.delivery.finish(run, [prog])
-        self.core.wake()
+            self.core.policy.on_chunk_done(r, worker.worker_id, num, finished, now)
+        return (run, prog) if finished else None
 
-    async def _on_failed(self, worker: WorkerHandle, a: Assignment, dispatch_id: str, error: str) -> None:
-        """The engine failed on this chunk alone: back to the pool (a chunk of 0 tokens)
-        until ``max_attempts``; then the sample is given up."""
-        entry = self._current(a.request.key, dispatch_id)
+    async def _on_failed(self, worker: WorkerHandle, r: Request, ev: ChunkFailed) -> None:
+        """The worker gave no tokens for this chunk: the engine failed on it (back to the
+        pool, a chunk of 0 tokens, until ``max_attempts``; then the sample is given up),
+        it refused the input (given up: no retry can help), or it drains or serves another
+        version (marked unhealthy; the chunk runs elsewhere, not charged)."""
+        entry = self._current(r.key, ev.dispatch_id)
         if entry is None:
+            return
+        error = f"worker {worker.worker_id}: {ev.error}"
+        if ev.outcome in (RunOutcome.LOST, RunOutcome.WRONG_VERSION):
+            log.warning("worker %s refused a chunk: %s", worker.worker_id, ev.error)
+            self.core.workers.mark_unhealthy(worker.worker_id)
+            self._requeue(worker, {ev.dispatch_id: r})
             return
         run, prog = entry
         self._release(worker, run, prog, time.monotonic())
-        if not await self._charge(worker, run, prog, error):
-            self.core.policy.on_chunk_done(a.request, worker.worker_id, 0, False, time.monotonic())
+        if ev.outcome is RunOutcome.REJECTED:
+            prog.num_failures += 1
+            await self.core.delivery.give_up(run, prog, worker.worker_id, error)
+        elif not await self._charge(worker, run, prog, error):
+            self.core.policy.on_chunk_done(r, worker.worker_id, 0, False, time.monotonic())
         self.core.wake()
 
-    async def _on_run_ended(self, worker: WorkerHandle, pending: dict[str, Assignment], ev: RunEnded) -> None:
-        if ev.outcome is RunOutcome.DONE:
+    async def _on_run_ended(self, worker: WorkerHandle, pending: dict[str, Request], ev: RunEnded) -> None:
+        if ev.outcome is RunOutcome.DONE:  # the worker ended it: what it had not reported runs elsewhere
             return
-        log.warning("worker %s failed a Run call: %s", worker.worker_id, ev.error)
+        if ev.outcome in (RunOutcome.LOST, RunOutcome.WRONG_VERSION):
+            self.core.workers.mark_unhealthy(worker.worker_id)  # gone, draining or on another version
+        log.warning("worker %s's stream failed: %s", worker.worker_id, ev.error)
         error = f"worker {worker.worker_id}: {ev.error}"
-        for dispatch_id, a in list(pending.items()):
-            entry = self._current(a.request.key, dispatch_id)
+        for dispatch_id, r in list(pending.items()):
+            entry = self._current(r.key, dispatch_id)
             if entry is None or ev.outcome not in (RunOutcome.REJECTED, RunOutcome.ENGINE_FAILED):
                 continue
             run, prog = entry
@@ -164,8 +240,6 @@ class RunCalls:
             self._release(worker, run, prog, time.monotonic())
             prog.num_failures += 1
             await self.core.delivery.give_up(run, prog, worker.worker_id, error)
-        if ev.outcome in (RunOutcome.LOST, RunOutcome.WRONG_VERSION):
-            self.core.workers.mark_unhealthy(worker.worker_id)  # gone, draining or on another version
 
     async def _charge(self, worker: WorkerHandle, run: StepRun, prog: SampleProgress, error: str) -> bool:
         """Counts a failed attempt of a released sample; True when it was given up."""
@@ -177,11 +251,11 @@ class RunCalls:
         await self.core.delivery.give_up(run, prog, worker.worker_id, error)
         return True
 
-    def _requeue(self, worker: WorkerHandle, pending: dict[str, Assignment]) -> None:
+    def _requeue(self, worker: WorkerHandle, pending: dict[str, Request]) -> None:
         """Chunks their worker will not report run again elsewhere (same seed, same tokens)."""
         now, lost = time.monotonic(), []
-        for dispatch_id, a in pending.items():
-            entry = self._current(a.request.key, dispatch_id)
+        for dispatch_id, r in pending.items():
+            entry = self._current(r.key, dispatch_id)
             if entry is None:
                 continue
             run, prog = entry
@@ -189,7 +263,7 @@ class RunCalls:
             if run.cancelled:
                 self.core.delivery.abort_queued(run, [prog])
             else:
-                lost.append(a.request)
+                lost.append(r)
         pending.clear()
         if lost:
             log.info("re-queueing %d requests from worker %s", len(lost), worker.worker_id)

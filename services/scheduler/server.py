@@ -17,7 +17,7 @@ from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grp
 
 from services.common import metrics
 from services.common.errors import NotFound, grpc_errors
-from services.common.grpc_server import Server, run_until_signal
+from services.common.grpc_server import Server, raw_responses, run_until_signal
 from services.common.health_process import HealthProcess
 from services.common.security import BearerTokenAuth, parse_tokens
 from services.scheduler.core import CoreLimits, SchedulerCore
@@ -46,8 +46,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @grpc_errors
     async def SubmitStep(self, request, context):
+        """Streams the step's events as they are kept, serialized (``raw_responses``), the
+        samples ready together in one batch."""
         run = await self.core.submit(request)
-        async for event in run.follow():
+        async for event in run.follow_batched():
             yield event
 
     @grpc_errors
@@ -174,7 +176,8 @@ async def start_scheduler(settings: SchedulerSettings):
     watchdog = Watchdog(core, weights, settings.static_workers(), settings.worker_timeout_s, set_ready,
                         settings.heartbeat_s)
     services = [ROLLOUT_SERVICE, "rhymerl.v1.RegistryService"]
-    server = Server([(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, RolloutServicer(core, weights)),
+    server = Server([(raw_responses(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, ["SubmitStep"]),
+                      RolloutServicer(core, weights)),
                      (worker_pb2_grpc.add_RegistryServiceServicer_to_server,
                       RegistryServicer(core, weights, watchdog))],
                     services, tls=settings.tls(), interceptors=_auth(settings))

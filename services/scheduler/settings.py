@@ -85,8 +85,8 @@ class SchedulerSettings(TLSSettings):
         "", description="Bearer tokens trainers must send to RolloutService (comma-separated; in Kubernetes from a "
                         "Secret). Empty: no auth (a trusted network only).")
     max_attempts: int = Field(
-        3, description="A sample whose Run call fails this many times (worker crash, engine error) finishes as ABORT "
-                       "with the last error, instead of looping forever.")
+        3, description="A sample whose chunk fails this many times (an engine error on it, a malformed result) "
+                       "finishes as ABORT with the last error, instead of looping forever.")
     fair_share: Literal["matched", "equal", "work_conserving"] = Field(
         "matched", description="Sharing the worker slots between running steps (fair_share.py). matched: an equal "
                                "split, and no step runs more chunks than the largest other running step has samples "

@@ -16,11 +16,17 @@ import asyncio
 import hashlib
 import sys
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rhymerl.v1 import common_pb2, rollout_pb2
 
+from services.common import packed
 from services.scheduler.policies.base import Request, RequestKey
+from services.scheduler.worker_link import step_fields
+
+
+MAX_BATCH_BYTES = 1 << 20  # of a StepEvent.samples batch (gRPC's default limit is 4 MiB a message)
+_SAMPLE_KEY = 0x0A  # the first byte of a serialized StepEvent.sample event (field 1, length-delimited)
 
 
 def retained_size(encoded: bytes) -> int:
@@ -36,20 +42,23 @@ def fingerprint(request: rollout_pb2.SubmitStepRequest) -> str:
 
 @dataclass(slots=True)
 class SampleProgress:
-    """Tokens and counters of one sample, accumulated over its chunks."""
+    """Tokens and counters of one sample, accumulated over its chunks. Tokens and logprobs
+    are the workers' packed bytes, concatenated, never decoded (``services/common/packed.py``)."""
 
     request: Request
-    prompt_token_ids: list[int]  # shared by the prompt's samples
+    prompt_field: bytes  # the WorkItem's prompt fields, shared by the prompt's samples (``worker_link.prompt_field``)
     seed: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    token_versions: list[int] = field(default_factory=list)
+    token_ids: bytes = b""  # packed int32 varints
+    num_tokens: int = 0
+    logprobs: bytes = b""  # float32 little-endian
+    version: int = -1  # the policy version of its first tokens (-1: none yet)
+    versions: list[list[int]] | None = None  # [policy version, tokens] runs, only once a second version came
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     done: bool = False
-    num_failures: int = 0  # Run calls that failed while it was in them
+    num_failures: int = 0  # its chunks that failed (a worker crash, an engine error)
     error: str = ""  # why the service gave it up (finish reason ABORT)
     dispatch_id: str | None = None  # the chunk in flight; a result for any other is stale
 
@@ -84,6 +93,11 @@ class StepRun:
         self.abort_error = ""  # why the service ended it early (empty: the trainer cancelled it)
         self.closing = False  # its summary is being written
         self.in_policy = False  # its requests were handed to the policy (not held for a push)
+        self.step_fields = step_fields(self.sampling, self.step_id, self.n)  # every WorkItem's part of the step
+        self._step_id_field = packed.field(1, self.step_id.encode())  # every SampleResult's
+        # over the published samples (the summary's figures, without decoding the log)
+        self.num_generated_tokens = 0
+        self.spec = [0, 0, 0]  # num_verify_steps, num_draft_tokens, num_accepted_tokens
 
     fingerprint_of = staticmethod(fingerprint)
 
@@ -110,13 +124,14 @@ class StepRun:
     def sample_results(self) -> list[rollout_pb2.SampleResult]:
         return [e.sample for e in self.events if e.HasField("sample")]
 
-    def record(self, events: Iterable[rollout_pb2.StepEvent]) -> None:
-        """Appends to the log (``publish`` also wakes the streams)."""
-        encoded = [e.SerializeToString() for e in events]
+    def record(self, events: Iterable[rollout_pb2.StepEvent | bytes]) -> None:
+        """Appends to the log (``publish`` also wakes the streams); an event may come
+        serialized already."""
+        encoded = [e if isinstance(e, bytes) else e.SerializeToString() for e in events]
         self._encoded.extend(encoded)
         self.num_bytes += sum(map(retained_size, encoded))
 
-    async def publish(self, events: list[rollout_pb2.StepEvent], last: bool = False) -> None:
+    async def publish(self, events: list[rollout_pb2.StepEvent | bytes], last: bool = False) -> None:
         async with self._changed:
             self.record(events)
             if last:
@@ -138,16 +153,58 @@ class StepRun:
             if self.is_finished and i == len(self._encoded):
                 return
 
-    def sample_result(self, s: SampleProgress, policy_version: int) -> rollout_pb2.SampleResult:
-        versions = s.token_versions
-        mixed = bool(versions) and any(v != versions[0] for v in versions)
-        return rollout_pb2.SampleResult(
-            step_id=self.step_id, prompt_id=s.request.prompt_id, sample_index=s.request.sample_index,
-            token_ids=s.token_ids, logprobs=s.logprobs if self.sampling.logprobs else [],
-            finish_reason=s.finish_reason,
-            policy_version=min(versions) if versions else policy_version,
-            token_policy_versions=versions if mixed else [],
-            spec=common_pb2.SpecCounters(num_verify_steps=s.num_verify_steps,
-                                         num_draft_tokens=s.num_draft_tokens,
-                                         num_accepted_tokens=s.num_accepted_tokens),
-            num_migrations=s.request.num_migrations, seed=s.seed, error=s.error)
+    async def follow_batched(self) -> AsyncIterator[bytes]:
+        """``follow``'s events as they are kept, serialized, the samples that are there
+        together joined into StepEvent.samples batches (what SubmitStep sends: a message
+        per sample costs grpc.aio more than the sample). A kept sample event is
+        ``StepEvent.sample``'s field, which is also a SampleBatch's ``samples`` element,
+        so a batch is the events' bytes behind one key and length."""
+        i = 0
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: i < len(self._encoded))
+                events = self._encoded[i:]
+            i += len(events)
+            batch: list[bytes] = []
+            size = 0
+            for event in events:
+                if event[0] != _SAMPLE_KEY or size + len(event) > MAX_BATCH_BYTES:
+                    if batch:
+                        yield packed.field(3, b"".join(batch))  # StepEvent.samples
+                        batch, size = [], 0
+                if event[0] != _SAMPLE_KEY:
+                    yield event
+                    continue
+                batch.append(event)
+                size += len(event)
+            if batch:
+                yield packed.field(3, b"".join(batch))
+            if self.is_finished and i == len(self._encoded):
+                return
+
+    def encode_sample(self, s: SampleProgress, policy_version: int) -> bytes:
+        """The sample's SampleResult, serialized by splicing: its scalar fields encoded
+        here, the packed payloads as they came from the workers (the rare per-token
+        versions of a sample that spans several versions through protobuf)."""
+        request = s.request
+        version = policy_version if s.version < 0 else s.version
+        tail = b""
+        if s.versions is not None:
+            version = min(v for v, _ in s.versions)
+            tail = rollout_pb2.SampleResult(
+                token_policy_versions=[v for v, count in s.versions for _ in range(count)]).SerializeToString()
+        spec = b"\x4a\x00"  # spec is always set, as protobuf writes an empty SpecCounters
+        if s.num_verify_steps or s.num_draft_tokens or s.num_accepted_tokens:
+            spec = packed.field(9, common_pb2.SpecCounters(
+                num_verify_steps=s.num_verify_steps, num_draft_tokens=s.num_draft_tokens,
+                num_accepted_tokens=s.num_accepted_tokens).SerializeToString())
+        index, reason, migrations = request.sample_index, s.finish_reason, request.num_migrations
+        return b"".join((
+            self._step_id_field, packed.field(2, request.prompt_id.encode()),
+            b"\x18" + packed.varint(index) if index else b"",
+            packed.field(4, s.token_ids), packed.field(5, s.logprobs) if self.sampling.logprobs else b"",
+            b"\x30" + packed.varint(reason) if reason else b"",
+            b"\x38" + packed.varint(version) if version else b"", tail, spec,
+            b"\x50" + packed.varint(migrations) if migrations else b"",
+            b"\x58" + packed.varint(s.seed) if s.seed else b"",
+            packed.field(12, s.error.encode()) if s.error else b""))

@@ -153,11 +153,13 @@ class StepLog:
     async def open(self, step_id: str, fingerprint: str, prompt_ids: list[str], n: int) -> None:
         await self._write(step_key(step_id), {"fp": fingerprint, "prompts": json.dumps([sorted(prompt_ids), n])})
 
-    async def append(self, step_id: str, samples: list[rollout_pb2.SampleResult]) -> bool:
-        """True once the samples are in Redis; False when Redis did not take them within
-        ``hold_s`` (or the log is off)."""
-        return await self._write(step_key(step_id), {
-            "s:" + json.dumps([s.prompt_id, s.sample_index]): s.SerializeToString() for s in samples})
+    async def append(self, step_id: str, samples: list[tuple[tuple[str, int], bytes]]) -> bool:
+        """Logs ((prompt_id, sample_index), serialized SampleResult) pairs. True once the
+        samples are in Redis; False when Redis did not take them within ``hold_s`` (or the
+        log is off)."""
+        if not self.enabled:
+            return False
+        return await self._write(step_key(step_id), {"s:" + json.dumps(list(key)): sample for key, sample in samples})
 
     async def close(self, step_id: str, summary: rollout_pb2.StepSummary) -> None:
         """Not held (the trainer waits for the summary): a restarted scheduler that finds

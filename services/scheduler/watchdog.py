@@ -87,7 +87,7 @@ class Watchdog:
         the scheduler could hear: fully when this round came on time (the event loop
         free: silence is the workers') or when the beats read over the last interval
         number at least half the healthy fleet; in proportion below that. A scheduler
-        whose loop is swamped (a huge step's Run traffic queued ahead of the beats, which
+        whose loop is swamped (a huge step's chunk traffic queued ahead of the beats, which
         leaves its timers roughly on time but its beats unread for tens of seconds, seen
         at 512 and 1,024 fake workers) reads few beats from anyone: its clock slows or
         stops, and no worker is lost for the scheduler's own deafness. A fleet that

@@ -1,58 +1,60 @@
-"""The scheduler's side of WorkerService: a Run stream as typed events, and the calls
-the watchdog and the weight fan-out make.
+"""The scheduler's side of WorkerService: one long-lived Link stream per worker, as typed
+events, and the calls the watchdog and the weight fan-out make.
 
-The core sees only ``Chunk`` in and ``ChunkDone`` / ``ChunkFailed`` / ``RunEnded`` out;
-gRPC status codes become a ``RunOutcome`` here, in one place. Tests drive the core with
-in-process fake workers that yield the same events.
+The core sees only ``Chunk`` in and batches of ``ChunkDone`` / ``ChunkFailed`` and one
+final ``RunEnded`` out; gRPC status codes and refusals become a ``RunOutcome`` here, in
+one place. Token payloads are bytes here (``services/common/packed.py``): a chunk's
+WorkItem is spliced from bytes the scheduler keeps, never decoded, and a result's tokens
+and logprobs are passed on as they came, their framing checked. Tests drive the core
+with in-process fake links that yield the same events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from services.common import packed
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig
 from services.scheduler.policies.base import RequestKey
 from services.scheduler.workers import WorkerHandle
 
+LINK_METHOD = "/rhymerl.v1.WorkerService/Link"
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs several times more
 class Chunk:
     """One sample's next chunk of work."""
 
     dispatch_id: str  # unique per chunk: a late result of an earlier chunk is recognisable
     key: RequestKey
-    prompt_token_ids: list[int]
-    generated_token_ids: list[int]  # earlier chunks' tokens: the worker re-prefills them
-    sampling: common_pb2.SamplingParams  # seed = the sample's own seed
+    prompt_field: bytes  # WorkItem's prompt_id and prompt_token_ids fields, encoded (per prompt)
+    generated: bytes  # earlier chunks' tokens, packed (the worker re-prefills them)
+    num_generated: int
+    sampling: common_pb2.SamplingParams  # the step's (its seed is not the sample's)
+    seed: int  # the sample's own seed
     max_new_tokens: int
-    num_samples: int  # the prompt's group size in its step (siblings share a draft index)
+    step_fields: tuple[bytes, bytes]  # ``step_fields``: the step's part of the WorkItem
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ChunkDone:
     dispatch_id: str
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: bytes  # packed (``packed.pack_token_ids``)
+    num_tokens: int
+    logprobs: bytes  # float32 little-endian; empty when off
     finish_reason: int  # common_pb2.FinishReason; UNSPECIFIED: the budget ended, more to go
     policy_version: int
     num_verify_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkFailed:
-    """The engine failed on this chunk alone; the other chunks of the Run go on."""
-
-    dispatch_id: str
-    error: str
 
 
 class RunOutcome(enum.Enum):
@@ -64,12 +66,28 @@ class RunOutcome(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkFailed:
+    """The worker did not give this chunk's tokens; the other chunks go on. ``outcome``:
+    ENGINE_FAILED (the engine failed on it, or its result was malformed: an attempt),
+    REJECTED (invalid input), LOST (the worker drains) or WRONG_VERSION."""
+
+    dispatch_id: str
+    error: str
+    outcome: RunOutcome = RunOutcome.ENGINE_FAILED
+
+
+@dataclass(frozen=True, slots=True)
 class RunEnded:
+    """The stream ended; its chunks that did not report never will."""
+
     outcome: RunOutcome
     error: str = ""
 
 
-LinkEvent = ChunkDone | ChunkFailed | RunEnded
+LinkEvent = ChunkDone | ChunkFailed
+_REFUSALS = {worker_pb2.REFUSAL_INVALID_ARGUMENT: RunOutcome.REJECTED,
+             worker_pb2.REFUSAL_DRAINING: RunOutcome.LOST,
+             worker_pb2.REFUSAL_WRONG_VERSION: RunOutcome.WRONG_VERSION}
 
 # How long a reset channel's calls may still run (``reset``): past every bound those calls
 # have of their own, so in practice until they end.
@@ -80,7 +98,7 @@ _OUTCOMES = {grpc.StatusCode.INVALID_ARGUMENT: RunOutcome.REJECTED,
 
 
 def outcome(code: grpc.StatusCode, details: str) -> RunOutcome:
-    """What a Run call's status means. INTERNAL counts against the samples only when the
+    """What a stream's status means. INTERNAL counts against the samples only when the
     worker's servicer raised it (``services/common/errors.py`` words it so); a worker
     killed mid-stream also surfaces as UNKNOWN or INTERNAL from the transport, and a
     crash is no fault of the samples it ran."""
@@ -89,52 +107,128 @@ def outcome(code: grpc.StatusCode, details: str) -> RunOutcome:
     return _OUTCOMES.get(code, RunOutcome.LOST)
 
 
-class GrpcWorkerLink:
-    """Channels to the workers (one per worker, opened on first use), each with its stub:
-    building a stub binds every method of the service anew, which the scheduler would
-    otherwise pay on every Run call and every watchdog poll."""
+def step_fields(sampling: common_pb2.SamplingParams, step_id: str, num_samples: int) -> tuple[bytes, bytes]:
+    """A step's part of every WorkItem, encoded once: (its step_id and num_samples
+    fields, its sampling serialized: the sample's seed is appended to it, and the last
+    value of a field wins)."""
+    return (worker_pb2.WorkItem(step_id=step_id, num_samples=num_samples).SerializeToString(),
+            sampling.SerializeToString())
 
-    def __init__(self, tls: TLSConfig | None = None):
-        self.tls = tls
-        # worker_id -> (address, channel, stub); the stub goes with its channel
-        self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub]] = {}
-        self._closing: dict[grpc.aio.Channel, asyncio.Task] = {}  # reset channels, until their calls end
 
-    def stub(self, worker: WorkerHandle) -> worker_pb2_grpc.WorkerServiceStub:
-        known = self._channels.get(worker.worker_id)
-        if known is None or known[0] != worker.address:
-            if known is not None:  # it moved: the old channel would only wait out its backoff
-                asyncio.ensure_future(known[1].close())
-            ch = channel(worker.address, self.tls)
-            known = self._channels[worker.worker_id] = (worker.address, ch, worker_pb2_grpc.WorkerServiceStub(ch))
-        return known[2]
+def prompt_field(prompt_id: str, token_ids: list[int]) -> bytes:
+    """A prompt's part of every WorkItem: prompt_id and prompt_token_ids, encoded once."""
+    return worker_pb2.WorkItem(prompt_id=prompt_id, prompt_token_ids=token_ids).SerializeToString()
 
-    async def run(self, worker: WorkerHandle, policy_version: int, chunks: list[Chunk]) -> AsyncIterator[LinkEvent]:
-        """Sends ``chunks`` in one Run call; yields each result, then one RunEnded."""
-        request = worker_pb2.RunRequest(policy_version=policy_version, items=[
-            worker_pb2.WorkItem(request_id=c.dispatch_id, step_id=c.key.step_id, prompt_id=c.key.prompt_id,
-                                sample_index=c.key.sample_index, prompt_token_ids=c.prompt_token_ids,
-                                generated_token_ids=c.generated_token_ids, sampling=c.sampling,
-                                max_new_tokens=c.max_new_tokens, num_samples=c.num_samples) for c in chunks])
+
+def encode_item(c: Chunk) -> bytes:
+    """A WorkItem, spliced: the chunk's own fields, the prompt's and the step's."""
+    fixed, sampling = c.step_fields
+    sampling_field = packed.field(6, sampling + b"\x30" + packed.varint(c.seed))
+    index = c.key.sample_index
+    return (packed.field(1, c.dispatch_id.encode()) + c.prompt_field
+            + (b"\x18" + packed.varint(index) if index else b"") + packed.field(5, c.generated)
+            + sampling_field + b"\x38" + packed.varint(c.max_new_tokens) + fixed)
+
+
+def encode_batch(policy_version: int, chunks: list[Chunk]) -> bytes:
+    """A LinkRequest of ``chunks``, serialized (what ``send`` puts on the stream)."""
+    items = b"".join(packed.field(1, encode_item(c)) for c in chunks)
+    return items + (b"\x10" + packed.varint(policy_version) if policy_version > 0 else b"")
+
+
+def events_of(response: worker_pb2.LinkResponse) -> list[LinkEvent]:
+    """A batch of results as events; a malformed result is that chunk's failure."""
+    events: list[LinkEvent] = []
+    for r in response.results:
+        if r.refusal:
+            events.append(ChunkFailed(r.request_id, r.error or worker_pb2.Refusal.Name(r.refusal),
+                                      _REFUSALS.get(r.refusal, RunOutcome.ENGINE_FAILED)))
+        elif r.error:
+            events.append(ChunkFailed(r.request_id, r.error))
+        else:
+            tokens, num, logprobs = r.packed_token_ids, r.num_tokens, r.packed_logprobs
+            wrong = packed.check(tokens, num, logprobs)
+            if wrong:
+                events.append(ChunkFailed(r.request_id, f"malformed chunk result: {wrong}"))
+                continue
+            spec = r.spec
+            events.append(ChunkDone(r.request_id, tokens, num, logprobs, r.finish_reason, r.policy_version,
+                                    spec.num_verify_steps, spec.num_draft_tokens, spec.num_accepted_tokens))
+    return events
+
+
+class LinkStream:
+    """One worker's Link stream: ``send`` and ``abort`` queue batches (several queued
+    before the stream takes them go as one message), ``events`` yields the results a
+    batch at a time and then one ``RunEnded``; ``close`` cancels the call."""
+
+    def __init__(self, method):
+        self._outbox: deque[tuple[int | None, bytes]] = deque()  # (policy version or None: aborts, batch)
+        self._ready = asyncio.Event()
+        self._call = method(self._requests())
+
+    def send(self, policy_version: int, chunks: list[Chunk]) -> None:
+        self._outbox.append((policy_version, encode_batch(policy_version, chunks)))
+        self._ready.set()
+
+    def abort(self, dispatch_ids: list[str]) -> None:
+        self._outbox.append((None, worker_pb2.LinkRequest(abort_request_ids=dispatch_ids).SerializeToString()))
+        self._ready.set()
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            while self._outbox:  # consecutive batches of one version (and aborts) merge
+                version, batch = self._outbox.popleft()
+                parts = [batch]
+                while self._outbox and self._outbox[0][0] in (version, None):
+                    parts.append(self._outbox.popleft()[1])
+                yield b"".join(parts)
+
+    async def events(self) -> AsyncIterator[list[LinkEvent] | RunEnded]:
         try:
-            async for r in self.stub(worker).Run(request):
-                if r.error:
-                    yield ChunkFailed(r.request_id, r.error)
-                else:
-                    yield ChunkDone(r.request_id, list(r.token_ids), list(r.logprobs), r.finish_reason,
-                                    r.policy_version, r.spec.num_verify_steps, r.spec.num_draft_tokens,
-                                    r.spec.num_accepted_tokens)
+            async for response in self._call:
+                yield events_of(response)
         except grpc.RpcError as err:
             yield RunEnded(outcome(err.code(), err.details()), f"{err.code().name}: {err.details()}")
             return
         yield RunEnded(RunOutcome.DONE)
 
-    async def abort(self, worker: WorkerHandle, dispatch_ids: list[str]) -> None:
-        """Best effort: a worker that cannot be reached has dropped them anyway."""
-        try:
-            await self.stub(worker).Abort(worker_pb2.AbortRequest(request_ids=dispatch_ids), timeout=10)
-        except grpc.RpcError:
-            pass
+    def close(self) -> None:
+        self._call.cancel()
+
+
+class GrpcWorkerLink:
+    """Channels to the workers (one per worker, opened on first use), each with its stub
+    and its Link method: building a stub binds every method of the service anew, which
+    the scheduler would otherwise pay on every stream and every watchdog poll."""
+
+    def __init__(self, tls: TLSConfig | None = None):
+        self.tls = tls
+        # worker_id -> (address, channel, stub, Link method); stub and method go with their channel
+        self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerServiceStub, object]] = {}
+        self._closing: dict[grpc.aio.Channel, asyncio.Task] = {}  # reset channels, until their calls end
+
+    def _known(self, worker: WorkerHandle) -> tuple:
+        known = self._channels.get(worker.worker_id)
+        if known is None or known[0] != worker.address:
+            if known is not None:  # it moved: the old channel would only wait out its backoff
+                asyncio.ensure_future(known[1].close())
+            ch = channel(worker.address, self.tls)
+            # requests go as the bytes ``encode_batch`` spliced; responses are parsed (upb)
+            link = ch.stream_stream(LINK_METHOD, request_serializer=bytes,
+                                    response_deserializer=worker_pb2.LinkResponse.FromString)
+            known = self._channels[worker.worker_id] = (worker.address, ch, worker_pb2_grpc.WorkerServiceStub(ch),
+                                                        link)
+        return known
+
+    def stub(self, worker: WorkerHandle) -> worker_pb2_grpc.WorkerServiceStub:
+        return self._known(worker)[2]
+
+    def open(self, worker: WorkerHandle) -> LinkStream:
+        """A new Link stream to ``worker`` (on its cached channel)."""
+        return LinkStream(self._known(worker)[3])
 
     async def stats(self, worker: WorkerHandle, timeout_s: float = 5.0) -> worker_pb2.WorkerStats:
         return await self.stub(worker).GetWorkerStats(worker_pb2.WorkerStatsRequest(), timeout=timeout_s)

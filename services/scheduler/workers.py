@@ -61,6 +61,7 @@ class WorkerTable:
         self.draining: dict[str, WorkerHandle] = {}  # not accepting: dropped once their chunks are done
         self._by_beat: OrderedDict[str, WorkerHandle] = OrderedDict()  # registered ones, longest silent first
         self._usable = Counter()  # policy version -> workers that can take work on it
+        self._serving: tuple[int, list[WorkerHandle]] | None = None  # (version, ``serving``), until a change
         self._healthy = 0
         # Seconds during which the scheduler could hear its workers (the watchdog advances
         # it): silence is measured on it, so beats the scheduler itself left unread (its
@@ -70,11 +71,13 @@ class WorkerTable:
 
     # --- the counts, kept as the workers change ---------------------------------------
     def _leave(self, w: WorkerHandle) -> None:
+        self._serving = None
         if w.can_take_work:
             self._usable[w.policy_version] -= 1
         self._healthy -= w.state.healthy
 
     def _enter(self, w: WorkerHandle) -> None:
+        self._serving = None
         if w.can_take_work:
             self._usable[w.policy_version] += 1
         self._healthy += w.state.healthy
@@ -192,8 +195,14 @@ class WorkerTable:
         return [w for w in self.workers.values() if w.can_take_work]
 
     def serving(self, policy_version: int) -> list[WorkerHandle]:
-        """The workers that may get chunks: usable and on ``policy_version``."""
-        return [w for w in self.workers.values() if w.can_take_work and w.policy_version == policy_version]
+        """The workers that may get chunks: usable and on ``policy_version`` (do not
+        change the list). Kept until a worker changes (every change passes ``_leave`` /
+        ``_enter``): the dispatcher asks after every batch of results, and a scan of the
+        fleet each time cost O(W) per batch."""
+        if self._serving is None or self._serving[0] != policy_version:
+            self._serving = (policy_version, [w for w in self.workers.values()
+                                              if w.can_take_work and w.policy_version == policy_version])
+        return self._serving[1]
 
     def _export(self) -> None:
         metrics.workers_registered.labels(healthy="true").set(self._healthy)

@@ -29,7 +29,7 @@ def test_benchmark_row_counts_every_sample_and_chunk(tmp_path):
     assert (row["trainers"], row["step_log"], row["step_log_on"]) == (2, True, True)
     assert (row["delivered"], row["lost"], row["duplicated"], row["aborted"]) == (48, 0, 0, 0)
     assert row["chunks"] == 3 * 48 and row["chunks_rerun"] == 0
-    assert 1 <= row["run_calls"] <= row["chunks"]
+    assert 1 <= row["batches"] <= row["chunks"]
     assert row["marked_unhealthy"] == row["marked_unhealthy_in_step"] == row["workers_dropped"] == 0
     assert row["health_failures"] == row["health_main_failures"] == 0 and row["health_checks"] >= 1
     assert row["health_not_serving"] == row["health_main_not_serving"] == 0  # the fleet could serve throughout

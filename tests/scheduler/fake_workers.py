@@ -13,6 +13,7 @@ from collections import Counter
 import grpc
 from rhymerl.v1 import common_pb2, rollout_pb2
 
+from services.common import packed
 from services.scheduler.core import CoreLimits, SchedulerCore
 from services.scheduler.policies import make_policy
 from services.scheduler.step_log import StepLog
@@ -29,48 +30,79 @@ def true_length(seed: int, max_tokens: int) -> int:
     return min(max_tokens, seed % 23 + 3)
 
 
+class FakeStream:
+    """One worker's stream: each batch sent is answered as one batch of results (the
+    faults of its link applied), as ``worker_link.LinkStream`` yields them."""
+
+    def __init__(self, link: "FakeLink", worker):
+        self.link, self.worker = link, worker
+        self.batches: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+
+    def send(self, policy_version, chunks):
+        for c in chunks:
+            self.link.chunks_started[c.key] += 1
+            self.link.start_order.append(c.key)
+        self.link.batch_sizes.append(len(chunks))
+        self.batches.put_nowait((policy_version, chunks))
+
+    def abort(self, dispatch_ids):
+        self.link.aborted += dispatch_ids
+
+    def close(self):
+        self.closed = True
+
+    async def events(self):
+        link, worker_id = self.link, self.worker.worker_id
+        while True:
+            policy_version, chunks = await self.batches.get()
+            results = []
+            for c in chunks:
+                await asyncio.sleep(0)
+                if link.gate is not None:
+                    await link.gate.wait()
+                if worker_id in link.die_after:
+                    if link.die_after[worker_id] <= 0:
+                        if results:
+                            yield results
+                        yield RunEnded(RunOutcome.LOST, "UNAVAILABLE: injected crash")
+                        return
+                    link.die_after[worker_id] -= 1
+                if c.key.prompt_id in link.poison:
+                    results.append(ChunkFailed(c.dispatch_id, "RuntimeError: injected engine failure"))
+                    continue
+                start, seed = c.num_generated, c.seed
+                end = min(true_length(seed, c.sampling.max_tokens), start + c.max_new_tokens)
+                tokens = [token(seed, i) for i in range(start, end)]
+                link.generated += len(tokens)
+                finish = common_pb2.FINISH_REASON_UNSPECIFIED
+                if end == true_length(seed, c.sampling.max_tokens):
+                    finish = common_pb2.FINISH_REASON_STOP if end < c.sampling.max_tokens else \
+                        common_pb2.FINISH_REASON_LENGTH
+                results.append(ChunkDone(c.dispatch_id, packed.pack_token_ids(tokens), len(tokens),
+                                         packed.pack_logprobs([-0.5] * len(tokens)), finish,
+                                         link.versions.get(worker_id, policy_version)))
+            yield results
+
+
 class FakeLink:
     def __init__(self) -> None:
         self.generated = 0  # tokens produced, all workers
         self.chunks_started: Counter = Counter()  # RequestKey -> chunks sent
         self.start_order: list = []  # the RequestKey of every chunk sent, in order
+        self.batch_sizes: list[int] = []  # chunks of every batch sent, in order
         self.poison: set[str] = set()  # prompt ids whose chunks fail the engine
-        self.die_after: dict[str, int] = {}  # worker_id -> results before its Run calls break
+        self.die_after: dict[str, int] = {}  # worker_id -> results before its streams break
         self.gate: asyncio.Event | None = None  # when set (not None), chunks wait for it
         self.versions: dict[str, int] = {}  # worker_id -> the version it reports
         self.aborted: list[str] = []
         self.loads: list[tuple[str, int, str]] = []  # (worker_id, version, path) of LoadWeights calls
+        self.streams: list[FakeStream] = []  # every stream opened, in order
 
-    async def run(self, worker, policy_version, chunks):
-        for c in chunks:
-            self.chunks_started[c.key] += 1
-            self.start_order.append(c.key)
-        for c in chunks:
-            await asyncio.sleep(0)
-            if self.gate is not None:
-                await self.gate.wait()
-            if worker.worker_id in self.die_after:
-                if self.die_after[worker.worker_id] <= 0:
-                    yield RunEnded(RunOutcome.LOST, "UNAVAILABLE: injected crash")
-                    return
-                self.die_after[worker.worker_id] -= 1
-            if c.key.prompt_id in self.poison:
-                yield ChunkFailed(c.dispatch_id, "RuntimeError: injected engine failure")
-                continue
-            start, seed = len(c.generated_token_ids), c.sampling.seed
-            end = min(true_length(seed, c.sampling.max_tokens), start + c.max_new_tokens)
-            tokens = [token(seed, i) for i in range(start, end)]
-            self.generated += len(tokens)
-            finish = common_pb2.FINISH_REASON_UNSPECIFIED
-            if end == true_length(seed, c.sampling.max_tokens):
-                finish = common_pb2.FINISH_REASON_STOP if end < c.sampling.max_tokens else \
-                    common_pb2.FINISH_REASON_LENGTH
-            yield ChunkDone(c.dispatch_id, tokens, [-0.5] * len(tokens), finish,
-                            self.versions.get(worker.worker_id, policy_version))
-        yield RunEnded(RunOutcome.DONE)
-
-    async def abort(self, worker, dispatch_ids):
-        self.aborted += dispatch_ids
+    def open(self, worker):
+        stream = FakeStream(self, worker)
+        self.streams.append(stream)
+        return stream
 
     def reset(self, worker_id):
         pass

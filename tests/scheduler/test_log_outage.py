@@ -82,8 +82,10 @@ async def until(condition) -> None:
         await asyncio.sleep(0.01)
 
 
-def sample(prompt_id: str, k: int) -> rollout_pb2.SampleResult:
-    return rollout_pb2.SampleResult(step_id="s", prompt_id=prompt_id, sample_index=k, token_ids=[k, 5])
+def sample(prompt_id: str, k: int) -> tuple[tuple[str, int], bytes]:
+    """As delivery logs a sample: its key and its SampleResult, serialized."""
+    return (prompt_id, k), rollout_pb2.SampleResult(step_id="s", prompt_id=prompt_id, sample_index=k,
+                                                    token_ids=[k, 5]).SerializeToString()
 
 
 @run_async

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 from rhymerl.v1 import common_pb2, rollout_pb2
 
+from services.common import packed
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.scheduler.mismatch import MismatchTracker
 from services.scheduler.policies.base import Request
@@ -26,15 +27,15 @@ def step(step_id: str, logprobs: bool = True, unfinished=()) -> StepRun:
     samples = []
     for (pid, k), lps in ROLLOUT.items():
         r = Request(step_id, pid, k, prompt_len=3, max_tokens=8)
-        samples.append(SampleProgress(r, [5, 6, 7], seed=1, token_ids=list(range(len(lps))),
-                                      logprobs=list(lps) if logprobs else []))
+        samples.append(SampleProgress(r, b"", seed=1, token_ids=packed.pack_token_ids(range(len(lps))),
+                                      num_tokens=len(lps), logprobs=packed.pack_logprobs(lps) if logprobs else b""))
     request = rollout_pb2.SubmitStepRequest(step_id=step_id, n=2,
                                             sampling=common_pb2.SamplingParams(logprobs=logprobs, max_tokens=8))
     run = StepRun(request, samples)
     for prog in samples:  # finished: published, as the scheduler does
         if (prog.request.prompt_id, prog.request.sample_index) not in unfinished:
             prog.done = True
-            run.record([rollout_pb2.StepEvent(sample=run.sample_result(prog, 0))])
+            run.record([packed.field(1, run.encode_sample(prog, 0))])  # as delivery records it
     return run
 
 

@@ -9,7 +9,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 
 from rhymerl import _calls
-from rhymerl.types import Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
+from rhymerl.types import (Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary,
+                           event_samples)
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -61,10 +62,11 @@ class RolloutClient:
                     if event.HasField("summary"):
                         self.last_summary = StepSummary.from_proto(event.summary)
                         continue
-                    sample = Sample.from_proto(event.sample)
-                    if sample.key not in seen:
-                        seen.add(sample.key)
-                        yield sample
+                    for message in event_samples(event):
+                        sample = Sample.from_proto(message)
+                        if sample.key not in seen:
+                            seen.add(sample.key)
+                            yield sample
                 return
             except grpc.RpcError as err:
                 if attempt == self.max_retries or not _calls.is_retryable(err):

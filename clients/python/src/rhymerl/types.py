@@ -64,6 +64,15 @@ class Prompt:
         return common_pb2.Prompt(prompt_id=self.prompt_id, token_ids=list(self.token_ids))
 
 
+def event_samples(event: rollout_pb2.StepEvent) -> list[rollout_pb2.SampleResult]:
+    """The samples a SubmitStep event carries, in order: one (``sample``), several
+    (``samples``, a batch) or none (the summary)."""
+    kind = event.WhichOneof("event")
+    if kind == "samples":
+        return list(event.samples.samples)
+    return [event.sample] if kind == "sample" else []
+
+
 @dataclass(frozen=True)
 class Sample:
     """One finished response of one prompt."""

@@ -124,6 +124,11 @@ e2e-gpu:
 model-smollm2: install
 	$(PYTHON) -m devtools.smollm2
 
+# The real pretrained policy side by side with a plain engine (a CPU ratio here; docs/smollm2.md)
+.PHONY: e2e-smollm2
+e2e-smollm2: model-smollm2
+	$(PYTHON) -m benchmarks.e2e_bench --model smollm2 --workers 1 --epochs 3 --prompts 8 --n 4 --max-tokens 128
+
 dashboards: install
 	$(PYTHON) deploy/grafana/generate_dashboards.py
 

@@ -414,6 +414,18 @@ double prob(const SuffixIndex &ix, int32_t state, int32_t token, double smoothin
   return (up ? (w + escape * (ix.weight(up) / (ps.weight + smoothing))) : w) / (total + escape);
 }
 
+// prob() for a state whose continuations' total (as prob sums them) and escape are known
+// (the walk's step has them from its scan): the same value, without summing again.
+double prob_given(const SuffixIndex &ix, const State &s, int32_t token, double total, double escape,
+                  double smoothing) {
+  const State &ps = ix.st[(size_t)s.link];
+  int32_t up = ix.get(ps, token), nxt = ix.get(s, token);
+  if (!nxt && !up) return 0.0;
+  double w = nxt ? ix.weight(nxt) : 0.0;
+  if (s.link <= 0) return w / (total + smoothing);
+  return (up ? (w + escape * (ix.weight(up) / (ps.weight + smoothing))) : w) / (total + escape);
+}
+
 bool follow(Src &s, int32_t token, int32_t nxt, int64_t min_match_len) {  // walk._follow; nxt < 0: unknown
   const SuffixIndex &ix = *s.ix;
   int32_t state = s.state;
@@ -473,7 +485,7 @@ struct Walk {
       return true;
     }
     if (done || num >= cap || n == 0) { done = true; return false; }
-    struct View { int32_t tok, nxt; double own; } views[3];
+    struct View { int32_t tok, nxt; double own, total, escape; } views[3];
     int32_t backoffs[3];
     int nb = 0;
     int32_t token = 0;
@@ -509,7 +521,7 @@ struct Walk {
         }
         own = (up ? (w + escape * (ix.weight(up) / (ps.weight + pp.smoothing))) : w) / (total + escape);
       }
-      views[i] = View{tok, nxt, own};
+      views[i] = View{tok, nxt, own, total, escape};
       if (i == 0) token = tok;
       else if (tok != token) agree = false;
     }
@@ -535,14 +547,25 @@ struct Walk {
       for (int b = 0; b < nb; ++b) cands.add(backoffs[b]);
       p = -1.0;
       token = 0;
+      // prob()'s total of a state's continuations is the scan's running total (the same
+      // additions in the same order), but Python 3.12's sum() compensates: summed again then.
+      if (pp.neumaier)
+        for (int i = 0; i < n; ++i) {
+          const State &cur = src[i].ix->st[(size_t)src[i].state];
+          if (cur.next > 0) continue;
+          PySum sum(true);
+          for (int32_t e = 0; e < cur.tok; ++e) sum.add(src[i].ix->weight(cur.items[e].second));
+          views[i].total = sum.get();
+        }
       for (size_t k = 0; k <= cands.mask; ++k) {
         if (!cands.used[k]) continue;
         int32_t cand = cands.table[k];
         double score = 0.0;
         for (int i = 0; i < n; ++i)
-          score += trusts[i] * (views[i].tok == cand ? views[i].own
-                                                     : prob(*src[i].ix, src[i].state, cand, pp.smoothing,
-                                                            pp.backoff, pp.neumaier));
+          score += trusts[i] * (views[i].tok == cand
+                                    ? views[i].own
+                                    : prob_given(*src[i].ix, src[i].ix->st[(size_t)src[i].state], cand,
+                                                 views[i].total, views[i].escape, pp.smoothing));
         if (score > p) { p = score; token = cand; }
       }
       PySum sum(pp.neumaier);

@@ -35,6 +35,7 @@ import json
 import os
 import sys
 from array import array
+from functools import partial
 from itertools import repeat
 from operator import is_not
 from collections.abc import Iterable, Sequence
@@ -235,7 +236,7 @@ class CompiledDrafter:
         self._packs: dict[int, Struct] = {n: Struct(f"=qqdq{n}q{n}q") for n in range(min(max_slots, 64) + 1)}
         self._curve_of: tuple[object, int] | None = None  # (cost model, its version) the core has
         self._tree_rows = self._tree_nodes = 0  # the tree buffers bound (rhd_bind_trees), made at first use
-        self._step = lambda step=lib.rhd_step: step(h)
+        self._step = partial(lib.rhd_step, h)
         commit = lib.rhd_commit
         self._commit_call = lambda ops, n_ops, toks, n_toks: commit(h, n_ops, ops, toks, n_toks)
 
@@ -435,6 +436,8 @@ class CompiledDrafter:
         rc = self._step()
         if rc < 0:
             self._check(rc)
+        if n == 1:  # the tail's steps: no offsets list to make
+            return [self._tokens_view[:self._offsets_view[1]].tolist()]
         ends = self._offsets_view[:n + 1].tolist()
         flat = self._tokens_view[:ends[-1]].tolist()
         return list(map(flat.__getitem__, map(slice, ends, ends[1:])))

@@ -162,24 +162,31 @@ struct PySet {
 typedef std::pair<int32_t, int32_t> Item;  // (token, target)
 
 struct Edges {  // a dict's edges: insertion order kept, values updated in place
+  typedef std::unordered_map<int32_t, int32_t> Positions;
   std::vector<Item> items;
-  std::unordered_map<int32_t, int32_t> pos;  // token -> position, past LINEAR_EDGES
+  std::unique_ptr<Positions> pos;  // token -> position, past LINEAR_EDGES (none before: 32 bytes)
+  Edges() = default;
+  Edges(Edges &&) = default;
+  Edges &operator=(Edges &&) = default;
+  Edges(const Edges &o) : items(o.items), pos(o.pos ? new Positions(*o.pos) : nullptr) {}
   int find(int32_t tok) const {
     if (items.size() <= LINEAR_EDGES) {
       for (size_t i = 0; i < items.size(); ++i)
         if (items[i].first == tok) return (int)i;
       return -1;
     }
-    auto it = pos.find(tok);
-    return it == pos.end() ? -1 : it->second;
+    auto it = pos->find(tok);
+    return it == pos->end() ? -1 : it->second;
   }
   void add(int32_t tok, int32_t nxt) {
     items.emplace_back(tok, nxt);
     if (items.size() > LINEAR_EDGES) {
-      if (pos.empty())
-        for (size_t i = 0; i < items.size(); ++i) pos.emplace(items[i].first, (int32_t)i);
-      else
-        pos.emplace(tok, (int32_t)items.size() - 1);
+      if (!pos) {
+        pos.reset(new Positions());
+        for (size_t i = 0; i < items.size(); ++i) pos->emplace(items[i].first, (int32_t)i);
+      } else {
+        pos->emplace(tok, (int32_t)items.size() - 1);
+      }
     }
   }
 };
@@ -214,8 +221,8 @@ struct SuffixIndex {
       return 0;
     }
     const Edges &e = list(s);
-    auto it = e.pos.find(tok);
-    return it == e.pos.end() ? 0 : e.items[(size_t)it->second].second;
+    auto it = e.pos->find(tok);
+    return it == e.pos->end() ? 0 : e.items[(size_t)it->second].second;
   }
   int32_t get(int32_t s, int32_t tok) const { return get(st[(size_t)s], tok); }
   void sync(int32_t s) {  // a state's copy of its edge list's length and items
@@ -275,6 +282,7 @@ struct SuffixIndex {
         if (s.next > 0) {
           if (s.tok == tok) { q = s.next; break; }
           Edges e;
+          e.items.reserve(4);  // one allocation for the first four continuations (not 1, 2, 4)
           e.add(s.tok, s.next);
           e.add(tok, state);
           edges.push_back(std::move(e));
@@ -345,7 +353,7 @@ struct SuffixIndex {
     int64_t total = (int64_t)st.capacity() * (int64_t)sizeof(State) + (int64_t)edges.capacity() * (int64_t)sizeof(Edges);
     for (const Edges &e : edges) {
       total += (int64_t)e.items.capacity() * 8;
-      if (!e.pos.empty()) total += (int64_t)e.pos.bucket_count() * 8 + (int64_t)e.pos.size() * 24;
+      if (e.pos) total += (int64_t)sizeof(Edges::Positions) + (int64_t)e.pos->bucket_count() * 8 + (int64_t)e.pos->size() * 24;
     }
     return total;
   }

@@ -35,6 +35,7 @@ import json
 import os
 import sys
 from array import array
+from functools import partial
 from itertools import repeat
 from operator import is_not
 from collections.abc import Iterable, Sequence
@@ -217,9 +218,12 @@ class CompiledDrafter:
         self._slot_stops: list[object] = [_NO_STOPS] * max_slots
         self._prompts: dict[str, int] = {}  # prompt id -> the core's handle
         self._next_prompt = 1
-        # Staged commits: 4 int32 per operation (kind, slot, a, b), and their tokens.
-        self._ops = array("i")
-        self._toks = array("i")
+        # Staged commits: 4 int32 per operation (kind, slot, a, b), and their tokens. Typed
+        # unsigned ("I"), all in [0, 2^31): the same bits as the core's int32, and CPython
+        # stores an item into an unsigned array directly where a signed one parses it
+        # (PyArg_Parse, ~380 instructions an item), which was most of a commit's cost.
+        self._ops = array("I")
+        self._toks = array("I")
         # The step's buffers, allocated once and bound to the core once (rhd_bind).
         k = max(1, config.max_draft_len)
         self._params = np.zeros(_HEADER + 2 * max_slots, dtype=np.int64)
@@ -235,7 +239,7 @@ class CompiledDrafter:
         self._packs: dict[int, Struct] = {n: Struct(f"=qqdq{n}q{n}q") for n in range(min(max_slots, 64) + 1)}
         self._curve_of: tuple[object, int] | None = None  # (cost model, its version) the core has
         self._tree_rows = self._tree_nodes = 0  # the tree buffers bound (rhd_bind_trees), made at first use
-        self._step = lambda step=lib.rhd_step: step(h)
+        self._step = partial(lib.rhd_step, h)
         commit = lib.rhd_commit
         self._commit_call = lambda ops, n_ops, toks, n_toks: commit(h, n_ops, ops, toks, n_toks)
 
@@ -363,13 +367,18 @@ class CompiledDrafter:
         toks = self._toks
         before = len(toks)
         try:
-            toks.extend(token_ids)  # an int32 array: OverflowError past 2^31 - 1
-            if len(toks) > before and min(toks[before:]) < 0:
-                raise OverflowError("a token id is negative")
+            toks.extend(token_ids)  # uint32: OverflowError below 0 or past 2^32 - 1
         except (TypeError, OverflowError) as exc:
             del toks[before:]
             raise ValueError(f"token_ids: {exc} (token ids are in [0, {MAX_TOKEN}])") from None
-        self._ops.extend((1, slot, len(toks) - before, 0))
+        end = i = len(toks)
+        while i > before:  # none past MAX_TOKEN (a loop: max() parses its arguments, ~2k instructions a call)
+            i -= 1
+            if toks[i] > MAX_TOKEN:
+                bad = toks[i]
+                del toks[before:]
+                raise ValueError(f"token_ids: token id {bad} is out of range [0, {MAX_TOKEN}]")
+        self._ops.extend((1, slot, end - before, 0))
 
     def record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """Stages how much of the request's last draft was accepted (applied at `flush`)."""
@@ -435,6 +444,8 @@ class CompiledDrafter:
         rc = self._step()
         if rc < 0:
             self._check(rc)
+        if n == 1:  # the tail's steps: no offsets list to make
+            return [self._tokens_view[:self._offsets_view[1]].tolist()]
         ends = self._offsets_view[:n + 1].tolist()
         flat = self._tokens_view[:ends[-1]].tolist()
         return list(map(flat.__getitem__, map(slice, ends, ends[1:])))

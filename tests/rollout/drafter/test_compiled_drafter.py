@@ -158,6 +158,8 @@ def test_bad_input_raises_and_the_drafter_keeps_working():
         (lambda: d.start_request("a", "p", [7]), ValueError),  # already running
         (lambda: d.add_tokens("a", [3, -5]), ValueError),
         (lambda: d.add_tokens("a", [2**40]), ValueError),
+        (lambda: d.add_tokens("a", [5, 2**31]), ValueError),  # fits the staging array (uint32), not an id
+        (lambda: d.record_acceptance("a", 2**31, 0), ValueError),
         (lambda: d.add_tokens("a", ["x"]), ValueError),
         (lambda: d.add_tokens("nobody", [1]), UnknownRequestError),
         (lambda: d.record_acceptance("a", -1, 0), ValueError),

@@ -159,161 +159,190 @@ struct PySet {
 
 // ---------------------------------------------------------------- suffix_index.SuffixIndex
 
+typedef std::pair<int32_t, int32_t> Item;  // (token, target)
+
 struct Edges {  // a dict's edges: insertion order kept, values updated in place
-  std::vector<std::pair<int32_t, int32_t>> items;
-  std::unordered_map<int32_t, int32_t> pos;  // token -> position, past LINEAR_EDGES
+  typedef std::unordered_map<int32_t, int32_t> Positions;
+  std::vector<Item> items;
+  std::unique_ptr<Positions> pos;  // token -> position, past LINEAR_EDGES (none before: 32 bytes)
+  Edges() = default;
+  Edges(Edges &&) = default;
+  Edges &operator=(Edges &&) = default;
+  Edges(const Edges &o) : items(o.items), pos(o.pos ? new Positions(*o.pos) : nullptr) {}
   int find(int32_t tok) const {
     if (items.size() <= LINEAR_EDGES) {
       for (size_t i = 0; i < items.size(); ++i)
         if (items[i].first == tok) return (int)i;
       return -1;
     }
-    auto it = pos.find(tok);
-    return it == pos.end() ? -1 : it->second;
+    auto it = pos->find(tok);
+    return it == pos->end() ? -1 : it->second;
   }
   void add(int32_t tok, int32_t nxt) {
     items.emplace_back(tok, nxt);
     if (items.size() > LINEAR_EDGES) {
-      if (pos.empty())
-        for (size_t i = 0; i < items.size(); ++i) pos.emplace(items[i].first, (int32_t)i);
-      else
-        pos.emplace(tok, (int32_t)items.size() - 1);
+      if (!pos) {
+        pos.reset(new Positions());
+        for (size_t i = 0; i < items.size(); ++i) pos->emplace(items[i].first, (int32_t)i);
+      } else {
+        pos->emplace(tok, (int32_t)items.size() - 1);
+      }
     }
   }
 };
 
+// One state of the automaton, everything a walk reads of it in 32 bytes (one cache line
+// holds two): its suffix link, length and weight, and its transitions: none, one (`tok`
+// -> `next`), or an edge list (`next` = -1 - its index in `edges`; `tok` = its length and
+// `items` its items, kept in step with the list).
+struct State {
+  int32_t link, length;
+  int32_t tok;   // one transition: its token; an edge list: its length
+  int32_t next;  // > 0: the one transition's target; < 0: -1 - the edge list; 0: none
+  double weight;
+  const Item *items;  // an edge list's items
+};
+static_assert(sizeof(State) == 32, "a state is 32 bytes");
+
 struct SuffixIndex {
-  std::vector<int32_t> link{-1}, length{0}, one_token{0}, one_next{0}, multi{-1};
-  std::vector<double> weight{0.0};
+  std::vector<State> st{State{-1, 0, 0, 0, 0.0, nullptr}};
   std::vector<Edges> edges;
   int64_t num_tokens = 0;
 
-  int32_t size() const { return (int32_t)link.size(); }
-  bool has_next(int32_t s) const { return one_next[s] != 0 || multi[s] >= 0; }
-  int32_t get(int32_t s, int32_t tok) const {  // 0: none (ROOT is never a target)
-    int32_t n = one_next[s];
-    if (n) return one_token[s] == tok ? n : 0;
-    int32_t m = multi[s];
-    if (m < 0) return 0;
-    int i = edges[m].find(tok);
-    return i < 0 ? 0 : edges[m].items[i].second;
+  int32_t size() const { return (int32_t)st.size(); }
+  bool has_next(int32_t s) const { return st[(size_t)s].next != 0; }
+  const Edges &list(const State &s) const { return edges[(size_t)(-1 - s.next)]; }
+  int32_t get(const State &s, int32_t tok) const {  // 0: none (ROOT is never a target)
+    if (s.next > 0) return s.tok == tok ? s.next : 0;
+    if (s.next == 0) return 0;
+    if (s.tok <= (int32_t)LINEAR_EDGES) {
+      for (int32_t i = 0; i < s.tok; ++i)
+        if (s.items[i].first == tok) return s.items[i].second;
+      return 0;
+    }
+    const Edges &e = list(s);
+    auto it = e.pos->find(tok);
+    return it == e.pos->end() ? 0 : e.items[(size_t)it->second].second;
+  }
+  int32_t get(int32_t s, int32_t tok) const { return get(st[(size_t)s], tok); }
+  void sync(int32_t s) {  // a state's copy of its edge list's length and items
+    const Edges &e = edges[(size_t)(-1 - st[(size_t)s].next)];
+    st[(size_t)s].tok = (int32_t)e.items.size();
+    st[(size_t)s].items = e.items.data();
   }
   int32_t clone(int32_t q, int32_t len, bool propagate) {
     int32_t c = size();
-    link.push_back(link[q]);
-    length.push_back(len);
-    one_token.push_back(one_token[q]);
-    one_next.push_back(one_next[q]);
-    if (multi[q] >= 0) {
-      Edges copy = edges[multi[q]];
-      edges.push_back(std::move(copy));
-      multi.push_back((int32_t)edges.size() - 1);
-    } else {
-      multi.push_back(-1);
+    State copy = st[(size_t)q];
+    copy.length = len;
+    if (!propagate) copy.weight = 0.0;
+    st.push_back(copy);
+    if (copy.next < 0) {
+      Edges dup = edges[(size_t)(-1 - copy.next)];
+      edges.push_back(std::move(dup));
+      st[(size_t)c].next = -(int32_t)edges.size();
+      sync(c);
     }
-    weight.push_back(propagate ? weight[q] : 0.0);
-    link[q] = c;
+    st[(size_t)q].link = c;
     return c;
   }
   void redirect(int32_t p, int32_t tok, int32_t old, int32_t nw) {
     while (p != -1) {
-      int32_t single = one_next[p];
-      if (single) {
-        if (single != old || one_token[p] != tok) return;
-        one_next[p] = nw;
+      State &s = st[(size_t)p];
+      if (s.next > 0) {
+        if (s.next != old || s.tok != tok) return;
+        s.next = nw;
       } else {
-        int32_t m = multi[p];
-        if (m < 0) return;
-        int i = edges[m].find(tok);
-        if (i < 0 || edges[m].items[i].second != old) return;
-        edges[m].items[i].second = nw;
+        if (s.next == 0) return;
+        Edges &e = edges[(size_t)(-1 - s.next)];
+        int i = e.find(tok);
+        if (i < 0 || e.items[(size_t)i].second != old) return;
+        e.items[(size_t)i].second = nw;
       }
-      p = link[p];
+      p = s.link;
     }
   }
   int32_t extend(int32_t last, int32_t tok, double w, bool propagate) {
     if (size() >= 0x7ffffff0) out_of_memory();
     num_tokens += 1;
     int32_t q = get(last, tok), state;
+    const int32_t last_len = st[(size_t)last].length;
     if (q) {
-      if (length[q] == length[last] + 1) {
+      if (st[(size_t)q].length == last_len + 1) {
         state = q;
       } else {
-        state = clone(q, length[last] + 1, propagate);
+        state = clone(q, last_len + 1, propagate);
         redirect(last, tok, q, state);
       }
     } else {
       state = size();
-      link.push_back(0);
-      length.push_back(length[last] + 1);
-      one_token.push_back(0);
-      one_next.push_back(0);
-      multi.push_back(-1);
-      weight.push_back(0.0);
+      st.push_back(State{0, last_len + 1, 0, 0, 0.0, nullptr});
       int32_t p = last;
       while (p != -1) {
-        int32_t single = one_next[p];
-        if (single) {
-          if (one_token[p] == tok) { q = single; break; }
+        State &s = st[(size_t)p];
+        if (s.next > 0) {
+          if (s.tok == tok) { q = s.next; break; }
           Edges e;
-          e.add(one_token[p], single);
+          e.items.reserve(4);  // one allocation for the first four continuations (not 1, 2, 4)
+          e.add(s.tok, s.next);
           e.add(tok, state);
           edges.push_back(std::move(e));
-          multi[p] = (int32_t)edges.size() - 1;
-          one_next[p] = 0;
+          s.next = -(int32_t)edges.size();
+          sync(p);
+        } else if (s.next == 0) {
+          s.tok = tok;
+          s.next = state;
         } else {
-          int32_t m = multi[p];
-          if (m < 0) {
-            one_token[p] = tok;
-            one_next[p] = state;
-          } else {
-            int i = edges[m].find(tok);
-            if (i >= 0) { q = edges[m].items[i].second; break; }
-            edges[m].add(tok, state);
-          }
+          Edges &e = edges[(size_t)(-1 - s.next)];
+          int i = e.find(tok);
+          if (i >= 0) { q = e.items[(size_t)i].second; break; }
+          e.add(tok, state);
+          sync(p);
         }
-        p = link[p];
+        p = st[(size_t)p].link;
       }
       if (p != -1) {
-        if (length[p] + 1 == length[q]) {
-          link[state] = q;
+        if (st[(size_t)p].length + 1 == st[(size_t)q].length) {
+          st[(size_t)state].link = q;
         } else {
-          int32_t c = clone(q, length[p] + 1, propagate);
+          int32_t c = clone(q, st[(size_t)p].length + 1, propagate);
           redirect(p, tok, q, c);
-          link[state] = c;
+          st[(size_t)state].link = c;
         }
       }
     }
-    if (!propagate) { weight[state] += w; return state; }
+    if (!propagate) { st[(size_t)state].weight += w; return state; }
     int32_t s = state;
     int depth = MAX_PROPAGATION;
-    while (s > 0 && depth) { weight[s] += w; s = link[s]; --depth; }
+    while (s > 0 && depth) { st[(size_t)s].weight += w; s = st[(size_t)s].link; --depth; }
     return state;
   }
   void finalize_weights() {  // by length, longest first; states in ascending order within
     int32_t n = size(), maxlen = 0;
-    for (int32_t s = 0; s < n; ++s) maxlen = std::max(maxlen, length[s]);
+    for (int32_t s = 0; s < n; ++s) maxlen = std::max(maxlen, st[(size_t)s].length);
     std::vector<int32_t> start((size_t)maxlen + 2, 0), order((size_t)std::max(0, n - 1));
-    for (int32_t s = 1; s < n; ++s) ++start[(size_t)length[s] + 1];
+    for (int32_t s = 1; s < n; ++s) ++start[(size_t)st[(size_t)s].length + 1];
     for (size_t l = 1; l < start.size(); ++l) start[l] += start[l - 1];
     std::vector<int32_t> at(start.begin(), start.end() - 1);
-    for (int32_t s = 1; s < n; ++s) order[(size_t)at[(size_t)length[s]]++] = s;
+    for (int32_t s = 1; s < n; ++s) order[(size_t)at[(size_t)st[(size_t)s].length]++] = s;
     for (int64_t l = maxlen; l >= 0; --l)
       for (int32_t k = start[(size_t)l]; k < start[(size_t)l + 1]; ++k) {
-        int32_t s = order[(size_t)k], parent = link[s];
-        if (parent > 0) weight[parent] += weight[s];
+        int32_t s = order[(size_t)k], parent = st[(size_t)s].link;
+        if (parent > 0) st[(size_t)parent].weight += st[(size_t)s].weight;
       }
   }
+  int32_t link(int32_t s) const { return st[(size_t)s].link; }
+  int32_t length(int32_t s) const { return st[(size_t)s].length; }
+  double weight(int32_t s) const { return st[(size_t)s].weight; }
   int32_t settle(int32_t state, int64_t match_len) const {
-    while (state > 0 && match_len <= length[link[state]]) state = link[state];
+    while (state > 0 && match_len <= length(link(state))) state = link(state);
     return state;
   }
   void walk(int32_t &state, int64_t &match_len, int32_t tok) const {
     state = settle(state, match_len);
     int32_t nxt = get(state, tok);
     while (!nxt && state != 0) {
-      state = link[state];
-      match_len = length[state];
+      state = link(state);
+      match_len = length(state);
       nxt = get(state, tok);
     }
     if (!nxt) { state = 0; match_len = 0; return; }
@@ -321,12 +350,10 @@ struct SuffixIndex {
     match_len += 1;
   }
   int64_t bytes() const {
-    int64_t total = (int64_t)(link.capacity() + length.capacity() + one_token.capacity() + one_next.capacity() +
-                              multi.capacity()) * 4 + (int64_t)weight.capacity() * 8 +
-                    (int64_t)edges.capacity() * (int64_t)sizeof(Edges);
+    int64_t total = (int64_t)st.capacity() * (int64_t)sizeof(State) + (int64_t)edges.capacity() * (int64_t)sizeof(Edges);
     for (const Edges &e : edges) {
       total += (int64_t)e.items.capacity() * 8;
-      if (!e.pos.empty()) total += (int64_t)e.pos.bucket_count() * 8 + (int64_t)e.pos.size() * 24;
+      if (e.pos) total += (int64_t)sizeof(Edges::Positions) + (int64_t)e.pos->bucket_count() * 8 + (int64_t)e.pos->size() * 24;
     }
     return total;
   }
@@ -343,10 +370,10 @@ struct Src {
 
 bool prepare(const SuffixIndex &ix, int32_t state, int64_t match_len, double prior, int64_t min_match_len,
              int64_t anchored_len, Src &out) {
-  while (state > 0 && match_len <= ix.length[ix.link[state]]) state = ix.link[state];
+  while (state > 0 && match_len <= ix.length(ix.link(state))) state = ix.link(state);
   while (state > 0 && !ix.has_next(state)) {
-    state = ix.link[state];
-    match_len = ix.length[state];
+    state = ix.link(state);
+    match_len = ix.length(state);
   }
   if (state <= 0 || (match_len < min_match_len && match_len != anchored_len)) return false;
   out = Src{&ix, state, match_len, prior};
@@ -358,10 +385,12 @@ struct Scan {
   double best, total;
 };
 
-Scan scan(const SuffixIndex &ix, int32_t state) {  // walk._scan
+Scan scan(const SuffixIndex &ix, const State &s) {  // walk._scan, of a state with an edge list
   Scan r{0, 0, -1.0, 0.0};
-  for (const auto &it : ix.edges[ix.multi[state]].items) {
-    double w = ix.weight[it.second];
+  const State *st = ix.st.data();
+  for (int32_t k = 0; k < s.tok; ++k) {
+    const Item &it = s.items[k];
+    double w = st[it.second].weight;
     r.total += w;
     if (w > r.best) { r.best = w; r.token = it.first; r.state = it.second; }
   }
@@ -369,32 +398,40 @@ Scan scan(const SuffixIndex &ix, int32_t state) {  // walk._scan
 }
 
 double prob(const SuffixIndex &ix, int32_t state, int32_t token, double smoothing, double backoff, bool neumaier) {
-  int32_t parent = ix.link[state];
-  int32_t up = ix.one_next[parent];
-  if (up) {
-    if (ix.one_token[parent] != token) up = 0;
-  } else {
-    up = ix.multi[parent] >= 0 ? ix.get(parent, token) : 0;
-  }
-  int32_t single = ix.one_next[state], nxt;
+  const State &s = ix.st[(size_t)state];
+  int32_t parent = s.link;
+  const State &ps = ix.st[(size_t)parent];
+  int32_t up = ix.get(ps, token);
+  int32_t nxt;
   double total, escape;
-  if (single) {
-    nxt = ix.one_token[state] == token ? single : 0;
+  if (s.next > 0) {
+    nxt = s.tok == token ? s.next : 0;
     if (!nxt && !up) return 0.0;
-    total = ix.weight[single];
+    total = ix.weight(s.next);
     escape = backoff * 1 + smoothing;
   } else {
-    const Edges &e = ix.edges[ix.multi[state]];
-    nxt = ix.get(state, token);
+    nxt = ix.get(s, token);
     if (!nxt && !up) return 0.0;
     PySum sum(neumaier);
-    for (const auto &it : e.items) sum.add(ix.weight[it.second]);
+    for (int32_t k = 0; k < s.tok; ++k) sum.add(ix.weight(s.items[k].second));
     total = sum.get();
-    escape = backoff * (double)e.items.size() + smoothing;
+    escape = backoff * (double)s.tok + smoothing;
   }
-  double w = nxt ? ix.weight[nxt] : 0.0;
+  double w = nxt ? ix.weight(nxt) : 0.0;
   if (parent <= 0) return w / (total + smoothing);
-  return (up ? (w + escape * (ix.weight[up] / (ix.weight[parent] + smoothing))) : w) / (total + escape);
+  return (up ? (w + escape * (ix.weight(up) / (ps.weight + smoothing))) : w) / (total + escape);
+}
+
+// prob() for a state whose continuations' total (as prob sums them) and escape are known
+// (the walk's step has them from its scan): the same value, without summing again.
+double prob_given(const SuffixIndex &ix, const State &s, int32_t token, double total, double escape,
+                  double smoothing) {
+  const State &ps = ix.st[(size_t)s.link];
+  int32_t up = ix.get(ps, token), nxt = ix.get(s, token);
+  if (!nxt && !up) return 0.0;
+  double w = nxt ? ix.weight(nxt) : 0.0;
+  if (s.link <= 0) return w / (total + smoothing);
+  return (up ? (w + escape * (ix.weight(up) / (ps.weight + smoothing))) : w) / (total + escape);
 }
 
 bool follow(Src &s, int32_t token, int32_t nxt, int64_t min_match_len) {  // walk._follow; nxt < 0: unknown
@@ -403,9 +440,9 @@ bool follow(Src &s, int32_t token, int32_t nxt, int64_t min_match_len) {  // wal
   if (nxt < 0) {
     nxt = ix.get(state, token);
     if (!nxt) {
-      while (!nxt && ix.length[ix.link[state]] >= min_match_len) {
-        state = ix.link[state];
-        s.len = ix.length[state];
+      while (!nxt && ix.length(ix.link(state)) >= min_match_len) {
+        state = ix.link(state);
+        s.len = ix.length(state);
         nxt = ix.get(state, token);
       }
       if (!nxt) return false;
@@ -417,11 +454,11 @@ bool follow(Src &s, int32_t token, int32_t nxt, int64_t min_match_len) {  // wal
     return true;
   }
   state = nxt;  // a dead end: back off
-  while (ix.length[ix.link[state]] >= min_match_len) {
-    state = ix.link[state];
+  while (ix.length(ix.link(state)) >= min_match_len) {
+    state = ix.link(state);
     if (ix.has_next(state)) {
       s.state = state;
-      s.len = ix.length[state];
+      s.len = ix.length(state);
       return true;
     }
   }
@@ -456,7 +493,7 @@ struct Walk {
       return true;
     }
     if (done || num >= cap || n == 0) { done = true; return false; }
-    struct View { int32_t tok, nxt; double own; } views[3];
+    struct View { int32_t tok, nxt; double own, total, escape; } views[3];
     int32_t backoffs[3];
     int nb = 0;
     int32_t token = 0;
@@ -464,33 +501,35 @@ struct Walk {
     const double single_escape = pp.backoff * 1 + pp.smoothing;
     for (int i = 0; i < n; ++i) {
       const SuffixIndex &ix = *src[i].ix;
-      int32_t state = src[i].state, nxt = ix.one_next[state], tok;
+      const State &cur = ix.st[(size_t)src[i].state];
+      int32_t nxt = cur.next, tok;
       double w, total, escape;
-      if (nxt) {
-        tok = ix.one_token[state];
-        w = total = ix.weight[nxt];
+      if (nxt > 0) {
+        tok = cur.tok;
+        w = total = ix.weight(nxt);
         escape = single_escape;
       } else {
-        Scan sc = scan(ix, state);
+        Scan sc = scan(ix, cur);
         tok = sc.token; nxt = sc.state; w = sc.best; total = sc.total;
-        escape = pp.backoff * (double)ix.edges[ix.multi[state]].items.size() + pp.smoothing;
+        escape = pp.backoff * (double)cur.tok + pp.smoothing;
       }
-      int32_t parent = ix.link[state];
+      int32_t parent = cur.link;
       double own;
       if (parent <= 0) {
         own = w / (total + pp.smoothing);
       } else {
-        int32_t up = ix.one_next[parent];
-        if (up) {
-          if (ix.length[parent] >= pp.min_match_len) backoffs[nb++] = ix.one_token[parent];
-          if (ix.one_token[parent] != tok) up = 0;
-        } else if (ix.multi[parent] >= 0) {
-          if (ix.length[parent] >= pp.min_match_len) backoffs[nb++] = scan(ix, parent).token;
-          up = ix.get(parent, tok);
+        const State &ps = ix.st[(size_t)parent];
+        int32_t up = 0;
+        if (ps.next > 0) {
+          if (ps.length >= pp.min_match_len) backoffs[nb++] = ps.tok;
+          if (ps.tok == tok) up = ps.next;
+        } else if (ps.next < 0) {
+          if (ps.length >= pp.min_match_len) backoffs[nb++] = scan(ix, ps).token;
+          up = ix.get(ps, tok);
         }
-        own = (up ? (w + escape * (ix.weight[up] / (ix.weight[parent] + pp.smoothing))) : w) / (total + escape);
+        own = (up ? (w + escape * (ix.weight(up) / (ps.weight + pp.smoothing))) : w) / (total + escape);
       }
-      views[i] = View{tok, nxt, own};
+      views[i] = View{tok, nxt, own, total, escape};
       if (i == 0) token = tok;
       else if (tok != token) agree = false;
     }
@@ -516,14 +555,25 @@ struct Walk {
       for (int b = 0; b < nb; ++b) cands.add(backoffs[b]);
       p = -1.0;
       token = 0;
+      // prob()'s total of a state's continuations is the scan's running total (the same
+      // additions in the same order), but Python 3.12's sum() compensates: summed again then.
+      if (pp.neumaier)
+        for (int i = 0; i < n; ++i) {
+          const State &cur = src[i].ix->st[(size_t)src[i].state];
+          if (cur.next > 0) continue;
+          PySum sum(true);
+          for (int32_t e = 0; e < cur.tok; ++e) sum.add(src[i].ix->weight(cur.items[e].second));
+          views[i].total = sum.get();
+        }
       for (size_t k = 0; k <= cands.mask; ++k) {
         if (!cands.used[k]) continue;
         int32_t cand = cands.table[k];
         double score = 0.0;
         for (int i = 0; i < n; ++i)
-          score += trusts[i] * (views[i].tok == cand ? views[i].own
-                                                     : prob(*src[i].ix, src[i].state, cand, pp.smoothing,
-                                                            pp.backoff, pp.neumaier));
+          score += trusts[i] * (views[i].tok == cand
+                                    ? views[i].own
+                                    : prob_given(*src[i].ix, src[i].ix->st[(size_t)src[i].state], cand,
+                                                 views[i].total, views[i].escape, pp.smoothing));
         if (score > p) { p = score; token = cand; }
       }
       PySum sum(pp.neumaier);
@@ -608,22 +658,23 @@ struct TreeWalk {
   // tree_walk._heaviest: the k heaviest continuations (first of equal weights in the index's order)
   void heaviest(const SuffixIndex &ix, int32_t state, int64_t k) {
     heaviest_out.clear();
-    if (ix.one_next[state]) { heaviest_out.push_back(ix.one_token[state]); return; }
-    if (ix.multi[state] < 0) return;
-    const auto &items = ix.edges[ix.multi[state]].items;
+    const State &cur = ix.st[(size_t)state];
+    if (cur.next > 0) { heaviest_out.push_back(cur.tok); return; }
+    if (cur.next == 0) return;
+    const auto &items = ix.list(cur).items;
     if (items.empty()) return;
     if (k == 1) {
       double best = -1.0;
       int32_t token = 0;
       for (const auto &it : items)
-        if (ix.weight[it.second] > best) { best = ix.weight[it.second]; token = it.first; }
+        if (ix.weight(it.second) > best) { best = ix.weight(it.second); token = it.first; }
       heaviest_out.push_back(token);
       return;
     }
     order.resize(items.size());
     for (size_t i = 0; i < items.size(); ++i) order[i] = (int32_t)i;
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-      return ix.weight[items[(size_t)a].second] > ix.weight[items[(size_t)b].second];
+      return ix.weight(items[(size_t)a].second) > ix.weight(items[(size_t)b].second);
     });
     size_t m = (size_t)std::min<int64_t>(k, (int64_t)items.size());
     for (size_t i = 0; i < m; ++i) heaviest_out.push_back(items[(size_t)order[i]].first);
@@ -639,8 +690,8 @@ struct TreeWalk {
       const SuffixIndex &ix = *ss.src[i].ix;
       heaviest(ix, ss.src[i].state, width);
       offer();
-      int32_t parent = ix.link[ss.src[i].state];
-      if (parent > 0 && ix.length[parent] >= pp.min_match_len) {
+      int32_t parent = ix.link(ss.src[i].state);
+      if (parent > 0 && ix.length(parent) >= pp.min_match_len) {
         heaviest(ix, parent, 1);
         offer();
       }
@@ -794,7 +845,7 @@ struct PromptIndex {
       int32_t last = seq->state;
       for (int64_t i = 0; i < n; ++i) last = index.extend(last, tokens[i], sibling_weight, true);
       seq->state = last;
-      seq->match_len = index.length[last];
+      seq->match_len = index.length(last);
     } else {
       int32_t state = seq->state;
       int64_t match_len = seq->match_len;
@@ -852,7 +903,7 @@ struct PromptIndex {
       int32_t last = insert(seq->tokens, sibling_weight);
       seq->indexed = true;
       seq->state = last;
-      seq->match_len = index.length[last];
+      seq->match_len = index.length(last);
     }
     index.finalize_weights();
     for (LiveSeq *seq : tracked) {
@@ -946,7 +997,7 @@ struct GlobalIndex {
     int32_t last = m.states[0];
     for (int64_t i = begin; i < (int64_t)text.size(); ++i) last = newest->extend(last, text[(size_t)i], 1.0, true);
     m.states[0] = last;
-    m.lens[0] = newest->length[last];
+    m.lens[0] = newest->length(last);
   }
   void enter(GlobalMatch &m, const std::vector<int32_t> &text, int64_t nnew, bool carried) {
     int64_t was = m.flips, size = (int64_t)text.size();
@@ -972,7 +1023,7 @@ struct GlobalIndex {
     int32_t last = 0;
     for (int64_t i = size - tail; i < size; ++i) last = newest.extend(last, text[(size_t)i], 1.0, true);
     m.states[0] = last;
-    m.lens[0] = newest.length[last];
+    m.lens[0] = newest.length(last);
     m.flips = flips;
   }
   void finish(const GlobalMatch &m, std::vector<int32_t> text) {

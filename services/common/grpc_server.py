@@ -134,16 +134,27 @@ def raw_responses(add: Callable, methods: Iterable[str]) -> Callable:
     answers serialized does not parse them again to send them."""
     methods = frozenset(methods)
 
+    def raw(method: str, handler):
+        return handler._replace(response_serializer=_message_or_bytes) if method in methods else handler
+
+    class Generic(grpc.GenericRpcHandler):  # a generated generic handler, its answers' serializers replaced
+        def __init__(self, inner):
+            self.inner = inner
+
+        def service(self, details):
+            handler = self.inner.service(details)
+            return None if handler is None else raw(details.method.rsplit("/", 1)[-1], handler)
+
     def add_raw(servicer, server) -> None:
-        class Registrar:  # takes the generated handlers, registers them with the serializers replaced
+        # Takes what the generated code registers, with the serializers replaced. Code from
+        # grpcio-tools >= 1.62 registers both kinds; older code (as the GPU bundle may carry)
+        # only the generic handler, so each kind is passed on by itself.
+        class Registrar:
             def add_generic_rpc_handlers(self, handlers) -> None:
-                pass  # built again below from the replaced handlers
+                server.add_generic_rpc_handlers(tuple(Generic(h) for h in handlers))
 
             def add_registered_method_handlers(self, name, handlers) -> None:
-                handlers = {m: h._replace(response_serializer=_message_or_bytes) if m in methods else h
-                            for m, h in handlers.items()}
-                server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-                server.add_registered_method_handlers(name, handlers)
+                server.add_registered_method_handlers(name, {m: raw(m, h) for m, h in handlers.items()})
 
         add(servicer, Registrar())
     return add_raw

@@ -195,8 +195,13 @@ def _commit() -> str:
 
 def run_part(command: list[str], env: dict, timeout_s: float, stop: int) -> tuple[int, bool]:
     """Runs `command` for at most `timeout_s`; past it, `stop` asks it to end and keep what it
-    has (30 s), then its whole process group is killed. (exit code, whether it was cut)."""
-    child = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True)
+    has (30 s), then its whole process group is killed. (exit code, whether it was cut).
+    The part gets `stop` at its default disposition: a launcher started in the background
+    by a non-interactive shell has SIGINT ignored, children inherit that, and a Python
+    started with SIGINT ignored never raises KeyboardInterrupt (pytest would not stop and
+    write its report; it would be killed 30 s later with nothing kept)."""
+    child = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True,
+                             preexec_fn=lambda: signal.signal(stop, signal.SIG_DFL))
     cut = False
     try:
         code = child.wait(timeout_s)

@@ -34,7 +34,7 @@ from services.rollout.engine.input_batch import BlockTables
 from services.rollout.engine.step_inputs import new_staging, prepare_step
 from services.rollout.engine.verifier import accepted_lengths, num_accepted
 from tests.rollout.engine.test_block_manager import seq_of
-from tests.rollout.engine.test_engine import (CONFIG, OracleDrafter, _engine_with, assert_same, make_request,
+from tests.rollout.engine.test_engine import (OracleDrafter, _engine_with, assert_same, make_request,
                                               mixed_requests, model, prompt_of, reference_generate, run_to_end)
 
 __all__ = ["model"]  # the module-scoped fixture, from test_engine

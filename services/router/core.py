@@ -42,10 +42,10 @@ from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, RhymerlError, Unavailable
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig
-from services.common.validation import MAX_N, check_length, check_sampling, check_token_ids
+from services.common.validation import check_length, check_sampling, check_token_ids
 from services.common.ids import prompt_id_from_tokens, sample_seed
 from services.router.registry import ShardInfo
-from services.scheduler.intake import MAX_ID_BYTES, check_id
+from services.scheduler.intake import MAX_ID_BYTES, check_id, check_step
 from services.scheduler.step import fingerprint
 
 log = logging.getLogger(__name__)
@@ -269,16 +269,7 @@ class Router:
     def check(self, req: rollout_pb2.SubmitStepRequest) -> rollout_pb2.SubmitStepRequest:
         """The trainer's request checked as one scheduler checks it (each error names its
         field, in the trainer's numbering); returns it with every prompt id filled in."""
-        check_id(req.step_id, "step_id")
-        if not req.prompts:
-            raise InvalidArgument("must be non-empty", "prompts")
-        if not 1 <= req.n <= MAX_N:
-            raise InvalidArgument(f"must be in [1, {MAX_N}], got {req.n}", "n")
-        if req.policy_version < 0:
-            raise InvalidArgument(f"must be >= 0, got {req.policy_version}", "policy_version")
-        if req.policy_version > self.version:
-            raise FailedPrecondition(f"version {req.policy_version} is not serving yet (serving {self.version}); "
-                                     "push it first", "policy_version")
+        check_step(req, self.version)
         usable = [s.info for s in self.shards.values() if not s.failed and s.info.capacity > 0]
         if not usable:
             raise Unavailable("no scheduler shard is alive with a usable worker")

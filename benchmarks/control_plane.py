@@ -63,6 +63,7 @@ from benchmarks.fake_fleet import FakeFleet, FleetSpec
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
 from services.common.redis_server import EmbeddedRedis, free_port
+from services.local import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -169,13 +170,7 @@ class SchedulerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
 
 
 def _health_prober(address: str, stop, conn) -> None:

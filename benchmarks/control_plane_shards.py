@@ -45,6 +45,7 @@ from benchmarks.fake_fleet import FakeFleet, FleetSpec
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
 from services.common.redis_server import EmbeddedRedis, free_port
+from services.local import stop_process
 from services.router.registry import PREFIX, ShardInfo
 
 COLUMNS = [("layout", "layout", "{}"), ("workers", "workers", "{}"), ("samples", "samples", "{}"),
@@ -92,13 +93,7 @@ class RouterProcess:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
 
 
 def wait_announced(registry_url: str, shards: int, capacity: int, timeout_s: float = 60.0) -> None:

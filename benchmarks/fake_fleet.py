@@ -22,6 +22,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 
+from services.local import StartStop
+
 VOCAB_SIZE = 32_000
 MAX_MODEL_LEN = 8_192
 
@@ -169,7 +171,7 @@ def _process_main(conn, spec: FleetSpec, worker_ids: list[str]) -> None:
     asyncio.run(_serve(conn, spec, worker_ids))
 
 
-class FakeFleet:
+class FakeFleet(StartStop):
     """``spec.workers`` fake workers in ceil(workers / per_process) processes.
 
     Use as a context manager; ``stats()`` sums the counters of every process (batches,
@@ -229,13 +231,3 @@ class FakeFleet:
 
     def pids(self) -> list[int]:
         return [proc.pid for proc, _ in self.procs]
-
-    def __enter__(self) -> "FakeFleet":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -23,12 +23,38 @@ from services.common.redis_server import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (it drains), then SIGKILL if it is still there after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class StartStop:
+    """``with`` over ``start()`` (returning self) and ``stop()``; a start that fails part
+    way stops what it had started."""
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 READY_SERVICE = {"history": "rhymerl.v1.HistoryService", "scheduler": "rhymerl.v1.RolloutService",
                  "worker": "rhymerl.v1.WorkerService"}
 
 
 @dataclass
-class LocalCluster:
+class LocalCluster(StartStop):
     """The services as separate processes on loopback, each one killable and restartable
     by name ("redis", "history", "scheduler", "worker-<i>"): what the e2e tests, the
     chaos campaign and `make run` start.
@@ -243,12 +269,3 @@ class LocalCluster:
                     self.procs[name].kill()
                     self.procs[name].wait()
 
-    def __enter__(self) -> "LocalCluster":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.redis_server import EmbeddedRedis, free_port
-from services.local import ROOT, LocalCluster
+from services.local import ROOT, LocalCluster, StartStop, stop_process
 
 
 @dataclass
-class ShardedCluster:
+class ShardedCluster(StartStop):
     """``num_shards`` shards of ``workers_per_shard`` CPU workers each, and a router.
 
     Args:
@@ -112,26 +112,11 @@ class ShardedCluster:
         self.shards[shard].procs["scheduler"].send_signal(sig)
 
     def stop(self) -> None:
-        if self.router is not None and self.router.poll() is None:
-            self.router.send_signal(signal.SIGTERM)
-            try:
-                self.router.wait(15)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-                self.router.wait()
+        if self.router is not None:
+            stop_process(self.router, 15)
         for shard in self.shards:
             if shard.procs.get("scheduler") is not None and shard.procs["scheduler"].poll() is None:
                 shard.procs["scheduler"].send_signal(signal.SIGCONT)  # a test may have stopped it
             shard.stop()
         if self.registry is not None:
             self.registry.stop()
-
-    def __enter__(self) -> "ShardedCluster":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

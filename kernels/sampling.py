@@ -180,11 +180,13 @@ def _logprobs_reference(scaled, allowed, processed, tokens) -> torch.Tensor:  # 
     return torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
-def sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None):
-    """The ground truth in PyTorch; see the module docstring for the contract."""
+def sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None,
+                     noise_fn=gumbel_noise):
+    """The ground truth in PyTorch; see the module docstring for the contract. ``noise_fn``:
+    the RNG (``gumbel_noise``, or the same noise from ``_cpu_noise``)."""
     _check_args(logits, temperature, top_k, top_p, min_p, processed, seeds=seeds, positions=positions)
     scaled, t = _scale(logits, temperature)  # [n, vocab]
-    noise = gumbel_noise(seeds, positions, logits.shape[1])  # [n, vocab]
+    noise = noise_fn(seeds, positions, logits.shape[1])  # [n, vocab]
     scores = scaled + torch.where((temperature == 0)[:, None], 0.0, noise)  # [n, vocab]
     allowed = allowed_mask(logits, t, top_k, top_p, min_p, truncation)
     if allowed is not None:
@@ -231,7 +233,18 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, processed
     """
     if use_triton(logits):
         return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation)
-    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation)
+    noise_fn = _cpu_noise if logits.device.type == "cpu" else gumbel_noise
+    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation,
+                            noise_fn)
+
+
+def _cpu_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``gumbel_noise``, bit for bit, with its hashing compiled (kernels/gumbel_native.py)
+    when `make install` built it; else the reference itself."""
+    from kernels import gumbel_native
+
+    noise = gumbel_native.gumbel_noise(seeds, positions, vocab_size)
+    return noise if noise is not None else gumbel_noise(seeds, positions, vocab_size)
 
 
 def token_logprobs(logits, tokens, temperature, top_k, top_p, min_p, processed=None) -> torch.Tensor:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgumbel.so"
+BUNDLED = Path(__file__).resolve().parents[1] / ".gpu-bundle" / "lib" / "libgumbel.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_GUMBEL_LIBRARY"  # another build of it
 ABI_VERSION = 1
 BLOCK_ELEMENTS = 1 << 19  # rows per block: about 2 MB of float32, cache-sized
@@ -36,7 +37,10 @@ log = logging.getLogger(__name__)
 
 
 def library_path() -> Path:
-    return Path(os.environ.get(LIBRARY_ENV) or LIBRARY)
+    """$RHYMERL_GUMBEL_LIBRARY, else the build of `make install`, else the GPU bundle's copy."""
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    return BUNDLED if not LIBRARY.exists() and BUNDLED.exists() else LIBRARY
 
 
 def load_library(path: str | Path | None = None) -> ctypes.CDLL | None:

@@ -13,6 +13,8 @@ travel with the working tree (the device's `carry`, 64 MiB with the tree). The b
                          with any grpcio >= 1.62 and protobuf 4.25 - 7.x)
     lib/libhisto.so      the compiled drafter core (glibc >= 2.17; found there by
                          services/rollout/drafter/compiled.py, its SHA-256 checked)
+    lib/libgumbel.so     the CPU sampler's RNG (kernels/gumbel_native.py; the GPU tier runs
+                         tests/kernels, its tests included)
     manifest.json        Python version, pins, every file's size and SHA-256
 
 deploy/gpu/launch.py installs and uses it there. Downloads are cached (--cache), so a
@@ -142,14 +144,15 @@ def generate_grpc(out: Path, cache: Path) -> None:
         raise BundleError(f"gRPC code generation failed: {why[0]} ... {why[-1]}")
 
 
-def native_build(out: Path) -> None:
-    """The compiled drafter core, built here: it needs glibc 2.17 only, so it loads there
-    (services/rollout/drafter/compiled.py finds it in the bundle and checks its SHA-256)."""
+def native_build(out: Path, target: str = "histo") -> None:
+    """A compiled library, built here: it needs glibc 2.17 only, so it loads there. The
+    drafter core (services/rollout/drafter/compiled.py finds it in the bundle and checks its
+    SHA-256) and the CPU sampler's RNG (kernels/gumbel_native.py; the GPU tier runs its tests)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        build_drafter(out, force=True)
+        build_drafter(out, force=True, target=target)
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise BundleError(f"building the compiled drafter failed ({exc}): it needs g++") from None
+        raise BundleError(f"building the compiled {target} library failed ({exc}): it needs g++") from None
 
 
 def _pip_install(wheels: list[Path], target: Path) -> None:
@@ -172,6 +175,7 @@ def build(out: Path, python: str, cache: Path, max_mib: float) -> dict:
         print(f"redis-server: {redis_version}", flush=True)
         generate_grpc(tmp / "proto", cache)
         native_build(tmp / "lib" / "libhisto.so")
+        native_build(tmp / "lib" / "libgumbel.so", target="gumbel")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = dict(
             python=python, platform="manylinux x86-64", commit=commit, pins=pins,

@@ -19,7 +19,7 @@ import os
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,8 +30,7 @@ SANITIZED = HERE / "libhisto_asan.so"
 KERNELS = HERE.parents[3] / "kernels" / "native"
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):  # (a NamedTuple: deploy/gpu/bundle.py loads this file by path)
     sources: list[Path]
     headers: list[Path]
     library: Path

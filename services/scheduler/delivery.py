@@ -46,6 +46,7 @@ class Delivery:
             result = logged.get((s.request.prompt_id, s.request.sample_index))
             if result is not None:
                 s.done = True
+                run.samples.pop(s.request.key, None)
                 run.num_done += 1
                 if result.finish_reason == ABORT:
                     run.aborted.add((result.prompt_id, result.sample_index))
@@ -63,11 +64,13 @@ class Delivery:
         now, logged, events, reasons = time.monotonic(), [], [], []
         timeline = self.timelines.get(run.step_id)
         version = self.core.policy_version
+        log_on = self.core.log.enabled  # else no copy is kept for it (every stream's batch may wait here at once)
         for prog in progs:
             if prog.done:
                 continue
             prog.done = True
             self.core.unfinished.pop(prog.request.key, None)
+            run.samples.pop(prog.request.key, None)  # its event holds it now: its progress is released
             run.num_done += 1
             if timeline is not None:
                 timeline.on_sample_done(now)
@@ -81,7 +84,8 @@ class Delivery:
             spec[2] += prog.num_accepted_tokens
             sample = run.encode_sample(prog, version)
             prog.token_ids = prog.logprobs = b""  # in the event now: the step keeps only that
-            logged.append((key, sample))
+            if log_on:
+                logged.append((key, sample))
             events.append(packed.field(1, sample))  # StepEvent.sample
             reasons.append(prog.finish_reason)
         metrics.samples_in_flight.set(len(self.core.unfinished))

@@ -143,6 +143,9 @@ class RunCalls:
                     finished.setdefault(done[0].step_id, (done[0], []))[1].append(done[1])
             else:
                 await self._on_failed(worker, r, ev)
+        # applied: the chunks' payloads are the samples' now. Emptied before the delivery's
+        # wait (every stream's batch may wait at once), so the events go now, not after it.
+        events.clear()
         for run, progs in finished.values():
             await self.core.delivery.finish(run, progs)
         self.core.wake()

@@ -77,6 +77,7 @@ class StepRun:
         self.request: rollout_pb2.SubmitStepRequest | None = request
         self.sampling = request.sampling
         self.n = request.n
+        # the unfinished samples' progress: a finished one's is released (its event holds it)
         self.samples: dict[RequestKey, SampleProgress] = {s.request.key: s for s in samples}
         self.prompt_ids = {s.request.prompt_id for s in samples}
         self.num_samples = len(samples)
@@ -137,7 +138,7 @@ class StepRun:
             if last:
                 self.finished.set()
                 self.request = None
-                self.samples = {}  # only the log is kept: it holds every sample
+                self.samples = {}  # only the log is kept: it holds every sample (and a dict never shrinks)
             self._changed.notify_all()
 
     async def follow(self) -> AsyncIterator[rollout_pb2.StepEvent]:

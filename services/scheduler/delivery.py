@@ -143,7 +143,7 @@ class Delivery:
         run.cancelled, run.abort_error = True, error
         core.active.pop(run.step_id, None)
         if run.in_policy:
-            queued = [core.unfinished[r.key][1] for r in core.policy.cancel_step(run.step_id)
+            queued = [core.unfinished[r.key] for r in core.policy.cancel_step(run.step_id)
                       if r.key in core.unfinished]
         else:  # held for a weight push, or not handed over yet: nothing runs
             core.held = [r for r in core.held if r is not run]

@@ -104,7 +104,8 @@ class RunCalls:
         self._requeue(stream.worker, stream.pending)
 
     def _chunk(self, worker: WorkerHandle, a: Assignment, now: float) -> Chunk:
-        run, prog = self.core.unfinished[a.request.key]
+        prog = self.core.unfinished[a.request.key]
+        run = prog.run
         prog.dispatch_id = f"{self._incarnation}-{next(self._dispatch_ids)}"
         run.num_running += 1
         self.num_chunks += 1
@@ -152,8 +153,8 @@ class RunCalls:
 
     def _current(self, key: RequestKey, dispatch_id: str) -> tuple[StepRun, SampleProgress] | None:
         """The sample, if ``dispatch_id`` is its chunk in flight (else the result is stale)."""
-        entry = self.core.unfinished.get(key)
-        return entry if entry is not None and entry[1].dispatch_id == dispatch_id else None
+        prog = self.core.unfinished.get(key)
+        return (prog.run, prog) if prog is not None and prog.dispatch_id == dispatch_id else None
 
     def _release(self, worker: WorkerHandle, run: StepRun, prog: SampleProgress, now: float) -> None:
         worker.state.running.pop(prog.request.key, None)

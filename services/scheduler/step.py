@@ -61,6 +61,7 @@ class SampleProgress:
     num_failures: int = 0  # its chunks that failed (a worker crash, an engine error)
     error: str = ""  # why the service gave it up (finish reason ABORT)
     dispatch_id: str | None = None  # the chunk in flight; a result for any other is stale
+    run: StepRun | None = None  # its step (set by the StepRun)
 
 
 class StepRun:
@@ -78,7 +79,10 @@ class StepRun:
         self.sampling = request.sampling
         self.n = request.n
         # the unfinished samples' progress: a finished one's is released (its event holds it)
-        self.samples: dict[RequestKey, SampleProgress] = {s.request.key: s for s in samples}
+        self.samples: dict[RequestKey, SampleProgress] = {}
+        for s in samples:
+            s.run = self
+            self.samples[s.request.key] = s
         self.prompt_ids = {s.request.prompt_id for s in samples}
         self.num_samples = len(samples)
         self.num_done = 0  # samples finished (their results may still be on the way to the log)

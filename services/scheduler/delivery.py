@@ -60,7 +60,7 @@ class Delivery:
 
     async def finish(self, run: StepRun, progs: list[SampleProgress]) -> None:
         """Ends samples whose ``finish_reason`` is set: logged, then streamed. Each goes
-        as the bytes ``StepRun.encode_sample`` splices (its tokens never decoded)."""
+        as the bytes ``StepRun.encode_event`` splices (its tokens never decoded)."""
         now, logged, events, reasons = time.monotonic(), [], [], []
         timeline = self.timelines.get(run.step_id)
         version = self.core.policy_version
@@ -82,11 +82,11 @@ class Delivery:
             spec[0] += prog.num_verify_steps
             spec[1] += prog.num_draft_tokens
             spec[2] += prog.num_accepted_tokens
-            sample = run.encode_sample(prog, version)
+            event = run.encode_event(prog, version)
             prog.token_ids = prog.logprobs = b""  # in the event now: the step keeps only that
-            if log_on:
-                logged.append((key, sample))
-            events.append(packed.field(1, sample))  # StepEvent.sample
+            if log_on:  # the SampleResult: the event without its key and length
+                logged.append((key, packed.payload(event)))
+            events.append(event)
             reasons.append(prog.finish_reason)
         metrics.samples_in_flight.set(len(self.core.unfinished))
         if events:  # shielded: a cancelled caller (a lost worker's stream) must not lose them

@@ -191,6 +191,15 @@ class StepRun:
         """The sample's SampleResult, serialized by splicing: its scalar fields encoded
         here, the packed payloads as they came from the workers (the rare per-token
         versions of a sample that spans several versions through protobuf)."""
+        return b"".join(self._sample_parts(s, policy_version))
+
+    def encode_event(self, s: SampleProgress, policy_version: int) -> bytes:
+        """``StepEvent(sample=...)`` serialized: ``encode_sample`` behind the event's key
+        and length, in one allocation (what the step keeps per sample)."""
+        parts = self._sample_parts(s, policy_version)
+        return b"".join((b"\x0a", packed.varint(sum(map(len, parts))), *parts))  # StepEvent.sample
+
+    def _sample_parts(self, s: SampleProgress, policy_version: int) -> tuple[bytes, ...]:
         request = s.request
         version = policy_version if s.version < 0 else s.version
         tail = b""
@@ -204,12 +213,14 @@ class StepRun:
                 num_verify_steps=s.num_verify_steps, num_draft_tokens=s.num_draft_tokens,
                 num_accepted_tokens=s.num_accepted_tokens).SerializeToString())
         index, reason, migrations = request.sample_index, s.finish_reason, request.num_migrations
-        return b"".join((
+        tokens, logprobs = s.token_ids, s.logprobs if self.sampling.logprobs else b""
+        return (
             self._step_id_field, packed.field(2, request.prompt_id.encode()),
             b"\x18" + packed.varint(index) if index else b"",
-            packed.field(4, s.token_ids), packed.field(5, s.logprobs) if self.sampling.logprobs else b"",
+            packed.header(4, len(tokens)) if tokens else b"", tokens,  # the payloads spliced as they are
+            packed.header(5, len(logprobs)) if logprobs else b"", logprobs,
             b"\x30" + packed.varint(reason) if reason else b"",
             b"\x38" + packed.varint(version) if version else b"", tail, spec,
             b"\x50" + packed.varint(migrations) if migrations else b"",
             b"\x58" + packed.varint(s.seed) if s.seed else b"",
-            packed.field(12, s.error.encode()) if s.error else b""))
+            packed.field(12, s.error.encode()) if s.error else b"")

@@ -19,7 +19,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-
 # tokens per forward -> ms, one H100, bf16, CUDA graphs (docs/cost-model.md)
 H100_CURVES: dict[str, tuple[tuple[int, float], ...]] = {
     "0.5B": ((1, 0.66), (32, 0.70), (128, 0.82), (256, 0.93), (512, 1.12)),

@@ -222,7 +222,7 @@ class SchedulerCore:
         """The step becomes active now; its missing samples go to the policy a slice at a
         time, in a task of the core (returned; stop() ends it)."""
         run.in_policy = True
-        pending = [s for s in run.samples.values() if not s.done]
+        pending, run.to_hand_over = [s for s in run.to_hand_over if not s.done], []
         if run.cancelled:
             self.delivery.abort_queued(run, pending)
             return None

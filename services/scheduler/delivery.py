@@ -46,7 +46,6 @@ class Delivery:
             result = logged.get((s.request.prompt_id, s.request.sample_index))
             if result is not None:
                 s.done = True
-                run.samples.pop(s.request.key, None)
                 run.num_done += 1
                 if result.finish_reason == ABORT:
                     run.aborted.add((result.prompt_id, result.sample_index))
@@ -70,7 +69,6 @@ class Delivery:
                 continue
             prog.done = True
             self.core.unfinished.pop(prog.request.key, None)
-            run.samples.pop(prog.request.key, None)  # its event holds it now: its progress is released
             run.num_done += 1
             if timeline is not None:
                 timeline.on_sample_done(now)
@@ -147,9 +145,9 @@ class Delivery:
                       if r.key in core.unfinished]
         else:  # held for a weight push, or not handed over yet: nothing runs
             core.held = [r for r in core.held if r is not run]
-            queued = [s for s in run.samples.values() if not s.done]
+            queued = [s for s in run.to_hand_over if not s.done]
         running: dict[str, list[str]] = defaultdict(list)
-        for s in run.samples.values():
+        for s in [s for s in core.unfinished.values() if s.run is run]:  # no index per step: a scan, once
             if not s.done and s.dispatch_id is not None:
                 running[s.request.last_worker].append(s.dispatch_id)
         for prog in queued:

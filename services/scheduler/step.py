@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 from services.common import packed
-from services.scheduler.policies.base import Request, RequestKey
+from services.scheduler.policies.base import Request
 from services.scheduler.worker_link import step_fields
 
 
@@ -78,11 +78,12 @@ class StepRun:
         self.request: rollout_pb2.SubmitStepRequest | None = request
         self.sampling = request.sampling
         self.n = request.n
-        # the unfinished samples' progress: a finished one's is released (its event holds it)
-        self.samples: dict[RequestKey, SampleProgress] = {}
+        # Its samples until they go to the policy (then the core's index of unfinished
+        # samples is the only one: a finished sample's progress is released, its event
+        # holds it; a second index per step would cost a dict entry per sample).
+        self.to_hand_over: list[SampleProgress] = samples
         for s in samples:
             s.run = self
-            self.samples[s.request.key] = s
         self.prompt_ids = {s.request.prompt_id for s in samples}
         self.num_samples = len(samples)
         self.num_done = 0  # samples finished (their results may still be on the way to the log)
@@ -142,7 +143,7 @@ class StepRun:
             if last:
                 self.finished.set()
                 self.request = None
-                self.samples = {}  # only the log is kept: it holds every sample (and a dict never shrinks)
+                self.to_hand_over = []  # only the log is kept: it holds every sample
             self._changed.notify_all()
 
     async def follow(self) -> AsyncIterator[rollout_pb2.StepEvent]:

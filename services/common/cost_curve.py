@@ -13,11 +13,11 @@ drafts or workers.
 from __future__ import annotations
 
 import bisect
+import itertools
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-import numpy as np
 
 # tokens per forward -> ms, one H100, bf16, CUDA graphs (docs/cost-model.md)
 H100_CURVES: dict[str, tuple[tuple[int, float], ...]] = {
@@ -73,7 +73,7 @@ class CostCurve:
         if len(by_tokens) < 2:
             raise ValueError("need measurements at two or more token counts")
         tokens = sorted(by_tokens)
-        medians = np.maximum.accumulate([float(np.median(by_tokens[m])) for m in tokens])
+        medians = itertools.accumulate((statistics.median(by_tokens[m]) for m in tokens), max)
         return cls(tuple(float(m) for m in tokens), tuple(float(x) for x in medians))
 
     def forward_ms(self, num_tokens: float) -> float:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections.abc import Sequence
-
-import numpy as np
 
 
 def prompt_id_from_tokens(token_ids: Sequence[int]) -> str:
     """A stable id for a prompt the trainer did not name (blake2b of its int32 tokens)."""
-    data = np.asarray(token_ids, dtype="<i4").tobytes()
+    ids = array("i", token_ids)  # int32 (4 bytes: checked below), no numpy in the scheduler
+    if sys.byteorder != "little":
+        ids.byteswap()
+    data = ids.tobytes()
     return "h" + hashlib.blake2b(data, digest_size=12).hexdigest()
 
 

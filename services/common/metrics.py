@@ -6,10 +6,10 @@ what it updates; a metric that a process never touches is still registered (at
 zero), which keeps dashboards and recording rules valid on every target.
 """
 
+import itertools
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -19,29 +19,33 @@ NS = "rhymerl:"
 
 class BulkHistogram(Collector):
     """A Prometheus histogram observed an array at a time (a step's tokens at once, where
-    a ``Histogram.observe`` call per value would cost seconds); exported like any other."""
+    a ``Histogram.observe`` call per value would cost seconds); exported like any other.
+    numpy is imported by the first ``observe_many``: a process that never observes one
+    (a scheduler no trainer reports logprobs to) does not load it (~12 MB)."""
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
         self.name, self.documentation = name, documentation
-        self.bounds = np.asarray(buckets, dtype=np.float64)  # upper bounds, +Inf implied
-        self._counts = np.zeros(len(buckets) + 1, dtype=np.int64)  # per bucket, not cumulative
+        self.bounds = [float(b) for b in buckets]  # upper bounds, +Inf implied
+        self._counts = [0] * (len(buckets) + 1)  # per bucket, not cumulative
         self._sum = 0.0
         self._lock = threading.Lock()
         REGISTRY.register(self)
 
     def observe_many(self, values) -> None:
+        import numpy as np
+
         values = np.asarray(values, dtype=np.float64).ravel()
         counts = np.bincount(np.searchsorted(self.bounds, values, side="left"), minlength=len(self._counts))
         with self._lock:
-            self._counts += counts
+            self._counts = [total + int(c) for total, c in zip(self._counts, counts)]
             self._sum += float(values.sum())
 
     def collect(self):
         with self._lock:
-            cumulative, total = np.cumsum(self._counts), self._sum
+            cumulative, total = list(itertools.accumulate(self._counts)), self._sum
         family = HistogramMetricFamily(self.name, self.documentation)
-        bounds = [repr(float(b)) for b in self.bounds] + ["+Inf"]
-        family.add_metric([], list(zip(bounds, (int(c) for c in cumulative))), total)
+        bounds = [repr(b) for b in self.bounds] + ["+Inf"]
+        family.add_metric([], list(zip(bounds, cumulative)), total)
         yield family
 
 # --- speculative decoding (rollout workers) -----------------------------------

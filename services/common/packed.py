@@ -44,8 +44,16 @@ def field(number: int, payload: bytes) -> bytes:
     return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
-def _strip_key_and_length(encoded: bytes) -> bytes:
-    i = 1  # a one-byte key (field 1)
+def header(number: int, size: int) -> bytes:
+    """The key and length of a length-delimited field of ``size`` bytes (what ``field``
+    puts before its payload)."""
+    return varint(number << 3 | 2) + varint(size)
+
+
+def payload(encoded: bytes) -> bytes:
+    """A length-delimited field's payload (``field``'s inverse for field numbers 1-15:
+    a one-byte key)."""
+    i = 1  # a one-byte key
     while encoded[i] & 0x80:
         i += 1
     return encoded[i + 1:]
@@ -55,7 +63,7 @@ def pack_token_ids(token_ids) -> bytes:
     """Token ids (each in int32) -> the payload of a packed repeated int32."""
     if not len(token_ids):
         return b""
-    return _strip_key_and_length(worker_pb2.TokenIds(ids=token_ids).SerializeToString())
+    return payload(worker_pb2.TokenIds(ids=token_ids).SerializeToString())
 
 
 def unpack_token_ids(payload: bytes) -> list[int]:

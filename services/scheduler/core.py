@@ -63,7 +63,7 @@ class SchedulerCore:
         self.log = step_log if step_log is not None else StepLog("")
         self.lengths = LengthModel()
         self.serving = ServingVersion()
-        self.unfinished: dict[RequestKey, tuple[StepRun, SampleProgress]] = {}
+        self.unfinished: dict[RequestKey, SampleProgress] = {}  # its step is its ``run``
         self._admitting = 0  # samples of steps in intake, not in ``unfinished`` yet
         self.active: dict[str, StepRun] = {}  # steps whose requests the policy holds, arrival order
         self.held: list[StepRun] = []  # steps admitted while a push waits for the running ones
@@ -174,7 +174,7 @@ class SchedulerCore:
             run = StepRun(req, samples)
             missing = [s for s in samples if (s.request.prompt_id, s.request.sample_index) not in restored]
             for s in missing:
-                self.unfinished[s.request.key] = (run, s)
+                self.unfinished[s.request.key] = s
         finally:
             self._admitting -= num_missing
         metrics.samples_in_flight.set(len(self.unfinished))
@@ -222,7 +222,7 @@ class SchedulerCore:
         """The step becomes active now; its missing samples go to the policy a slice at a
         time, in a task of the core (returned; stop() ends it)."""
         run.in_policy = True
-        pending = [s for s in run.samples.values() if not s.done]
+        pending, run.to_hand_over = [s for s in run.to_hand_over if not s.done], []
         if run.cancelled:
             self.delivery.abort_queued(run, pending)
             return None
@@ -301,7 +301,7 @@ class SchedulerCore:
             return
         error = f"no worker served version {self.policy_version} for {now - self._no_worker_since:.0f} s"
         log.error("%s: aborting %d samples", error, len(self.unfinished))
-        for run in {id(r): r for r, _ in self.unfinished.values()}.values():
+        for run in {id(s.run): s.run for s in self.unfinished.values()}.values():
             self.spawn(self.delivery.cancel(run, error))
 
     def worker_lost(self, worker: WorkerHandle) -> None:

@@ -59,10 +59,11 @@ class Delivery:
 
     async def finish(self, run: StepRun, progs: list[SampleProgress]) -> None:
         """Ends samples whose ``finish_reason`` is set: logged, then streamed. Each goes
-        as the bytes ``StepRun.encode_sample`` splices (its tokens never decoded)."""
+        as the bytes ``StepRun.encode_event`` splices (its tokens never decoded)."""
         now, logged, events, reasons = time.monotonic(), [], [], []
         timeline = self.timelines.get(run.step_id)
         version = self.core.policy_version
+        log_on = self.core.log.enabled  # else no copy is kept for it (every stream's batch may wait here at once)
         for prog in progs:
             if prog.done:
                 continue
@@ -79,10 +80,11 @@ class Delivery:
             spec[0] += prog.num_verify_steps
             spec[1] += prog.num_draft_tokens
             spec[2] += prog.num_accepted_tokens
-            sample = run.encode_sample(prog, version)
+            event = run.encode_event(prog, version)
             prog.token_ids = prog.logprobs = b""  # in the event now: the step keeps only that
-            logged.append((key, sample))
-            events.append(packed.field(1, sample))  # StepEvent.sample
+            if log_on:  # the SampleResult: the event without its key and length
+                logged.append((key, packed.payload(event)))
+            events.append(event)
             reasons.append(prog.finish_reason)
         metrics.samples_in_flight.set(len(self.core.unfinished))
         if events:  # shielded: a cancelled caller (a lost worker's stream) must not lose them
@@ -139,13 +141,13 @@ class Delivery:
         run.cancelled, run.abort_error = True, error
         core.active.pop(run.step_id, None)
         if run.in_policy:
-            queued = [core.unfinished[r.key][1] for r in core.policy.cancel_step(run.step_id)
+            queued = [core.unfinished[r.key] for r in core.policy.cancel_step(run.step_id)
                       if r.key in core.unfinished]
         else:  # held for a weight push, or not handed over yet: nothing runs
             core.held = [r for r in core.held if r is not run]
-            queued = [s for s in run.samples.values() if not s.done]
+            queued = [s for s in run.to_hand_over if not s.done]
         running: dict[str, list[str]] = defaultdict(list)
-        for s in run.samples.values():
+        for s in [s for s in core.unfinished.values() if s.run is run]:  # no index per step: a scan, once
             if not s.done and s.dispatch_id is not None:
                 running[s.request.last_worker].append(s.dispatch_id)
         for prog in queued:

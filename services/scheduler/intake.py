@@ -61,6 +61,7 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[Sam
     check_sampling(req.sampling, "sampling", fleet.vocab_size)
     max_len, max_tokens = fleet.max_model_len, req.sampling.max_tokens
     step_seed = req.sampling.seed if req.sampling.HasField("seed") else None
+    step_id = req.step_id  # one str shared by every sample (each read of the field makes a new one)
     seen = set()
     for i, prompt in enumerate(req.prompts):
         field = f"prompts[{i}]"
@@ -74,8 +75,8 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[Sam
         seen.add(pid)
         encoded = prompt_field(pid, prompt.token_ids)  # once per prompt; its samples share it
         num_tokens = len(prompt.token_ids)
-        yield [SampleProgress(Request(req.step_id, pid, k, prompt_len=num_tokens, max_tokens=max_tokens), encoded,
-                              sample_seed(step_seed, req.step_id, pid, k)) for k in range(req.n)]
+        yield [SampleProgress(Request(step_id, pid, k, prompt_len=num_tokens, max_tokens=max_tokens), encoded,
+                              sample_seed(step_seed, step_id, pid, k)) for k in range(req.n)]
 
 
 def check_rewards(req: rollout_pb2.ReportRewardsRequest) -> None:

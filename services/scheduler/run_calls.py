@@ -104,7 +104,8 @@ class RunCalls:
         self._requeue(stream.worker, stream.pending)
 
     def _chunk(self, worker: WorkerHandle, a: Assignment, now: float) -> Chunk:
-        run, prog = self.core.unfinished[a.request.key]
+        prog = self.core.unfinished[a.request.key]
+        run = prog.run
         prog.dispatch_id = f"{self._incarnation}-{next(self._dispatch_ids)}"
         run.num_running += 1
         self.num_chunks += 1
@@ -143,14 +144,17 @@ class RunCalls:
                     finished.setdefault(done[0].step_id, (done[0], []))[1].append(done[1])
             else:
                 await self._on_failed(worker, r, ev)
+        # applied: the chunks' payloads are the samples' now. Emptied before the delivery's
+        # wait (every stream's batch may wait at once), so the events go now, not after it.
+        events.clear()
         for run, progs in finished.values():
             await self.core.delivery.finish(run, progs)
         self.core.wake()
 
     def _current(self, key: RequestKey, dispatch_id: str) -> tuple[StepRun, SampleProgress] | None:
         """The sample, if ``dispatch_id`` is its chunk in flight (else the result is stale)."""
-        entry = self.core.unfinished.get(key)
-        return entry if entry is not None and entry[1].dispatch_id == dispatch_id else None
+        prog = self.core.unfinished.get(key)
+        return (prog.run, prog) if prog is not None and prog.dispatch_id == dispatch_id else None
 
     def _release(self, worker: WorkerHandle, run: StepRun, prog: SampleProgress, now: float) -> None:
         worker.state.running.pop(prog.request.key, None)

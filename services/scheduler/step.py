@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 from services.common import packed
-from services.scheduler.policies.base import Request, RequestKey
+from services.scheduler.policies.base import Request
 from services.scheduler.worker_link import step_fields
 
 
@@ -61,6 +61,7 @@ class SampleProgress:
     num_failures: int = 0  # its chunks that failed (a worker crash, an engine error)
     error: str = ""  # why the service gave it up (finish reason ABORT)
     dispatch_id: str | None = None  # the chunk in flight; a result for any other is stale
+    run: StepRun | None = None  # its step (set by the StepRun)
 
 
 class StepRun:
@@ -77,7 +78,12 @@ class StepRun:
         self.request: rollout_pb2.SubmitStepRequest | None = request
         self.sampling = request.sampling
         self.n = request.n
-        self.samples: dict[RequestKey, SampleProgress] = {s.request.key: s for s in samples}
+        # Its samples until they go to the policy (then the core's index of unfinished
+        # samples is the only one: a finished sample's progress is released, its event
+        # holds it; a second index per step would cost a dict entry per sample).
+        self.to_hand_over: list[SampleProgress] = samples
+        for s in samples:
+            s.run = self
         self.prompt_ids = {s.request.prompt_id for s in samples}
         self.num_samples = len(samples)
         self.num_done = 0  # samples finished (their results may still be on the way to the log)
@@ -137,7 +143,7 @@ class StepRun:
             if last:
                 self.finished.set()
                 self.request = None
-                self.samples = {}  # only the log is kept: it holds every sample
+                self.to_hand_over = []  # only the log is kept: it holds every sample
             self._changed.notify_all()
 
     async def follow(self) -> AsyncIterator[rollout_pb2.StepEvent]:
@@ -186,6 +192,15 @@ class StepRun:
         """The sample's SampleResult, serialized by splicing: its scalar fields encoded
         here, the packed payloads as they came from the workers (the rare per-token
         versions of a sample that spans several versions through protobuf)."""
+        return b"".join(self._sample_parts(s, policy_version))
+
+    def encode_event(self, s: SampleProgress, policy_version: int) -> bytes:
+        """``StepEvent(sample=...)`` serialized: ``encode_sample`` behind the event's key
+        and length, in one allocation (what the step keeps per sample)."""
+        parts = self._sample_parts(s, policy_version)
+        return b"".join((b"\x0a", packed.varint(sum(map(len, parts))), *parts))  # StepEvent.sample
+
+    def _sample_parts(self, s: SampleProgress, policy_version: int) -> tuple[bytes, ...]:
         request = s.request
         version = policy_version if s.version < 0 else s.version
         tail = b""
@@ -199,12 +214,14 @@ class StepRun:
                 num_verify_steps=s.num_verify_steps, num_draft_tokens=s.num_draft_tokens,
                 num_accepted_tokens=s.num_accepted_tokens).SerializeToString())
         index, reason, migrations = request.sample_index, s.finish_reason, request.num_migrations
-        return b"".join((
+        tokens, logprobs = s.token_ids, s.logprobs if self.sampling.logprobs else b""
+        return (
             self._step_id_field, packed.field(2, request.prompt_id.encode()),
             b"\x18" + packed.varint(index) if index else b"",
-            packed.field(4, s.token_ids), packed.field(5, s.logprobs) if self.sampling.logprobs else b"",
+            packed.header(4, len(tokens)) if tokens else b"", tokens,  # the payloads spliced as they are
+            packed.header(5, len(logprobs)) if logprobs else b"", logprobs,
             b"\x30" + packed.varint(reason) if reason else b"",
             b"\x38" + packed.varint(version) if version else b"", tail, spec,
             b"\x50" + packed.varint(migrations) if migrations else b"",
             b"\x58" + packed.varint(s.seed) if s.seed else b"",
-            packed.field(12, s.error.encode()) if s.error else b""))
+            packed.field(12, s.error.encode()) if s.error else b"")

@@ -41,9 +41,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from rhymerl.v1 import rollout_pb2
 
 from services.common import metrics
@@ -81,8 +78,18 @@ class StepLog:
 
     def __init__(self, url: str, ttl_s: float = 86_400, timeout_s: float = 1.0, retry_s: float = 5.0,
                  hold_s: float = 30.0):
-        self._client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s) \
-            if url else None
+        self._client = None
+        # what a Redis call may raise when Redis is down (redis's own errors once it is loaded)
+        self._errors: tuple[type[BaseException], ...] = (OSError, asyncio.TimeoutError)
+        self._reconnect_errors: tuple[type[BaseException], ...] = (ConnectionError,)
+        if url:  # redis is imported here only: a scheduler without a step log never loads it (~12 MB)
+            import redis.asyncio as aioredis
+            from redis.exceptions import ConnectionError as RedisConnectionError
+            from redis.exceptions import RedisError
+
+            self._client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            self._errors = (RedisError, *self._errors)
+            self._reconnect_errors = (RedisConnectionError, *self._reconnect_errors)
         self.ttl_s, self.timeout_s, self.retry_s, self.hold_s = int(ttl_s), timeout_s, retry_s, hold_s
         self._down_until = 0.0  # writes skipped until then (an outage longer than ``hold_s``)
         self._outage_since: float | None = None  # the first failure since Redis last answered
@@ -130,7 +137,7 @@ class StepLog:
                     fields = {name: v for name, v in zip((b"fp", b"prompts"), values) if v is not None}
                 self._outage_since = None
                 break
-            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            except self._errors as exc:
                 self._failed()
                 if self._hold_expired():
                     log.warning("step log unreadable for step %r: %s", step_id, exc)
@@ -182,7 +189,7 @@ class StepLog:
             return None
         try:
             fields = await asyncio.wait_for(self._client.hgetall(SERVING_KEY), self.timeout_s * 5)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except self._errors as exc:
             raise RecordUnreadable(f"serving version unreadable: {exc}") from exc
         if b"version" not in fields:
             return None
@@ -226,11 +233,11 @@ class StepLog:
             try:
                 try:
                     await self._execute(batch)
-                except (RedisConnectionError, ConnectionError):
+                except self._reconnect_errors:
                     # A pooled connection from before a Redis restart fails once; a new
                     # one is made for the retry (the writes are idempotent: HSET, EXPIRE).
                     await self._execute(batch)
-            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            except self._errors as exc:
                 self._failed()
                 metrics.step_log_writes.labels(result="failed").inc(sum(len(m) for _, m, _, _ in batch))
                 expired = self._hold_expired()

@@ -187,9 +187,15 @@ class LinkStream:
                 yield b"".join(parts)
 
     async def events(self) -> AsyncIterator[list[LinkEvent] | RunEnded]:
+        """The results a batch at a time. A parsed response is dropped before its events
+        are yielded: the consumer may wait (its samples' delivery) while holding them,
+        and with every stream's batch waiting at once (a 512-worker fleet answering
+        together) the parsed messages would double what the waiting batches cost."""
         try:
-            async for response in self._call:
-                yield events_of(response)
+            while (response := await self._call.read()) is not grpc.aio.EOF:
+                events = events_of(response)
+                del response
+                yield events
         except grpc.RpcError as err:
             yield RunEnded(outcome(err.code(), err.details()), f"{err.code().name}: {err.details()}")
             return

@@ -75,7 +75,7 @@ async def test_a_late_result_of_a_re_run_chunk_is_ignored():
     run = await core.submit(step("s", {"a": [3]}, n=1))
     while not core.runs.num_chunks:
         await asyncio.sleep(0)
-    [(_, prog)] = core.unfinished.values()
+    [prog] = core.unfinished.values()
     first_dispatch = prog.dispatch_id
     core.runs._release(core.workers.workers["w0"], run, prog, 0.0)  # as if re-queued after a loss...
     core.policy.on_worker_lost("w0", [prog.request], 0.0)

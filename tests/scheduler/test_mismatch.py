@@ -91,7 +91,7 @@ def test_re_reporting_replaces_and_histograms_count_each_sample_once():
     (report("s", {("p0", 1): [-1.0]}), InvalidArgument, "samples[0].logprobs"),
     (report("s", {("p1", 0): [float("nan")]}), InvalidArgument, "samples[0].logprobs"),
     (report("s", {("p1", 0): [float("-inf")]}), InvalidArgument, "samples[0].logprobs"),
-    (report("s", {("p0", 1): [-1.0, -1.0], ("p1", 1): [-1.0]}), NotFound, "samples[1]"),
+    (report("s", {("p0", 1): [-1.0, -1.0], ("p1", 2): [-1.0]}), NotFound, "samples[1]"),
     (report("open", {("p0", 1): [-1.0, -2.0]}), FailedPrecondition, "samples[0]"),
     (report("off", {("p1", 0): [-1.0]}), FailedPrecondition, "step_id"),
 ])

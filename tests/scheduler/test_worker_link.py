@@ -246,3 +246,6 @@ def test_a_spliced_sample_result_parses_as_the_one_protobuf_builds(index, seed, 
         spec=common_pb2.SpecCounters(num_verify_steps=spec[0], num_draft_tokens=spec[1], num_accepted_tokens=spec[2]),
         num_migrations=migrations, seed=seed, error=error)
     assert rollout_pb2.SampleResult.FromString(run.encode_sample(prog, 7)) == expected
+    event = run.encode_event(prog, 7)  # what the step keeps: the same, as a StepEvent, in one piece
+    assert rollout_pb2.StepEvent.FromString(event) == rollout_pb2.StepEvent(sample=expected)
+    assert packed.payload(event) == run.encode_sample(prog, 7)

@@ -66,6 +66,9 @@ class Request:
     is_probe: bool = False
     aborted: bool = False  # ended without a natural finish: its length says nothing
     key: RequestKey = field(init=False)
+    # its place in arrival order while a policy's StepBook holds it unfinished, else -1
+    # (a field, not a dict entry per request: steps.py)
+    arrival: int = field(default=-1, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.key = RequestKey(self.step_id, self.prompt_id, self.sample_index)

@@ -28,6 +28,7 @@ import pickle
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from benchmarks import engine_grpo as g
@@ -41,7 +42,6 @@ from benchmarks.peers.suffix_decoding import (
     load_peer,
 )
 from benchmarks.provenance import cpu_name, git_commit
-from functools import partial
 from services.common.traces import read_traces
 from services.rollout.drafter import HistoDrafter
 from services.rollout.drafter.compiled import CompiledDrafter

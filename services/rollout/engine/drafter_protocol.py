@@ -26,9 +26,9 @@ of linear drafts (``TreeDrafter``); the engine then reports a tree's verdict wit
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -112,7 +112,7 @@ def commit_step(drafter, request_ids: Sequence[str], num_draft: Sequence[int], n
         try:
             batched(request_ids, num_draft, num_accepted, token_ids, num_tokens)
             return
-        except Exception:  # noqa: BLE001 - all or nothing: retried one request at a time
+        except Exception:
             if call is None:
                 raise
     for name, request_id, args in commit_calls(request_ids, num_draft, num_accepted, token_ids, num_tokens):

@@ -8,8 +8,11 @@ produced next (the lossless verifier reproduces the policy's tokens, so the trac
 ground truth); each step commits the accepted tokens plus one bonus/recovered token.
 
 One function, `replay`, drives every drafter (rhymerl's, vLLM's n-gram, vLLM's suffix
-method) through the engine-facing calls (start_request, propose, add_tokens,
-record_acceptance, stop_request), so they are compared on exactly the same steps. A
+method) through the engine-facing calls (start_request, propose, the step's commits,
+stop_request), so they are compared on exactly the same steps. The commits go as the
+engines send them after a verify: every request's record_acceptance and add_tokens in
+one `commit_step` call where the drafter has one (drafter_protocol.commit_step; else the
+same calls one by one, in the same order), then the finished requests' stop_request. A
 drafter with draft trees on (`tree_drafts`, services/rollout/engine/tree.py) is asked
 `propose_trees`; a tree's accepted tokens are the path the engine's verifier would follow
 (the trace's token at each depth), and every node counts as a verified draft token. The
@@ -27,6 +30,7 @@ import numpy as np
 
 from services.rollout.drafter import NgramContext, propose_ngram
 from services.rollout.engine.cost_model import CostModel
+from services.rollout.engine.drafter_protocol import commit_step
 from services.rollout.engine.tree import accept_path, depths, shape
 
 MAX_TOKENS = 2048
@@ -236,7 +240,9 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
             num_draft_tokens = sum(map(len, drafts))
             calls.append((elapsed, len(active), num_draft_tokens))
             spec_ms += COST.step_ms(len(active) + num_draft_tokens)
-            still, add_time = [], 0
+            still, finished = [], []
+            commit_ids, commit_draft, commit_accepted, commit_tokens, commit_counts = [], [], [], [], []
+            tree_commits = []
             tail = len(active) <= TAIL_BATCH
             for i, (rid, draft) in enumerate(zip(active, drafts)):
                 seq, p = truth[rid], pos[rid]
@@ -251,13 +257,16 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
                     accepted = len(path)
                     tree_shapes.append(shape(parents))
                 committed = seq[p:p + accepted + 1]
-                start = time.thread_time_ns()
-                drafter.add_tokens(rid, committed)
+                commit_ids.append(rid)
                 if parents is None:
-                    drafter.record_acceptance(rid, len(draft), accepted)
+                    commit_draft.append(len(draft))
+                    commit_accepted.append(accepted)
                 else:
-                    drafter.record_tree_acceptance(rid, parents, path)
-                add_time += time.thread_time_ns() - start
+                    commit_draft.append(0)
+                    commit_accepted.append(0)
+                    tree_commits.append((rid, parents, path))
+                commit_tokens += committed
+                commit_counts.append(len(committed))
                 if tail:
                     tail_steps += 1
                     tail_drafted += len(draft)
@@ -270,13 +279,18 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
                 if pos[rid] < len(seq):
                     still.append(rid)
                 else:
-                    drafter.stop_request(rid)
-                    if add_global is not None:
-                        add_global([seq])
+                    finished.append((rid, seq))
+            start = time.thread_time_ns()
+            for rid, parents, path in tree_commits:  # (a tree's acceptance and the request's tokens commute)
+                drafter.record_tree_acceptance(rid, parents, path)
+            commit_step(drafter, commit_ids, commit_draft, commit_accepted, commit_tokens, commit_counts)
             if flush is not None:
-                start = time.thread_time_ns()
                 flush()
-                add_time += time.thread_time_ns() - start
+            add_time = time.thread_time_ns() - start
+            for rid, seq in finished:
+                drafter.stop_request(rid)
+                if add_global is not None:
+                    add_global([seq])
             add_ns.append(add_time / len(active))
             steps.append((len(active), elapsed, add_time))
             active = still
@@ -334,7 +348,8 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
 def step_summary(steps: list[tuple[int, int, int]]) -> dict:
     """The drafter's host time per engine step (thread CPU time), as issue 24 states its
     targets: per sequence per step over the steps with >= 16 sequences (propose, and the
-    commits after the verify: add_tokens + record_acceptance), the drafter's whole time per
+    commits after the verify: the step's commit_step, or its add_tokens and
+    record_acceptance calls, and a flush, timed together), the drafter's whole time per
     step with >= 100 sequences, and a one-sequence step's; and propose per sequence over the
     tail's steps (<= TAIL_BATCH sequences: where draft trees are drafted)."""
     big = [(n, p, c) for n, p, c in steps if n >= 16]

@@ -5,8 +5,10 @@ the recorded earlier epochs as history (as its speculative row does) through a d
 that logs every call the engine makes, and each draft it got. Replaying: a fresh drafter
 of each backend (the compiled core, the Python HistoDrafter, vLLM's suffix tree behind its
 Python wrapper) gets the same calls, timed per engine step in thread CPU time (`propose`,
-and the commits after the verify: `record_acceptance` + `add_tokens`, with the compiled
-drafter's one flush of them), and every draft of ours is compared with the recorded one,
+and the commits after the verify: as the engine sends them now, each run of
+`record_acceptance`/`add_tokens` calls in one `commit_step` for a drafter that has it (a log
+recorded per call is batched so, in the same order: `batched`), else those calls and the
+compiled drafter's flush of them), and every draft of ours is compared with the recorded one,
 so the log doubles as a check that a change to the drafter left its drafts as they were.
 Writes benchmarks/results/drafter_steps.json (the issue's `drafter_step_us` per backend).
 
@@ -26,6 +28,7 @@ import pickle
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from benchmarks import engine_grpo as g
@@ -43,8 +46,47 @@ from services.common.traces import read_traces
 from services.rollout.drafter import HistoDrafter
 from services.rollout.drafter.compiled import CompiledDrafter
 from services.rollout.engine import LLMEngine
+from services.rollout.engine.drafter_protocol import commit_step
 
-_CALLS = ("start_request", "add_tokens", "propose", "record_acceptance", "stop_request")
+_CALLS = ("start_request", "add_tokens", "propose", "record_acceptance", "commit_step", "stop_request")
+_COMMITS = ("add_tokens", "record_acceptance", "commit_step")
+
+
+def batched(log: list[tuple]) -> list[tuple]:
+    """The log with each run of consecutive record_acceptance/add_tokens calls as one
+    commit_step, as the engine sends a step's commits now: one row per call, a request's
+    record_acceptance and the add_tokens right after it in one row (the same calls in the
+    same order: drafter_protocol.commit_calls)."""
+    out: list[tuple] = []
+    run: list = []  # [ids, drafts, accepted, tokens, counts]
+    for entry in log:
+        name, args = entry[0], entry[1]
+        if name not in ("add_tokens", "record_acceptance"):
+            if run:
+                out.append(("commit_step", run, {}, None))
+                run = []
+            out.append(entry)
+            continue
+        if not run:
+            run = [[], [], [], [], []]
+        ids, drafts, accepted, tokens, counts = run
+        if name == "record_acceptance":
+            ids.append(args[0])
+            drafts.append(args[1])
+            accepted.append(args[2])
+            counts.append(-1)
+        elif ids and ids[-1] == args[0] and counts[-1] == -1:
+            counts[-1] = len(args[1])
+            tokens += args[1]
+        else:
+            ids.append(args[0])
+            drafts.append(0)
+            accepted.append(0)
+            counts.append(len(args[1]))
+            tokens += args[1]
+    if run:
+        out.append(("commit_step", run, {}, None))
+    return out
 
 
 def _history() -> tuple[list, dict[str, list[list[int]]]]:
@@ -102,17 +144,20 @@ def record(path: Path, model_dir: str, num_prompts: int, samples: int, max_token
 
 def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[tuple[int, int, int]], dict, int]:
     """(sequences, propose ns, commit ns) per engine step (thread CPU time; commit =
-    record_acceptance + add_tokens, and the compiled drafter's flush of them), ns per
-    method, and the number of drafts that differ from the recorded ones."""
+    commit_step, or record_acceptance + add_tokens and the compiled drafter's flush of
+    them), ns per method, and the number of drafts that differ from the recorded ones."""
     drafter = _drafter(_history()[1], backend, peer)
     flush = getattr(drafter, "flush", None)
+    if hasattr(drafter, "commit_step"):
+        log = batched(log)
     steps: list[tuple[int, int, int]] = []
     per_method = dict.fromkeys(_CALLS, 0)
     mismatches, batch, propose_ns, commit_ns = 0, 0, 0, 0
     clock = time.thread_time_ns
     gc.collect()
     for name, args, kwargs, expected in log:
-        method = getattr(drafter, name)
+        # (a log recorded with commit_step, replayed into a drafter without it: its calls one by one)
+        method = getattr(drafter, name) if name != "commit_step" else partial(commit_step, drafter)
         if name == "propose":
             if flush is not None:  # the previous step's staged commits, applied in one call
                 t0 = clock()
@@ -129,7 +174,7 @@ def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[t
             propose_ns += elapsed
             if backend != "peer":
                 mismatches += sum(a != b for a, b in zip(out, expected)) + abs(len(out) - len(expected))
-        elif name in ("add_tokens", "record_acceptance"):
+        elif name in _COMMITS:
             commit_ns += elapsed
     if batch:
         steps.append((batch, propose_ns, commit_ns))

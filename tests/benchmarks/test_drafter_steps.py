@@ -13,9 +13,14 @@ def test_recorded_calls_replay_with_the_same_drafts():
     ids = [f"r{i}" for i in range(6)]
     for i, rid in enumerate(ids):
         recorder.start_request(rid, prompt_ids[i % 3], [1, 2, 3])
-    for _ in range(20):
+    for step in range(20):
         drafts = recorder.propose(ids, [16] * len(ids), [frozenset({2})] * len(ids), budget=8)
-        for rid, draft in zip(ids, drafts):
+        if step % 2:  # the engine's one call per step
+            tokens = [t for draft in drafts for t in draft[:len(draft) // 2] + [7]]
+            recorder.commit_step(ids, [len(d) for d in drafts], [len(d) // 2 for d in drafts], tokens,
+                                 [len(d) // 2 + 1 for d in drafts])
+            continue
+        for rid, draft in zip(ids, drafts):  # calls one by one (a log of an older engine)
             if draft:
                 recorder.record_acceptance(rid, len(draft), len(draft) // 2)
             recorder.add_tokens(rid, draft[:len(draft) // 2] + [7])

@@ -13,11 +13,15 @@ tests hold it to, draft for draft), at a few microseconds per sequence per step:
   call (`rhd_step_trees`) growing each request's tree as tree_walk.py does and cutting the
   batch to the budget, the trees back to back with their parents in buffers bound once
   (grown when a call needs more room). `record_tree_acceptance` is a staged commit.
-- Commits are deferred: `add_tokens`, `record_acceptance` and `record_tree_acceptance` only stage the request's slot
-  and tokens in two int32 arrays (validated as they are staged); the staged commits reach
-  the core in one call (`flush`), which every other call runs first, so the index inserts
-  of a step happen in one C call right before the next step's drafts (or when the engine
-  calls `flush` itself, e.g. while a forward runs: ctypes releases the GIL).
+- A step's commits in one call: `commit_step` (what both engines call after a verify)
+  hands every request's record_acceptance and add_tokens of the step to the core at
+  once, one row per request (slot, draft length, accepted, token count) and the tokens
+  back to back, in one C call (`rhd_commit`), validated there before any is applied.
+- The engine-facing per-request calls (`add_tokens`, `record_acceptance`,
+  `record_tree_acceptance`) still work and are deferred: each stages a row (validated
+  as it is staged); the staged rows reach the core in one call (`flush`), which every
+  other call runs first (or the engine calls `flush` itself, e.g. while a forward runs:
+  ctypes releases the GIL).
 - Bad input raises a Python exception naming the field (checked here and again in C++),
   never a crash: token ids outside [0, 2^31 - 1), unknown or stopped requests, more
   requests than slots (`DrafterFullError`).
@@ -53,7 +57,7 @@ from services.rollout.drafter.request_state import DrafterStats
 LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
 BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_TOKEN = 2**31 - 1  # token ids the core takes: [0, MAX_TOKEN] (an int32's)
 _INT31 = 2**31 - 1
 _STATS = 6  # RHD_STAT_COUNT
@@ -71,7 +75,7 @@ _SIGNATURES = {
     "rhd_start": (ctypes.c_int, [_P, _I32, _I64, _P, _I64, _P, _I64]),
     "rhd_stop": (ctypes.c_int, [_P, _I32]),
     "rhd_set_stops": (ctypes.c_int, [_P, _I32, _P, _I32]),
-    "rhd_commit": (ctypes.c_int, [_P, _I32, _P, _P, _I64]),
+    "rhd_commit": (ctypes.c_int, [_P, _I32, _P, _P, _P, _P, _P, _I64]),
     "rhd_propose": (ctypes.c_int, [_P, _I32, _P, _P, _I64, _D, _P, _P, _P]),
     "rhd_memory_tokens": (ctypes.c_int64, [_P, _I64]),
     "rhd_memory_bytes": (ctypes.c_int64, [_P, _I64]),
@@ -218,11 +222,14 @@ class CompiledDrafter:
         self._slot_stops: list[object] = [_NO_STOPS] * max_slots
         self._prompts: dict[str, int] = {}  # prompt id -> the core's handle
         self._next_prompt = 1
-        # Staged commits: 4 int32 per operation (kind, slot, a, b), and their tokens. Typed
-        # unsigned ("I"), all in [0, 2^31): the same bits as the core's int32, and CPython
+        # Staged commits (rhd_commit's rows): per request its slot, draft length (-1: a
+        # tree's acceptance), accepted count and token count (-1: no add_tokens), and the
+        # tokens back to back. Slots, accepted counts and tokens are unsigned ("I"): the
+        # same bits as the core's int32 (which rejects what reads negative), and CPython
         # stores an item into an unsigned array directly where a signed one parses it
-        # (PyArg_Parse, ~380 instructions an item), which was most of a commit's cost.
-        self._ops = array("I")
+        # (PyArg_Parse, ~380 instructions an item); the two columns with -1 are signed.
+        self._c_slots, self._c_drafts = array("I"), array("i")
+        self._c_accepted, self._c_counts = array("I"), array("i")
         self._toks = array("I")
         # The step's buffers, allocated once and bound to the core once (rhd_bind).
         k = max(1, config.max_draft_len)
@@ -240,8 +247,7 @@ class CompiledDrafter:
         self._curve_of: tuple[object, int] | None = None  # (cost model, its version) the core has
         self._tree_rows = self._tree_nodes = 0  # the tree buffers bound (rhd_bind_trees), made at first use
         self._step = partial(lib.rhd_step, h)
-        commit = lib.rhd_commit
-        self._commit_call = lambda ops, n_ops, toks, n_toks: commit(h, n_ops, ops, toks, n_toks)
+        self._commit_call = partial(lib.rhd_commit, h)
 
     def _create(self, config: DrafterConfig):
         ci = (ctypes.c_int64 * 11)(
@@ -378,7 +384,11 @@ class CompiledDrafter:
                 bad = toks[i]
                 del toks[before:]
                 raise ValueError(f"token_ids: token id {bad} is out of range [0, {MAX_TOKEN}]")
-        self._ops.extend((1, slot, end - before, 0))
+        slots, counts = self._c_slots, self._c_counts
+        if slots and slots[-1] == slot and counts[-1] == -1:  # after its record_acceptance: one row
+            counts[-1] = end - before
+        else:
+            self._stage(slot, 0, 0, end - before)
 
     def record_acceptance(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         """Stages how much of the request's last draft was accepted (applied at `flush`)."""
@@ -387,7 +397,7 @@ class CompiledDrafter:
             raise UnknownRequestError(request_id)
         if num_draft < 0 or num_accepted < 0 or num_draft > _INT31 or num_accepted > _INT31:
             raise ValueError("num_draft and num_accepted must be in [0, 2^31)")
-        self._ops.extend((0, slot, num_draft, num_accepted))
+        self._stage(slot, num_draft, num_accepted, -1)
 
     @property
     def tree_drafts(self) -> bool:
@@ -404,20 +414,64 @@ class CompiledDrafter:
         num = len(path)
         if num > _INT31:
             raise ValueError("path: longer than 2^31 - 1 nodes")
-        self._ops.extend((2, slot, num, 0))
+        self._stage(slot, -1, num, -1)
+
+    def _stage(self, slot: int, draft: int, accepted: int, count: int) -> None:
+        self._c_slots.append(slot)
+        self._c_drafts.append(draft)
+        self._c_accepted.append(accepted)
+        self._c_counts.append(count)
+
+    def commit_step(self, request_ids: Sequence[str], num_draft: Sequence[int], num_accepted: Sequence[int],
+                    token_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """A step's commits for all its requests in one C call, in order: for request i,
+        ``record_acceptance(request_ids[i], num_draft[i], num_accepted[i])`` where
+        num_draft[i] > 0, then ``add_tokens`` of its ``num_tokens[i]`` tokens, the next ones
+        of `token_ids` (each request's back to back), where num_tokens[i] >= 0 (-1: none).
+        All or nothing: on an error nothing is applied.
+
+        Raises:
+            UnknownRequestError: a request was not started or was stopped.
+            ValueError: lengths that disagree, a count or token id out of range (naming it).
+        """
+        try:
+            slots = list(map(self._slots.__getitem__, request_ids))
+        except KeyError as exc:
+            raise UnknownRequestError(exc.args[0]) from None
+        n = len(slots)
+        if len(num_draft) != n or len(num_accepted) != n or len(num_tokens) != n:
+            raise ValueError("num_draft, num_accepted and num_tokens must have one entry per request")
+        if n and min(num_draft) < 0:
+            raise ValueError(f"num_draft: {min(num_draft)} is negative")
+        if self._c_slots:
+            self.flush()  # the calls staged before this one come first
+        cs, cd, ca, cn, toks = self._c_slots, self._c_drafts, self._c_accepted, self._c_counts, self._toks
+        try:
+            cs.extend(slots)
+            cd.extend(num_draft)
+            ca.extend(num_accepted)
+            cn.extend(num_tokens)
+            toks.extend(token_ids)
+            rc = self._commit_call(n, cs.buffer_info()[0], cd.buffer_info()[0], ca.buffer_info()[0],
+                                   cn.buffer_info()[0], toks.buffer_info()[0], len(toks))
+        except (TypeError, OverflowError) as exc:  # a value no int32 column holds
+            raise ValueError(f"commit_step: {exc} (counts in [-1, 2^31), token ids in [0, {MAX_TOKEN}])") from None
+        finally:
+            del cs[:], cd[:], ca[:], cn[:], toks[:]
+        if rc < 0:
+            self._check(rc)
 
     def flush(self) -> None:
         """Applies the staged commits in one call (in the order they were staged)."""
-        ops = self._ops
-        if not ops:
+        cs = self._c_slots
+        if not cs:
             return
-        toks = self._toks
+        cd, ca, cn, toks = self._c_drafts, self._c_accepted, self._c_counts, self._toks
         try:
-            rc = self._commit_call(ops.buffer_info()[0], len(ops) // 4, toks.buffer_info()[0] if toks else 0,
-                                   len(toks))
+            rc = self._commit_call(len(cs), cs.buffer_info()[0], cd.buffer_info()[0], ca.buffer_info()[0],
+                                   cn.buffer_info()[0], toks.buffer_info()[0], len(toks))
         finally:
-            del ops[:]
-            del toks[:]
+            del cs[:], cd[:], ca[:], cn[:], toks[:]
         self._check(rc)
 
     def stop_request(self, request_id: str) -> None:

@@ -35,6 +35,7 @@ from services.rollout.drafter.prompt_index import START, HistoryResponse, LiveSe
 from services.rollout.drafter.request_state import DrafterStats, RequestState
 from services.rollout.drafter.tree_walk import tree_steps
 from services.rollout.drafter.walk import initial_gain, steps
+from services.rollout.engine.drafter_protocol import commit_calls
 
 _NO_STOPS: frozenset[int] = frozenset()
 _EMA = 0.2  # per propose call, of the drafts' running averages (for the cost threshold)
@@ -155,6 +156,31 @@ class HistoDrafter:
         request.pred += expected / request.calibration_used
         self._num_accepted += num_accepted
         request.last_gains = []
+
+    def commit_step(self, request_ids: Sequence[str], num_draft: Sequence[int], num_accepted: Sequence[int],
+                    token_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        """A step's commits for all its requests, in order (``drafter_protocol.commit_calls``:
+        record_acceptance where num_draft[i] > 0, then add_tokens of the request's
+        num_tokens[i] tokens, back to back in `token_ids`, where num_tokens[i] >= 0). All
+        or nothing: everything is checked before anything is applied.
+
+        Raises:
+            UnknownRequestError: a request was not started or was stopped.
+            ValueError: lengths or counts that disagree, a negative count.
+        """
+        for request_id in request_ids:
+            self._get(request_id)
+        n = len(request_ids)
+        if len(num_draft) != n or len(num_accepted) != n or len(num_tokens) != n:
+            raise ValueError("num_draft, num_accepted and num_tokens must have one entry per request")
+        if n and (min(num_draft) < 0 or min(num_accepted) < 0 or min(num_tokens) < -1):
+            raise ValueError("num_draft and num_accepted must be >= 0, num_tokens >= -1")
+        tokens = [int(t) for t in token_ids]
+        if sum(c for c in num_tokens if c > 0) != len(tokens):
+            raise ValueError(f"num_tokens add up to {sum(c for c in num_tokens if c > 0)}, not the {len(tokens)} "
+                             "token_ids given")
+        for name, request_id, args in commit_calls(request_ids, num_draft, num_accepted, tokens, num_tokens):
+            getattr(self, name)(request_id, *args)
 
     @property
     def tree_drafts(self) -> bool:

@@ -26,7 +26,7 @@ import torch
 from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
-from services.rollout.engine.drafter_protocol import Drafter, NullDrafter
+from services.rollout.engine.drafter_protocol import Commits, Drafter, NullDrafter
 from services.common.validation import check_sampling_values
 from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics
@@ -182,10 +182,13 @@ class LLMEngine:
         self.scheduler.postprocess(batch, time.perf_counter() - start)
         num_draft_tokens = sum(len(s.draft_token_ids) for s in sampling)
         num_prompt_tokens, num_generated = batch.num_prompt_tokens(), 0
+        commits = Commits()  # the drafter's, sent in one call (before a request stops)
         for seq, verdict in zip(sampling, verdicts):
-            num_generated += self._commit(seq, verdict)                        # 5. commit
+            num_generated += self._commit(seq, verdict, commits)               # 5. commit
             if seq.chunk_done:
+                self._send(commits)
                 outputs.append(self._finish(seq))                              # 6. finish
+        self._send(commits)
         self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
         if self.tree_drafts:
             self.metrics.on_tree_verdicts(verdicts, len(batch.seqs))
@@ -227,14 +230,18 @@ class LLMEngine:
         its last token, then perhaps a linear draft; step_inputs._decode_step): the drafts
         accepted for the whole batch by array operations (``verify_linear``), then one
         pass over the sequences doing what ``_commit`` does, in the same order (the
-        scheduler's ``postprocess`` has nothing to do for such a step but charge its time)."""
+        scheduler's ``postprocess`` has nothing to do for such a step but charge its time).
+        The drafter gets the step's verdicts and tokens in one ``commit_step`` call after
+        the pass (before a finished request's stop_request: the same order as calls one by
+        one)."""
         runner = self.runner
         v = verify_linear(logits, runner.sampling, runner.params, runner.reader)
         elapsed = time.perf_counter() - start
         tokens, logprobs = v.token_ids, v.logprobs
-        drafter, undrafted, bm = self._drafter, self._undrafted, self.block_manager
+        undrafted, bm = self._undrafted, self.block_manager
         bs = bm.block_size
         num_generated = num_drafts = num_accepted = 0
+        commits = Commits()  # the drafter's: per request its verdict and tokens
         for seq, lo, num_draft, a in zip(batch.seqs, v.query_start.tolist(), v.num_draft.tolist(),
                                          v.num_accepted.tolist()):
             seq.busy_s += elapsed
@@ -244,11 +251,6 @@ class LLMEngine:
                 num_accepted += a
                 seq.record_verify(num_draft, a)
                 seq.draft_token_ids = []
-                if request_id not in undrafted:
-                    try:
-                        drafter.record_acceptance(request_id, num_draft, a)
-                    except Exception:  # noqa: BLE001 - see _undrafted
-                        self._drafter_failed(drafter.record_acceptance, request_id)
             computed = seq.num_computed_tokens
             seq.num_computed_tokens = computed + 1 + a  # the fed token and the accepted drafts
             seq.num_scheduled_tokens = 0
@@ -263,6 +265,9 @@ class LLMEngine:
                 num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:lo + a + 1])
                 num_generated += num_emitted
                 if ended:
+                    if num_draft and request_id not in undrafted:  # its verdict, no tokens
+                        commits.add(request_id, num_draft, a, None)
+                    self._send(commits)  # the commits so far, before the request stops
                     outputs.append(self._finish(seq))
                     continue
             if num_draft and len(seq.block_table) * bs >= len(seq.token_ids) + bs:
@@ -270,10 +275,8 @@ class LLMEngine:
             if seq.num_computed_tokens // bs != computed // bs:
                 bm.commit(seq)
             if request_id not in undrafted:
-                try:
-                    drafter.add_tokens(request_id, token_ids)
-                except Exception:  # noqa: BLE001 - see _undrafted
-                    self._drafter_failed(drafter.add_tokens, request_id)
+                commits.add(request_id, num_draft, a, token_ids)
+        self._send(commits)
         num_draft_tokens = len(tokens) - len(batch.seqs)
         self.metrics.on_accepted(num_drafts, num_draft_tokens, num_accepted, v.num_accepted)
         self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), num_draft_tokens, num_generated)
@@ -387,9 +390,12 @@ class LLMEngine:
         if src:
             self.runner.move_kv(src, dst)
 
-    def _commit(self, seq: Sequence, verdict: Verdict) -> int:
+    def _commit(self, seq: Sequence, verdict: Verdict, commits: Commits) -> int:
         """Append the verdict's tokens up to the first that ends the chunk; returns how many.
-        Runs only when drafting (a draftless engine commits in ``_plain_step``)."""
+        The drafter's verdict and tokens go to `commits` (a tree's verdict straight to the
+        drafter: it commutes with the others). Runs only when drafting (a draftless engine
+        commits in ``_plain_step``)."""
+        num_draft = 0
         if verdict.num_draft:
             seq.record_verify(verdict.num_draft, verdict.num_accepted)
             if verdict.path is not None:
@@ -397,8 +403,7 @@ class LLMEngine:
                                    verdict.path)
                 seq.draft_parents = None
             else:
-                self._drafter_call(self._drafter.record_acceptance, seq.request_id, verdict.num_draft,
-                                   verdict.num_accepted)
+                num_draft = verdict.num_draft
             seq.draft_token_ids = []
         # KV is now valid for the fed tokens and the accepted drafts
         computed = seq.num_computed_tokens
@@ -409,7 +414,8 @@ class LLMEngine:
             if verdict.num_draft:  # (only a draft's KV slots can run past the tokens)
                 self.block_manager.truncate(seq, seq.num_tokens)  # drop the rejected drafts' blocks
             self._commit_filled_block(seq, computed)
-            self._drafter_call(self._drafter.add_tokens, seq.request_id, verdict.token_ids)
+        if seq.request_id not in self._undrafted and (num_draft or not ended):
+            commits.add(seq.request_id, num_draft, verdict.num_accepted, None if ended else verdict.token_ids)
         return num_emitted
 
     def _commit_filled_block(self, seq: Sequence, computed_before: int) -> None:
@@ -424,6 +430,11 @@ class LLMEngine:
         del self.seqs[seq.request_id]
         self._drafter_call(self._drafter.stop_request, seq.request_id)
         self._undrafted.discard(seq.request_id)
+
+    def _send(self, commits: Commits) -> None:
+        """A step's verdicts and tokens to the drafter in one call (``commit_step``); where
+        it fails, request by request, and only the request that fails goes on without drafts."""
+        commits.send(self._drafter, self._drafter_call)
 
     def _drafter_call(self, method, request_id: str, *args) -> None:
         """Calls the drafter for one request; if it fails, that request goes on without

@@ -14,15 +14,18 @@ vLLM's own suffix proposer reads).
 
 The drafter sees the engine-facing lifecycle only: start_request when a
 registered request first shows up in a batch (prompt + tokens generated so far,
-so a resumed chunk is indexed like a new one), add_tokens with each step's new
-tokens, record_acceptance with how many of the last draft vLLM kept, and
-stop_request when the request leaves the batch.
+so a resumed chunk is indexed like a new one), each step's commits in one
+commit_step call (per request: record_acceptance with how many of the last draft
+vLLM kept, add_tokens with its new tokens), and stop_request when the request
+leaves the batch.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+from services.rollout.engine.drafter_protocol import Commits
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +85,13 @@ class HistoryProposer:
         for gone in set(self._live) - set(req_ids):
             self._retire(gone)
         rows, max_lens, stops = [], [], []
+        commits = Commits()
+        observed = []
         for i, req_id in enumerate(req_ids):
-            live = self._observe(req_id, sampled_token_ids[i] if i < len(sampled_token_ids) else [],
-                                 int(num_tokens_no_spec[i]), token_ids_cpu[i])
+            observed.append(self._observe(req_id, sampled_token_ids[i] if i < len(sampled_token_ids) else [],
+                                          int(num_tokens_no_spec[i]), token_ids_cpu[i], commits))
+        self._commit(commits)
+        for i, live in enumerate(observed):
             if live is not None and not live.undrafted:
                 rows.append(i)
                 max_lens.append(max(0, min(self.k, live.reg.end_len - int(num_tokens_no_spec[i]) - 1)))
@@ -104,12 +111,15 @@ class HistoryProposer:
                 self._live[req_id].last_draft = len(drafts[i])
         return drafts
 
-    def _observe(self, req_id: str, sampled, n: int, row) -> _Live | None:
+    def _observe(self, req_id: str, sampled, n: int, row, commits: Commits) -> _Live | None:
+        """The request's verdict and new tokens into `commits` (a new request is started,
+        after the commits gathered before it: the order of calls one by one)."""
         live = self._live.get(req_id)
         if live is None:
             reg = self._registered.get(req_id)
             if reg is None or n < reg.prompt_len:
                 return None
+            self._commit(commits)
             context = [int(t) for t in row[:n]]
             try:
                 self.drafter.start_request(req_id, reg.prompt_id, context[:reg.prompt_len], context[reg.prompt_len:])
@@ -119,16 +129,25 @@ class HistoryProposer:
                 return None
             live = self._live[req_id] = _Live(reg, n)
             return live
+        draft = accepted = 0
         if live.last_draft and sampled:
-            accepted = min(len(sampled) - 1, live.last_draft)
+            draft, accepted = live.last_draft, min(len(sampled) - 1, live.last_draft)
             live.verify_steps += 1
             live.draft_tokens += live.last_draft
             live.accepted_tokens += accepted
-            self._drafter_call(live, self.drafter.record_acceptance, req_id, live.last_draft, accepted)
+        new = None
         if n > live.seen:
-            self._drafter_call(live, self.drafter.add_tokens, req_id, [int(t) for t in row[live.seen:n]])
+            new = [int(t) for t in row[live.seen:n]]
             live.seen = n
+        if (draft or new is not None) and not live.undrafted:
+            commits.add(req_id, draft, accepted, new)
         return live
+
+    def _commit(self, commits: Commits) -> None:
+        """The gathered commits in one call; where it fails, request by request (only the
+        request that fails goes on without drafts)."""
+        commits.send(self.drafter, lambda method, req_id, *args: self._drafter_call(self._live[req_id], method,
+                                                                                   req_id, *args))
 
     def _drafter_call(self, live: _Live, method, req_id: str, *args) -> None:
         """Calls the drafter for one request; if it raises, that request goes on without

@@ -1,7 +1,8 @@
 """Hostile calls straight into the compiled drafter's C interface (no Python wrapper in
 between). Arrays and their lengths agree (a C interface cannot check a pointer); the
 values are hostile: slots out of range or not running, negative counts, null arrays with counts,
-token ids outside [0, 2^31 - 1), decreasing offsets, unknown commit operations, NaN gains,
+token ids outside [0, 2^31 - 1), decreasing offsets, bad commit rows (draft or token counts
+below -1, counts that do not add up to the tokens given), NaN gains,
 absurd budgets, a prompt of 100k tokens, tree steps with absurd node caps and widths or
 before their buffers are bound. Every call must return 0 or an error code (never
 crash, never corrupt: legal calls in between keep working and ASan stays quiet).
@@ -117,20 +118,21 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             rc = lib.rhd_stop(h, s)
             if rc >= 0:
                 running.discard(s)
-        elif op == 2:  # commit
-            ops, toks = [], []
+        elif op == 2:  # commit: one row per request (slot, draft, accepted, token count), tokens back to back
+            rows, toks = [], []
             for _ in range(rng.randint(0, 4)):
-                kind = rng.choice([0, 1, 2, 7, -1]) if hostile else rng.choice([0, 1, 2])
-                if kind == 1:
-                    t = tokens(rng.randrange(4), hostile and rng.random() < 0.3).tolist()
-                    ops.append([1, slot(hostile and rng.random() < 0.3), len(t) + (rng.choice([0, 5, -3])
-                                                                                  if hostile else 0), 0])
-                    toks += t
-                else:
-                    ops.append([kind, slot(hostile and rng.random() < 0.3), rng.randint(-2, 5), rng.randint(-2, 5)])
-            a, t = _i32(ops or [[0, 0, 0, 0]]), _i32(toks or [0])
-            rc = lib.rhd_commit(h, len(ops) if not hostile else rng.choice([len(ops), -1, len(ops)]), _ptr(a),
-                                _ptr(t), len(toks))
+                count = rng.choice([-1, 0, 1, 3]) if not hostile else rng.choice([-1, 0, 3, -2, 2**31 - 1, -2**31])
+                t = tokens(max(0, min(count, 3)), hostile and rng.random() < 0.3).tolist()
+                toks += t
+                draft = rng.choice([-1, 0, 2, 5]) if not hostile else rng.choice([-1, 0, 5, -2, -2**31])
+                rows.append([slot(hostile and rng.random() < 0.3), draft,
+                             rng.randint(-2, 5) if hostile else rng.randint(0, 5), count])
+            if not hostile:  # the counts add up to the tokens given
+                toks = toks[:sum(max(0, r[3]) for r in rows)]
+            cols = [_i32([r[c] for r in rows] or [0]) for c in range(4)]
+            t = _i32(toks or [0])
+            n = len(rows) if not hostile else rng.choice([len(rows), -1, len(rows)])
+            rc = lib.rhd_commit(h, n, *map(_ptr, cols), _ptr(t), len(toks))
         elif op == 3:  # propose
             n = rng.randint(0, 2 * SLOTS if hostile else len(running))
             ids = _i32([slot(hostile and rng.random() < 0.3) for _ in range(n)] or [0])
@@ -197,7 +199,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
                     assert all(-1 <= tree_parents[a + j] < j for j in range(b - a))
         else:  # null arrays with counts
             rc = rng.choice([
-                lambda: lib.rhd_commit(h, 3, None, None, 5),
+                lambda: lib.rhd_commit(h, 3, None, None, None, None, None, 5),
                 lambda: lib.rhd_propose(h, 2, None, None, 3, 0.1, None, None, None),
                 lambda: lib.rhd_load_history(h, 1, None, None, 2, None, None),
                 lambda: lib.rhd_add_global(h, None, None, 1),

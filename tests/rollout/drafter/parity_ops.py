@@ -4,7 +4,9 @@ equal. Small vocabularies and bounds, so that matches, ties, back-offs, eviction
 flips, aborts and resumed chunks all happen within a few dozen operations. Steps draft
 linear drafts (`propose`) or trees (`propose_trees`, on or off in the config, wide or
 narrow, cut to random node caps and budgets), and a tree's verdict is a random root-to-leaf
-path (`record_tree_acceptance`).
+path (`record_tree_acceptance`). Verdicts and tokens come one call at a time (staged by the
+compiled drafter) or as an engine step's `commit_step` for several requests at once,
+after calls still staged.
 
 Also runnable as a script (the sanitizer test runs it in a subprocess):
     python -m tests.rollout.drafter.parity_ops SEED_FROM SEED_TO
@@ -111,7 +113,7 @@ def run(drafter, seed: int, num_ops: int = 60) -> list:
                 trace.append(("propose", trees))
             for rid, tree in zip(rids, trees):
                 running[rid] = tree
-        else:
+        elif op < 0.85:
             rid = rng.choice(sorted(running))
             draft, parents = running[rid]
             if draft and parents is not None:
@@ -127,6 +129,30 @@ def run(drafter, seed: int, num_ops: int = 60) -> list:
             else:
                 committed = _tokens(rng, vocab, rng.randint(1, 4))
             drafter.add_tokens(rid, committed)
+        else:  # an engine step's commits in one commit_step (trees' verdicts staged one by one first)
+            rids = rng.sample(sorted(running), rng.randint(1, len(running)))
+            num_draft, num_accepted, tokens, counts = [], [], [], []
+            for rid in rids:
+                draft, parents = running[rid]
+                accepted = 0
+                if draft and parents is not None:
+                    path = _random_path(rng, parents)
+                    drafter.record_tree_acceptance(rid, parents, path)
+                    committed = [draft[i] for i in path] + [rng.randrange(vocab)]
+                    draft = []
+                elif draft:
+                    accepted = rng.randint(0, len(draft))
+                    committed = draft[:accepted] + [rng.randrange(vocab)]
+                else:
+                    committed = _tokens(rng, vocab, rng.randint(0, 4))
+                if rng.random() < 0.15:  # a request that ended: its verdict, no tokens
+                    committed = None
+                num_draft.append(len(draft))
+                num_accepted.append(accepted)
+                counts.append(-1 if committed is None else len(committed))
+                tokens += committed or []
+                running[rid] = ([], None)
+            drafter.commit_step(rids, num_draft, num_accepted, tokens, counts)
         if rng.random() < 0.15:  # the engine's step times reach its cost model (a measuring one changes its curve)
             drafter.config.cost_model and drafter.config.cost_model.observe(rng.choice([1, 8, 30, 64, 256]),
                                                                             rng.uniform(0.5, 8.0))

@@ -172,6 +172,17 @@ def test_bad_input_raises_and_the_drafter_keeps_working():
         (lambda: d.load_history("p", [[1, 2], [3, -2]]), ValueError),
         (lambda: d.load_history("p", [[1, 2]], epoch_ages=[0, 1]), ValueError),
         (lambda: d.add_global_responses([[1], [2**31 + 3]]), ValueError),
+        # a step's commits: nothing applied when any of them is bad
+        (lambda: d.commit_step(["a", "nobody"], [0, 0], [0, 0], [1, 2], [1, 1]), UnknownRequestError),
+        (lambda: d.commit_step(["a", "a"], [0, 0], [0, 0], [3, -5], [1, 1]), ValueError),
+        (lambda: d.commit_step(["a", "a"], [0, 0], [0, 0], [3, 2**31], [1, 1]), ValueError),
+        (lambda: d.commit_step(["a", "a"], [0, 0], [0, 0], [3, 4], [1, 2]), ValueError),  # counts != tokens
+        (lambda: d.commit_step(["a"], [0], [0], [3], [-2]), ValueError),
+        (lambda: d.commit_step(["a"], [-1], [0], [3], [1]), ValueError),  # (-1 is a tree's row inside)
+        (lambda: d.commit_step(["a"], [2**31], [0], [3], [1]), ValueError),
+        (lambda: d.commit_step(["a"], [1], [-3], [3], [1]), ValueError),
+        (lambda: d.commit_step(["a"], [1, 2], [0], [3], [1]), ValueError),
+        (lambda: d.commit_step(["a"], [0], [0], ["x"], [1]), ValueError),
     ]:
         with pytest.raises(exc):
             call()
@@ -181,6 +192,23 @@ def test_bad_input_raises_and_the_drafter_keeps_working():
         d.add_tokens("a", [1])
     with pytest.raises(UnknownRequestError):
         d.propose(["a"], [4])
+
+
+@pytest.mark.parametrize("cls", [HistoDrafter, CompiledDrafter])
+def test_a_bad_commit_step_applies_nothing_so_the_engine_can_retry_request_by_request(cls):
+    """The engines fall back to per-request calls when commit_step raises: that is only
+    right if the failed call changed nothing (a request's tokens added twice would not be)."""
+    def lifecycle(bad: bool) -> list:
+        d = cls(DrafterConfig())
+        d.start_request("a", "p", [7, 8, 9], [1, 2])
+        d.start_request("b", "p", [7, 8, 9], [1, 2])
+        d.propose(["a", "b"], [8, 8])
+        if bad:
+            with pytest.raises(UnknownRequestError):
+                d.commit_step(["a", "b", "gone"], [0, 0, 0], [0, 0, 0], [3, 4, 5], [1, 1, 1])
+        d.commit_step(["a", "b"], [0, 0], [0, 0], [3, 4, 1, 2, 3], [1, 4])
+        return [d.propose(["a", "b"], [8, 8]), d.stats(), d.memory_tokens("p")]
+    assert lifecycle(bad=True) == lifecycle(bad=False)
 
 
 def test_empty_histories_prompts_and_huge_prompts_are_bounded():

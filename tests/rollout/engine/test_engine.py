@@ -500,6 +500,31 @@ def test_a_failing_drafter_costs_speed_never_samples(model, failing):
     assert engine.metrics.counters.num_drafter_errors > 0
 
 
+def test_a_failing_commit_step_goes_again_request_by_request(model):
+    """The engine sends a step's verdicts and tokens in one commit_step; where that raises
+    (it applies nothing) they go again one call per request, so drafting goes on."""
+    from services.rollout.drafter import HistoDrafter
+
+    prompt = prompt_of(10)
+    reqs = [make_request(i, prompt, prompt_id="p", temperature=0.7, max_tokens=24, max_new_tokens=24)
+            for i in range(4)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+
+    class NoBatch(HistoDrafter):
+        tries = 0
+
+        def commit_step(self, *args):
+            NoBatch.tries += 1
+            raise RuntimeError("injected commit_step bug")
+    drafter = NoBatch()
+    drafter.load_history("p", [plain[f"r{i}"].token_ids for i in range(4)])
+    engine = _engine_with(model, reqs, drafter=drafter)
+    spec = run_to_end(engine)
+    assert {rid: out.token_ids for rid, out in spec.items()} == {rid: out.token_ids for rid, out in plain.items()}
+    assert NoBatch.tries > 0 and engine.metrics.counters.num_accepted_tokens > 0
+    assert drafter.stats().num_accepted_tokens > 0  # the verdicts reached it one by one
+
+
 class EagerGraphs(CUDAGraphs):
     """CUDAGraphs whose "graph" re-runs the captured forward on the static buffers: the
     bucketing and padding logic of graph replay, checked on CPU."""

@@ -323,3 +323,39 @@ def test_metric_exports_wait_for_the_next_forward_and_flush_when_idle(model):
     assert exported[-1][0] == exported[-1][1] == engine.metrics.counters.num_generation_tokens > 0
     steps = sum(m.engine_step_seconds.labels("deferred-test", k)._sum.get() > 0 for k in ("prefill", "decode"))
     assert steps == 2
+
+
+@pytest.mark.parametrize("kind", ["compiled", "python"])
+def test_the_history_drafter_gets_each_steps_commits_in_one_call(model, array_paths, kind):
+    """On the array path the engine sends a step's verdicts and tokens in one commit_step:
+    the drafter sees every request's committed tokens in order (all of them but a finished
+    request's last step, as the per-request calls gave it), its accepted drafts are the
+    engine's count, and the output stays that of decoding without drafts."""
+    from services.rollout.drafter import DrafterConfig
+    from services.rollout.drafter.compiled import make_drafter
+
+    reqs = mixed_requests()
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    inner = make_drafter(kind, DrafterConfig())
+    for r in reqs:
+        inner.load_history(r.prompt_id, [plain[r.request_id].token_ids] * 2)
+    seen: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    calls = []
+
+    class Recorded(type(inner)):
+        def commit_step(self, request_ids, num_draft, num_accepted, token_ids, num_tokens):
+            calls.append(len(request_ids))
+            at = 0
+            for rid, n in zip(request_ids, num_tokens):
+                seen[rid] += token_ids[at:at + max(n, 0)]
+                at += max(n, 0)
+            super().commit_step(request_ids, num_draft, num_accepted, token_ids, num_tokens)
+    inner.__class__ = Recorded
+    engine = _engine_with(model, reqs, drafter=inner)
+    spec = run_to_end(engine)
+    assert array_paths["verify_linear"] >= 3 and max(calls) > 1  # several requests per call
+    for rid, out in plain.items():
+        assert spec[rid].token_ids == out.token_ids
+        tokens = out.token_ids
+        assert seen[rid] == tokens[:len(seen[rid])] and len(seen[rid]) >= len(tokens) - engine.max_draft_len - 1
+    assert inner.stats().num_accepted_tokens == engine.metrics.counters.num_accepted_tokens > 0

@@ -1269,36 +1269,37 @@ struct Drafter {
     prompts.find(s.prompt)->second->append(&s.seq, tokens, n);
     if (s.has_glob) global->follow_text(s.glob, s.seq.tokens, n);
   }
-  void commit(int32_t num_ops, const int32_t *ops, const int32_t *tokens, int64_t num_tokens) {
-    if (num_ops < 0 || (num_ops > 0 && ops == nullptr)) invalid("bad commit arrays");
+  // A step's commits, one row per request in order (HistoDrafter.commit_step): drafts[i] > 0:
+  // record_acceptance(drafts[i], accepted[i]); -1: record_tree_acceptance of a path of
+  // accepted[i] nodes; 0: none. Then counts[i] >= 0: add_tokens of the next counts[i]
+  // tokens; -1: none. All validated before any is applied.
+  void commit(int32_t n, const int32_t *slot_ids, const int32_t *drafts, const int32_t *accepted,
+              const int32_t *counts, const int32_t *tokens, int64_t num_tokens) {
+    if (n < 0 || (n > 0 && (slot_ids == nullptr || drafts == nullptr || accepted == nullptr || counts == nullptr)))
+      invalid("bad commit arrays");
+    if (num_tokens < 0) invalid("negative token count %lld", num_tokens);
     int64_t used = 0;
-    for (int32_t k = 0; k < num_ops; ++k) {  // validate everything first: all or nothing
-      const int32_t *op = ops + 4 * (size_t)k;
-      live_slot(op[1]);
-      if (op[0] == RHD_OP_ACCEPT) {
-        if (op[2] < 0 || op[3] < 0) invalid("commit %lld: negative draft or accepted count", k);
-      } else if (op[0] == RHD_OP_TREE) {
-        if (op[2] < 0) invalid("commit %lld: negative accepted path length", k);
-      } else if (op[0] == RHD_OP_TOKENS) {
-        if (op[2] < 0 || used + op[2] > num_tokens) invalid("commit %lld: token count past the array", k);
-        used += op[2];
-      } else {
-        invalid("commit %lld: unknown operation %lld", k, op[0]);
-      }
+    for (int32_t k = 0; k < n; ++k) {  // validate everything first: all or nothing
+      live_slot(slot_ids[k]);
+      if (drafts[k] < -1 || accepted[k] < 0) invalid("commit %lld: bad draft or accepted count", k);
+      if (counts[k] < -1 || (counts[k] > 0 && used + counts[k] > num_tokens))
+        invalid("commit %lld: token count past the array", k);
+      if (counts[k] > 0) used += counts[k];
     }
+    if (used != num_tokens) invalid("the token counts add up to %lld, not the %lld tokens given", used, num_tokens);
     check_tokens(tokens, used, "committed token_ids");
     used = 0;
-    for (int32_t k = 0; k < num_ops; ++k) {
-      const int32_t *op = ops + 4 * (size_t)k;
-      Slot &s = slots[(size_t)op[1]];
-      if (op[0] == RHD_OP_ACCEPT) {
-        accept(s, op[2], op[3]);
-      } else if (op[0] == RHD_OP_TREE) {  // record_tree_acceptance: no calibration from trees
+    for (int32_t k = 0; k < n; ++k) {
+      Slot &s = slots[(size_t)slot_ids[k]];
+      if (drafts[k] > 0) {
+        accept(s, drafts[k], accepted[k]);
+      } else if (drafts[k] == -1) {  // record_tree_acceptance: no calibration from trees
         s.last_gains.clear();
-        num_accepted += op[2];
-      } else {
-        add_tokens(s, tokens + used, op[2]);
-        used += op[2];
+        num_accepted += accepted[k];
+      }
+      if (counts[k] >= 0) {
+        add_tokens(s, tokens + used, counts[k]);
+        used += counts[k];
       }
     }
   }
@@ -1699,8 +1700,9 @@ RHD_EXPORT int rhd_set_stops(void *h, int32_t slot, const int32_t *stops, int32_
   });
 }
 
-RHD_EXPORT int rhd_commit(void *h, int32_t num_ops, const int32_t *ops, const int32_t *tokens, int64_t num_tokens) {
-  return guarded(h, [&](Drafter &d) { d.commit(num_ops, ops, tokens, num_tokens); return 0; });
+RHD_EXPORT int rhd_commit(void *h, int32_t n, const int32_t *slots, const int32_t *drafts, const int32_t *accepted,
+                          const int32_t *counts, const int32_t *tokens, int64_t num_tokens) {
+  return guarded(h, [&](Drafter &d) { d.commit(n, slots, drafts, accepted, counts, tokens, num_tokens); return 0; });
 }
 
 RHD_EXPORT int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64_t *max_lens, int64_t budget,

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define RHD_ABI_VERSION 3
+#define RHD_ABI_VERSION 4
 #define RHD_EINVAL (-1)
 #define RHD_ENOMEM (-2)
 #define RHD_EINTERNAL (-3)
@@ -37,10 +37,6 @@ enum {
   RHD_STAT_DRAFT_PER_SEQ, RHD_STAT_GAIN_PER_SEQ, RHD_STAT_NUM_ASKED, RHD_STAT_NUM_EMPTY,
   RHD_STAT_NUM_DRAFT_TOKENS, RHD_STAT_NUM_ACCEPTED, RHD_STAT_COUNT
 };
-/* Commit operations: 4 int32 each (kind, slot, a, b). */
-enum { RHD_OP_ACCEPT = 0, /* a = num_draft, b = num_accepted */
-       RHD_OP_TOKENS = 1, /* a = how many tokens, read in order from the tokens array */
-       RHD_OP_TREE = 2    /* record_tree_acceptance: a = the accepted path's length */ };
 
 int rhd_abi_version(void);
 /* A new drafter; NULL if the settings are invalid or memory is short. `stats` (RHD_STAT_COUNT
@@ -63,8 +59,12 @@ int rhd_start(void *h, int32_t slot, int64_t prompt, const int32_t *prompt_token
 /* 1 when the request's prompt index was freed with it (released and no request left). */
 int rhd_stop(void *h, int32_t slot);
 int rhd_set_stops(void *h, int32_t slot, const int32_t *stops, int32_t num);
-/* Applies commit operations in order (all validated before any is applied). */
-int rhd_commit(void *h, int32_t num_ops, const int32_t *ops, const int32_t *tokens, int64_t num_tokens);
+/* A step's commits, one row per request, applied in order (all validated before any is):
+ * drafts[i] > 0: record_acceptance(drafts[i], accepted[i]); -1: record_tree_acceptance of a
+ * path of accepted[i] nodes; 0: none. Then counts[i] >= 0: add_tokens of the next counts[i]
+ * entries of `tokens` (back to back); -1: no add_tokens. */
+int rhd_commit(void *h, int32_t n, const int32_t *slots, const int32_t *drafts, const int32_t *accepted,
+               const int32_t *counts, const int32_t *tokens, int64_t num_tokens);
 /* Drafts for `n` slots: out_tokens gets the drafts back to back (capacity n * max_draft_len),
  * out_gains their gains, out_lens each draft's length. budget < 0: no limit. */
 int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64_t *max_lens, int64_t budget, double min_gain,

@@ -58,6 +58,8 @@ groups_requeued = Counter("rhymerl:router_groups_requeued_total",
 duplicates_dropped = Counter("rhymerl:router_duplicates_dropped_total",
                              "Samples a shard returned that the trainer already had (a re-run group).")
 shards_live = Gauge("rhymerl:router_shards", "Shards the router serves with.")
+shard_usable = Gauge("rhymerl:router_shard_usable", "1 while the router gives the shard work (alive, answering, "
+                     "with usable workers, at the router's version), else 0.", ["shard"])
 
 # A shard call that ends with one of these failed the shard, not the request: its groups run elsewhere.
 SHARD_FAULTS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -240,6 +242,8 @@ class Router:
     def _remove(self, shard: Shard, why: str) -> None:
         log.warning("shard %s at %s left (%s)", shard.info.shard_id, shard.info.address, why)
         del self.shards[shard.info.shard_id]
+        with contextlib.suppress(KeyError):
+            shard_usable.remove(shard.info.shard_id)
         for step in self.active:
             for sub in {id(s): s for s in step.running.values()}.values():
                 if sub.shard is shard and sub.task is not None:
@@ -259,6 +263,12 @@ class Router:
             self.wake()
 
         await asyncio.gather(*(probe(s) for s in list(self.shards.values()) if s.failed))
+
+    def publish_usable(self) -> None:
+        """The ``rhymerl:router_shard_usable`` gauge, per shard, as of now."""
+        version = self.version
+        for shard in self.shards.values():
+            shard_usable.labels(shard=shard.info.shard_id).set(int(shard.usable(version)))
 
     def _shard_failed(self, shard: Shard, why: str) -> None:
         if not shard.failed:

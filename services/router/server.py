@@ -181,6 +181,7 @@ async def start_router(settings: RouterSettings):
             log.warning("shard registry unreadable: %s", exc)
         await router.probe_failed()
         router.expire_waiting()
+        router.publish_usable()
         await server.set_service_serving(ROLLOUT_SERVICE, any(s.usable(router.version)
                                                               for s in router.shards.values()))
 

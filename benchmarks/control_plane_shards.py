@@ -21,7 +21,10 @@ step's wall time; every (prompt, sample) delivered once (lost, duplicated counte
 On a shared machine the fakes, the trainer, the shards and the router share the cores:
 CPU-seconds per process are the honest figure; wall-clock rates are a lower bound, and
 the load average is reported beside them.
-Writes benchmarks/results/control_plane_shards.{md,json} (``rows``, device, commit, command).
+Writes its rows into benchmarks/results/control_plane.json's ``"shards"`` key (``rows``,
+note, device, commit, command; the rest of the file kept) and renders control_plane.md
+again with a section for them (``benchmarks/control_plane.py`` keeps the key when it
+rewrites the file).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.control_plane import RESULTS, ROOT, SchedulerProcess, cpu_seconds, peak_rss_mb, run_trainers
+from benchmarks.control_plane import write as write_control_plane
 from benchmarks.fake_fleet import FakeFleet, FleetSpec
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
@@ -180,6 +184,23 @@ def run_row(layout: str, num_shards: int, workers: int, samples: int, *, n: int,
     return row
 
 
+def markdown_section(shards: dict) -> str:
+    """The ``"shards"`` part of control_plane.md."""
+    return (f"\n## Scheduler shards behind the step router\n\n`{shards['command']}` at {shards['commit']} on "
+            f"{shards['device']}\n\n{shards['note']}\n\n{markdown_table(shards['rows'], COLUMNS)}\n")
+
+
+def write_into(shards: dict, out: Path, name: str) -> None:
+    """``shards`` as the ``"shards"`` key of <out>/<name>.json, the rest of the file as it
+    was; <name>.md rendered again from the whole (``control_plane.write``)."""
+    path = out / f"{name}.json"
+    result = json.loads(path.read_text()) if path.exists() else {
+        "rows": [], "idle": [], "note": "no single-scheduler run yet (python -m benchmarks.control_plane)",
+        "command": "", "commit": "", "device": shards["device"]}
+    result["shards"] = shards
+    write_control_plane(result, out, name)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=128, help="fake workers in all (split over the shards)")
@@ -195,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-timeout-s", type=float, default=1800.0)
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the processes' logs here")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--out-name", default="control_plane_shards")
+    parser.add_argument("--out-name", default="control_plane",
+                        help="the control-plane results whose \"shards\" key these rows go into")
     args = parser.parse_args(argv)
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -220,11 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         "commit": git_commit(".", ":(exclude)benchmarks/results"), "device": f"CPU: {cpu_name()}",
     }
     print(markdown_table(rows, COLUMNS))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.out_name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.out_name}.md").write_text(
-        f"# Control plane: scheduler shards behind the step router, fake workers\n\n`{result['command']}` at "
-        f"{result['commit']} on {result['device']}\n\n{result['note']}\n\n{markdown_table(rows, COLUMNS)}\n")
+    write_into(result, args.out, args.out_name)
     return result
 
 

@@ -27,11 +27,11 @@ command, commit).
 
 Sharded (``--shards N``): the same campaign, trainers and checks against a step router
 in front of N scheduler shards (``services/router/local.py``: each shard its own
-history, scheduler and one CPU worker; a redis-server as the shard registry). The faults
-(``SHARDED_KINDS``) kill a shard's scheduler mid-step (kill -9 and SIGTERM), the router
-mid-step, a shard's worker or history, and push weights, cancel and send bad input
-through the router. No step log (a shard's lost sub-steps are re-run by the router),
-no soak and no fair share (both measure one scheduler). Writes chaos_shards.{md,json}
+Redis (history, step log), history, scheduler and one CPU worker; a redis-server as the
+shard registry). The faults (``SHARDED_KINDS``) kill a shard's scheduler mid-step (kill
+-9 and SIGTERM), the router mid-step, a shard's worker, history or Redis, and push
+weights, cancel and send bad input through the router. No soak and no fair share (both
+measure one scheduler). Writes chaos_shards.{md,json}
 (``shard_kills_mid_step``, ``groups_requeued``: the prompt groups the router took back
 from the killed shards and ran elsewhere, ``router_kills_mid_step``, ``router_back_s``).
 
@@ -133,15 +133,17 @@ def campaign(args, workdir: Path) -> dict:
     checkpoints = [save_tiny_model(workdir / f"weights{i}", seed=i) for i in (0, 1)]
     bad_payload = _nan_payload(checkpoints[0])
     worker_timeout = {"RHYMERL_SCHEDULER_WORKER_TIMEOUT_S": "120"}
+    logs = args.log_dir or workdir / "logs"
     if args.shards:
         # 16 slots per worker: a step (up to 32 samples) exceeds one shard's window, so
         # groups wait in the router and the shard that finishes first takes the tail.
         cluster = ShardedCluster(model_dir=str(checkpoints[0]), num_shards=args.shards, workers_per_shard=1,
-                                 chunk_tokens=8, max_num_seqs=16, log_dir=workdir / "logs", extra_env=worker_timeout)
-        services = ["router"] + [f"shard-{i}/{p}" for i in range(args.shards) for p in ("scheduler", "history")]
+                                 chunk_tokens=8, max_num_seqs=16, log_dir=logs, extra_env=worker_timeout,
+                                 separate_redis=True)
+        services = ["router"] + [f"shard-{i}/{p}" for i in range(args.shards) for p in ("scheduler", "history", "redis")]
     else:
         cluster = LocalCluster(model_dir=str(checkpoints[0]), num_workers=2, policy="rhymerl", chunk_tokens=8,
-                               log_dir=workdir / "logs", separate_redis=True, extra_env=worker_timeout)
+                               log_dir=logs, separate_redis=True, extra_env=worker_timeout)
         services = ["scheduler", "history", "redis"]
     started = time.monotonic()
     with cluster:
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="no campaign: only the fair-share measure (written to fair_share.{md,json})")
     parser.add_argument("--shards", type=int, default=0,
                         help="N > 0: a step router in front of N scheduler shards (no soak, no fair share)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the processes' logs here")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.shards == 1 or args.shards < 0:

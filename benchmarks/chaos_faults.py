@@ -14,8 +14,8 @@ contract names, sent while steps run (each must get its status code;
 Sharded (``SHARDED_KINDS``, a ``ShardedCluster``: a step router in front of scheduler
 shards, each with its own history and workers): kill -9 or SIGTERM of a shard's
 scheduler while it runs a sub-step (``mid_step`` counts the kills that found one
-running), of the router while it routes a step, of a shard's worker or history; the
-weight, cancel and bad-input faults go through the router.
+running), of the router while it routes a step, of a shard's worker, history or Redis
+(its step log); the weight, cancel and bad-input faults go through the router.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ PROCESS_FAULTS = ["kill9_worker", "sigterm_worker", "kill9_scheduler", "sigterm_
 CALL_FAULTS = ["weight_push", "bad_input", "kill_all_workers_after_push", "resubmit_aborted_step"]
 KINDS = PROCESS_FAULTS + CALL_FAULTS
 SHARDED_KINDS = ["kill9_shard", "sigterm_shard", "kill9_router", "sigterm_router", "kill9_worker", "sigterm_worker",
-                 "kill9_history"] + CALL_FAULTS
+                 "kill9_history", "kill9_redis"] + CALL_FAULTS
 WEIGHTS = {"weight_push": 3, "bad_input": 3, "kill9_worker": 3, "kill9_scheduler": 2, "kill9_shard": 3,
            "kill9_router": 2}  # others: 1
 
@@ -110,7 +110,7 @@ class Faults(threading.Thread):
             return
         if target == "worker":
             name = self.rng.choice(self.cluster.workers)
-        elif hasattr(self.cluster, "shards"):  # a shard's history
+        elif hasattr(self.cluster, "shards"):  # a shard's history or Redis
             name = f"shard-{self.rng.randrange(len(self.cluster.shards))}/{target}"
         else:
             name = target

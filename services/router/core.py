@@ -18,9 +18,12 @@ returned completely go back to the front of the queue; a sample delivered twice 
 re-run group, a hung shard that wakes up) is dropped by its (prompt_id, sample_index).
 
 Versions: a step runs only on shards serving the router's version (the highest any
-live shard serves), and a weight push waits for the running steps, then goes to every
-shard (steps submitted meanwhile wait for it): every sample of a step has one version,
-as with one scheduler in ``after_steps`` mode.
+live shard serves, never lower than one it served before), and a weight push waits for
+the running steps, then goes to every shard (steps submitted meanwhile wait for it):
+every sample of a step has one version, as with one scheduler in ``after_steps`` mode.
+A shard behind the router's version (it was down, or had no worker, during the push) is
+caught up by the router: the last update re-sent to it, a load as the same path, a push
+as its bytes from the router's weight store (``services/scheduler/weight_store.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from services.common.ids import prompt_id_from_tokens, sample_seed
 from services.router.registry import ShardInfo
 from services.scheduler.intake import MAX_ID_BYTES, check_id, check_step
 from services.scheduler.step import fingerprint
+from services.scheduler.weight_store import WeightStore
 
 log = logging.getLogger(__name__)
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -57,6 +61,8 @@ groups_requeued = Counter("rhymerl:router_groups_requeued_total",
                           "Prompt groups taken back from a shard that failed or left, to run elsewhere.")
 duplicates_dropped = Counter("rhymerl:router_duplicates_dropped_total",
                              "Samples a shard returned that the trainer already had (a re-run group).")
+shards_caught_up = Counter("rhymerl:router_shards_caught_up_total",
+                           "Weight updates re-sent to a shard that was behind the router's version.")
 shards_live = Gauge("rhymerl:router_shards", "Shards the router serves with.")
 shard_usable = Gauge("rhymerl:router_shard_usable", "1 while the router gives the shard work (alive, answering, "
                      "with usable workers, at the router's version), else 0.", ["shard"])
@@ -101,6 +107,16 @@ class Shard:
 
     def usable(self, version: int) -> bool:
         return not self.failed and self.info.capacity > 0 and self.info.policy_version == version
+
+
+@dataclass(frozen=True)
+class LatestWeights:
+    """The update that made the router's version: loaded from ``path``, or pushed bytes
+    kept in the router's weight store under ``sha256``."""
+
+    version: int
+    path: str = ""
+    sha256: str = ""
 
 
 @dataclass
@@ -192,15 +208,22 @@ class Router:
         max_samples_retained: and at most this many samples over the steps kept (the
             oldest finished steps go first; a step in flight is always kept).
         tls: for the channels to the shards; shard_token: bearer token sent to them.
+        store: where pushed weights are kept for catching shards up (default: a private
+            temporary directory).
     """
 
     def __init__(self, window: float = 1.0, no_shard_timeout_s: float = 120.0, max_steps_retained: int = 64,
-                 tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144):
+                 tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144,
+                 store: WeightStore | None = None):
         self.window, self.no_shard_timeout_s, self.max_steps_retained = window, no_shard_timeout_s, max_steps_retained
         self.max_samples_retained = max_samples_retained
         self.tls = tls
         self.metadata = (("authorization", f"Bearer {shard_token}"),) if shard_token else ()
         self.shards: dict[str, Shard] = {}
+        self.store = store if store is not None else WeightStore()
+        self.latest: LatestWeights | None = None
+        self._version = 0  # the highest version served so far: a step never runs older weights
+        self._catching_up: set[str] = set()
         self.steps: collections.OrderedDict[str, RoutedStep] = collections.OrderedDict()
         self.active: list[RoutedStep] = []  # unfinished, in submission order
         self.nonce = os.urandom(4).hex()  # sub-step ids of this router process never repeat a previous one's
@@ -217,8 +240,56 @@ class Router:
     # --- shards ----------------------------------------------------------------------
     @property
     def version(self) -> int:
+        """The highest version a shard serves, never lower than one served before (a
+        shard that left with the newest weights does not send steps back to older ones)."""
         live = [s.info.policy_version for s in self.shards.values() if not s.failed and s.info.capacity > 0]
-        return max(live, default=max((s.info.policy_version for s in self.shards.values()), default=0))
+        now = max(live, default=max((s.info.policy_version for s in self.shards.values()), default=0))
+        self._version = max(self._version, now)
+        return self._version
+
+    def updated(self, latest: LatestWeights) -> None:
+        """A weight update some shard took: what a shard behind it is caught up with."""
+        if self.latest is None or latest.version >= self.latest.version:
+            self.latest = latest
+            if latest.sha256:
+                self.store.keep_only(latest.sha256)
+
+    def catch_up(self) -> None:
+        """Every answering shard with workers that is behind the router's version gets the
+        update that made it (once at a time per shard; a failed one is tried again)."""
+        latest = self.latest
+        if latest is None or latest.version != self.version:
+            return
+        for shard in self.shards.values():
+            info = shard.info
+            if (shard.failed or info.capacity == 0 or info.policy_version >= latest.version
+                    or info.shard_id in self._catching_up):
+                continue
+            self._catching_up.add(info.shard_id)
+            self._spawn(self._catch_up(shard, latest))
+
+    async def _catch_up(self, shard: Shard, latest: LatestWeights) -> None:
+        shard_id = shard.info.shard_id
+        log.info("shard %s serves version %d, the router %d: sending it the %s", shard_id,
+                 shard.info.policy_version, latest.version, "load" if latest.path else "pushed bytes")
+        try:
+            if latest.path:
+                result = await shard.stub.LoadWeights(common_pb2.LoadWeightsRequest(
+                    version=latest.version, path=latest.path), timeout=600, metadata=self.metadata)
+            else:
+                result = await shard.stub.PushWeights(self.store.stream(latest.version, latest.sha256), timeout=600,
+                                                      metadata=self.metadata)
+        except (grpc.aio.AioRpcError, FileNotFoundError) as exc:
+            log.warning("shard %s not caught up to version %d: %s", shard_id, latest.version,
+                        getattr(exc, "details", lambda: exc)())
+            return
+        finally:
+            self._catching_up.discard(shard_id)
+        if self.shards.get(shard_id) is shard:
+            shard.info = replace(shard.info, policy_version=max(shard.info.policy_version, result.version))
+        shards_caught_up.inc()
+        log.info("shard %s caught up to version %d", shard_id, result.version)
+        self.wake()
 
     def update_shards(self, found: dict[str, ShardInfo]) -> None:
         """The registry's shards now: new ones join, gone ones leave (their groups re-queued)."""
@@ -605,3 +676,4 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for shard in self.shards.values():
             await shard.channel.close()
+        self.store.close()

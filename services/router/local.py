@@ -30,10 +30,13 @@ class ShardedCluster(StartStop):
         router_env: environment of the router process (RHYMERL_ROUTER_*).
         worker_env: environment of every worker (RHYMERL_WORKER_*).
         extra_env: environment of every shard's processes (history, scheduler, workers).
+        separate_redis: each shard with a redis-server of its own for its history and
+            its scheduler's step log (``LocalCluster``'s): a restarted shard then knows
+            its serving version from the record of its last push.
 
     Processes have names for ``kill`` and ``restart`` (the chaos campaign's faults):
     "router", and "shard-<i>/<name>" for a shard's own ("shard-0/scheduler",
-    "shard-1/worker-0", "shard-0/history").
+    "shard-1/worker-0", "shard-0/history", "shard-0/redis").
     """
 
     model_dir: str
@@ -47,6 +50,7 @@ class ShardedCluster(StartStop):
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)  # every worker's (RHYMERL_WORKER_*)
     extra_env: dict[str, str] = field(default_factory=dict)
+    separate_redis: bool = False
     shards: list[LocalCluster] = field(default_factory=list)
     registry: EmbeddedRedis | None = None
     router: subprocess.Popen | None = None
@@ -72,7 +76,7 @@ class ShardedCluster(StartStop):
         for i in range(self.num_shards):
             shard = LocalCluster(
                 model_dir=self.model_dir, num_workers=self.workers_per_shard, policy=self.policy,
-                chunk_tokens=self.chunk_tokens, log_dir=self.log_dir / f"shard-{i}",
+                chunk_tokens=self.chunk_tokens, log_dir=self.log_dir / f"shard-{i}", separate_redis=self.separate_redis,
                 extra_env={**self.extra_env, "RHYMERL_SCHEDULER_SHARD_REGISTRY_URL": self.registry.url,
                            "RHYMERL_SCHEDULER_SHARD_ID": f"shard-{i}",
                            "RHYMERL_SCHEDULER_SHARD_TTL_S": str(self.shard_ttl_s)},

@@ -13,7 +13,7 @@ import pytest
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.common.ids import sample_seed
-from services.router.core import Router, duplicates_dropped, step_seed_of
+from services.router.core import Router, duplicates_dropped, shards_caught_up, step_seed_of
 from services.router.registry import ShardAnnouncer, ShardDirectory, ShardInfo
 from services.router.server import RouterServicer
 from tests.aio import run_async
@@ -63,9 +63,14 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
         self.release.set()
         return rollout_pb2.CancelStepResponse(num_cancelled=running)
 
+    refuse_updates = False  # as a scheduler without a usable worker answers a push
+    pushed = b""
+
     async def PushWeights(self, request_iterator, context):
         chunks = [c async for c in request_iterator]
-        self.version = chunks[0].header.version
+        if self.refuse_updates:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no rollout worker is registered and healthy")
+        self.version, self.pushed = chunks[0].header.version, b"".join(c.data for c in chunks[1:])
         return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
 
     async def GetStats(self, request, context):
@@ -243,6 +248,46 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
                 rollout_pb2.SampleReward(prompt_id="p9", sample_index=0, reward=1.0)]))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert err.value.details().startswith("rewards[1].prompt_id")
+
+
+@run_async
+async def test_a_shard_that_missed_a_push_is_caught_up_with_its_bytes_and_no_step_runs_older_weights():
+    """b refuses a push that a takes: the router serves version 1 on a alone; with a gone,
+    its version stays 1 (a step waits rather than run on b's version 0) until b, able to
+    take updates again, gets the pushed bytes from the router and runs the step."""
+    a, b = ScriptedShard("a"), ScriptedShard("b")
+    b.refuse_updates = True
+    async with Fleet(a, b) as fleet:
+        server = grpc.aio.server()
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RouterServicer(fleet.router), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                data = b"weights-" * 1000
+
+                async def chunks():
+                    yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+                        version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+                    yield common_pb2.WeightChunk(data=data[:5000])
+                    yield common_pb2.WeightChunk(data=data[5000:])
+
+                assert (await rollout_pb2_grpc.RolloutServiceStub(ch).PushWeights(chunks())).version == 1
+            assert (a.version, b.version, fleet.router.version) == (1, 0, 1)
+            fleet.router.update_shards({"b": fleet.infos["b"]})  # a left; b serves 0
+            assert fleet.router.version == 1
+            run = await fleet.router.submit(step("after", 2, seed=4))
+            fleet.router.catch_up()  # b still refuses: it stays behind, and gets no work
+            await until(lambda: not fleet.router._catching_up)
+            assert not b.sub_steps and not run.finished
+            caught = shards_caught_up._value.get()
+            b.refuse_updates = False
+            fleet.router.catch_up()
+            events = [e async for e in run.follow()]
+        finally:
+            await server.stop(0)
+    assert (b.version, b.pushed) == (1, data) and shards_caught_up._value.get() == caught + 1
+    assert {s.policy_version for s in samples(events)} == {1} and len(samples(events)) == 4
 
 
 async def until_step(router: Router, step_id: str):

@@ -63,6 +63,9 @@ duplicates_dropped = Counter("rhymerl:router_duplicates_dropped_total",
                              "Samples a shard returned that the trainer already had (a re-run group).")
 shards_caught_up = Counter("rhymerl:router_shards_caught_up_total",
                            "Weight updates re-sent to a shard that was behind the router's version.")
+# A shard's registry key shows a version it took within a second (its announce period):
+# until then the key's older version is no reason to send the update again.
+CATCH_UP_GRACE_S = 3.0
 shards_live = Gauge("rhymerl:router_shards", "Shards the router serves with.")
 shard_usable = Gauge("rhymerl:router_shard_usable", "1 while the router gives the shard work (alive, answering, "
                      "with usable workers, at the router's version), else 0.", ["shard"])
@@ -100,6 +103,7 @@ class Shard:
     outstanding: int = 0  # samples sent and not returned
     failed: str = ""  # why its last call broke; no work until it answers again
     groups_done: int = 0
+    updated_at: float = -math.inf  # when it last took a weight update (its key shows it within a second)
 
     @property
     def limit(self) -> int:
@@ -263,7 +267,7 @@ class Router:
         for shard in self.shards.values():
             info = shard.info
             if (shard.failed or info.capacity == 0 or info.policy_version >= latest.version
-                    or info.shard_id in self._catching_up):
+                    or info.shard_id in self._catching_up or time.monotonic() - shard.updated_at < CATCH_UP_GRACE_S):
                 continue
             self._catching_up.add(info.shard_id)
             self._spawn(self._catch_up(shard, latest))
@@ -287,6 +291,7 @@ class Router:
             self._catching_up.discard(shard_id)
         if self.shards.get(shard_id) is shard:
             shard.info = replace(shard.info, policy_version=max(shard.info.policy_version, result.version))
+            shard.updated_at = time.monotonic()
         shards_caught_up.inc()
         log.info("shard %s caught up to version %d", shard_id, result.version)
         self.wake()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 
 import grpc
@@ -136,6 +137,7 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
         failed = [(s, r) for s, r in zip(shards, results) if not isinstance(r, common_pb2.WeightUpdateResponse)]
         for shard, result in done:
             shard.info = replace(shard.info, policy_version=result.version)
+            shard.updated_at = time.monotonic()
         for shard, exc in failed:
             log.warning("weight %s: shard %s did not take it: %s", what, shard.info.shard_id, exc)
         if not done:

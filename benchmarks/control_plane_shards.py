@@ -44,7 +44,6 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.control_plane import RESULTS, ROOT, SchedulerProcess, cpu_seconds, peak_rss_mb, run_trainers
-from benchmarks.control_plane import write as write_control_plane
 from benchmarks.fake_fleet import FakeFleet, FleetSpec
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
@@ -184,21 +183,25 @@ def run_row(layout: str, num_shards: int, workers: int, samples: int, *, n: int,
     return row
 
 
+SECTION = "## Scheduler shards behind the step router"
+
+
 def markdown_section(shards: dict) -> str:
     """The ``"shards"`` part of control_plane.md."""
-    return (f"\n## Scheduler shards behind the step router\n\n`{shards['command']}` at {shards['commit']} on "
-            f"{shards['device']}\n\n{shards['note']}\n\n{markdown_table(shards['rows'], COLUMNS)}\n")
+    return (f"\n{SECTION}\n\n`{shards['command']}` at {shards['commit']} on {shards['device']}\n\n"
+            f"{shards['note']}\n\n{markdown_table(shards['rows'], COLUMNS)}\n")
 
 
 def write_into(shards: dict, out: Path, name: str) -> None:
     """``shards`` as the ``"shards"`` key of <out>/<name>.json, the rest of the file as it
-    was; <name>.md rendered again from the whole (``control_plane.write``)."""
-    path = out / f"{name}.json"
-    result = json.loads(path.read_text()) if path.exists() else {
-        "rows": [], "idle": [], "note": "no single-scheduler run yet (python -m benchmarks.control_plane)",
-        "command": "", "commit": "", "device": shards["device"]}
+    was, and as the last section of <name>.md (replacing the one there)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path, md = out / f"{name}.json", out / f"{name}.md"
+    result = json.loads(path.read_text()) if path.exists() else {}
     result["shards"] = shards
-    write_control_plane(result, out, name)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    text = md.read_text() if md.exists() else "# Control plane\n"
+    md.write_text(text.split("\n" + SECTION)[0].rstrip("\n") + "\n" + markdown_section(shards))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -38,6 +38,8 @@ def test_rows_count_every_sample_once_and_measure_each_process(tmp_path):
     assert shards["rows"] == json.loads(json.dumps(result["rows"]))
     assert shards["commit"] and shards["device"] and "control_plane_shards" in shards["command"]
     assert "2 shards + router" in (tmp_path / "cps.md").read_text()
+    control_plane_shards.write_into(shards, tmp_path, "cps")  # a second run replaces the section
+    assert (tmp_path / "cps.md").read_text().count(control_plane_shards.SECTION) == 1
     # the single-scheduler benchmark rewrites the file: its new run, the shards' rows kept
     control_plane.write(single_scheduler_result("a new single-scheduler run"), tmp_path, "cps")
     rewritten = json.loads((tmp_path / "cps.json").read_text())

@@ -6,6 +6,7 @@ Every wait is on state; the hang guard only bounds a broken router."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 
 import grpc
@@ -110,6 +111,18 @@ class Fleet:
         for server in self.servers:
             await server.stop(0)
 
+    @contextlib.asynccontextmanager
+    async def serve_router(self):
+        """The router's RolloutService on loopback; yields its port."""
+        server = grpc.aio.server()
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RouterServicer(self.router), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            yield port
+        finally:
+            await server.stop(0)
+
     def prompt_ids(self, name: str) -> list[str]:
         shard = next(s for s in self.shards if s.name == name)
         return [p.prompt_id for sub in shard.sub_steps for p in sub.prompts]
@@ -199,15 +212,8 @@ async def test_a_shard_leaving_the_registry_gives_its_groups_to_the_others():
 @run_async
 async def test_a_push_waits_for_the_running_step_then_reaches_every_shard_and_reports_route_to_owners():
     a, b = ScriptedShard("a", held=True), ScriptedShard("b")
-    async with Fleet(a, b) as fleet:
-        server = grpc.aio.server()
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RouterServicer(fleet.router), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            await _push_and_report(fleet, a, b, port)
-        finally:
-            await server.stop(0)
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        await _push_and_report(fleet, a, b, port)
 
 
 async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, port: int) -> None:
@@ -257,35 +263,28 @@ async def test_a_shard_that_missed_a_push_is_caught_up_with_its_bytes_and_no_ste
     take updates again, gets the pushed bytes from the router and runs the step."""
     a, b = ScriptedShard("a"), ScriptedShard("b")
     b.refuse_updates = True
-    async with Fleet(a, b) as fleet:
-        server = grpc.aio.server()
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RouterServicer(fleet.router), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                data = b"weights-" * 1000
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            data = b"weights-" * 1000
 
-                async def chunks():
-                    yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
-                        version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
-                    yield common_pb2.WeightChunk(data=data[:5000])
-                    yield common_pb2.WeightChunk(data=data[5000:])
+            async def chunks():
+                yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+                    version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+                yield common_pb2.WeightChunk(data=data[:5000])
+                yield common_pb2.WeightChunk(data=data[5000:])
 
-                assert (await rollout_pb2_grpc.RolloutServiceStub(ch).PushWeights(chunks())).version == 1
-            assert (a.version, b.version, fleet.router.version) == (1, 0, 1)
-            fleet.router.update_shards({"b": fleet.infos["b"]})  # a left; b serves 0
-            assert fleet.router.version == 1
-            run = await fleet.router.submit(step("after", 2, seed=4))
-            fleet.router.catch_up()  # b still refuses: it stays behind, and gets no work
-            await until(lambda: not fleet.router._catching_up)
-            assert not b.sub_steps and not run.finished
-            caught = shards_caught_up._value.get()
-            b.refuse_updates = False
-            fleet.router.catch_up()
-            events = [e async for e in run.follow()]
-        finally:
-            await server.stop(0)
+            assert (await rollout_pb2_grpc.RolloutServiceStub(ch).PushWeights(chunks())).version == 1
+        assert (a.version, b.version, fleet.router.version) == (1, 0, 1)
+        fleet.router.update_shards({"b": fleet.infos["b"]})  # a left; b serves 0
+        assert fleet.router.version == 1
+        run = await fleet.router.submit(step("after", 2, seed=4))
+        fleet.router.catch_up()  # b still refuses: it stays behind, and gets no work
+        await until(lambda: not fleet.router._catching_up)
+        assert not b.sub_steps and not run.finished
+        caught = shards_caught_up._value.get()
+        b.refuse_updates = False
+        fleet.router.catch_up()
+        events = [e async for e in run.follow()]
     assert (b.version, b.pushed) == (1, data) and shards_caught_up._value.get() == caught + 1
     assert {s.policy_version for s in samples(events)} == {1} and len(samples(events)) == 4
 

@@ -141,7 +141,7 @@ class RoutedStep:
     seed: int
     queue: collections.deque = field(default_factory=collections.deque)  # prompt ids not sent
     running: dict[str, SubStep] = field(default_factory=dict)  # prompt id -> the sub-step running it
-    delivered: dict[Key, rollout_pb2.StepEvent] = field(default_factory=dict)  # each a sample event
+    delivered: dict[Key, rollout_pb2.SampleResult] = field(default_factory=dict)
     owner: dict[Key, SubStep] = field(default_factory=dict)
     events: list[rollout_pb2.StepEvent] = field(default_factory=list)
     summaries: list[rollout_pb2.StepSummary] = field(default_factory=list)
@@ -387,17 +387,21 @@ class Router:
         known = self.steps.get(req.step_id)
         if known is not None and known.fingerprint != fingerprint(req):
             raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content", "step_id")
-        if known is not None and not (known.finished and any(e.sample.finish_reason == ABORT
-                                                              for e in known.delivered.values())):
+        if known is not None and not (known.finished and any(s.finish_reason == ABORT
+                                                              for s in known.delivered.values())):
             return known
         checked = self.check(req)
         if known is not None:  # re-run the aborted samples; the others are replayed
             self.steps.pop(req.step_id)
         step = RoutedStep(checked, fingerprint(req), self.version, step_seed_of(req), started=time.monotonic())
         if known is not None:
-            for key, event in known.delivered.items():
-                if event.sample.finish_reason != ABORT:
-                    self._record(step, event, known.owner[key])
+            by_owner: dict[int, tuple[SubStep | None, list]] = {}
+            for key, sample in known.delivered.items():
+                if sample.finish_reason != ABORT:
+                    owner = known.owner[key]
+                    by_owner.setdefault(id(owner), (owner, []))[1].append(sample)
+            for owner, kept in by_owner.values():
+                self._record(step, kept, owner)
         step.queue.extend(p.prompt_id for p in checked.prompts if not step.group_done(p.prompt_id))
         self.steps[req.step_id] = step
         self._forget_old_steps()
@@ -505,11 +509,8 @@ class Router:
             async for event in call:
                 if event.HasField("summary"):
                     step.summaries.append(event.summary)
-                elif event.HasField("sample"):
+                else:
                     self._receive(sub, event)
-                else:  # a batch (a shard sends the samples it has ready together): one event each
-                    for sample in event.samples.samples:
-                        self._receive(sub, rollout_pb2.StepEvent(sample=sample))
             shard.groups_done += len(sub.prompt_ids)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in SHARD_FAULTS:
@@ -535,28 +536,41 @@ class Router:
                      sub.shard.info.shard_id)
 
     def _receive(self, sub: SubStep, event: rollout_pb2.StepEvent) -> None:
-        sample = event.sample
-        key = (sample.prompt_id, sample.sample_index)
-        if key in sub.remaining:
-            sub.remaining.discard(key)
-            sub.shard.outstanding -= 1
+        """A shard's event of one sample or a batch (a shard sends the samples it has
+        ready together): the ones the trainer does not have yet go on in one event."""
         step = sub.step
-        if key in step.delivered or step.finished:
-            duplicates_dropped.inc()
-            return
-        self._record(step, event, sub)
+        batch = event.samples.samples if event.HasField("samples") else [event.sample]
+        fresh = []
+        for sample in batch:
+            key = (sample.prompt_id, sample.sample_index)
+            if key in sub.remaining:
+                sub.remaining.discard(key)
+                sub.shard.outstanding -= 1
+            if key in step.delivered or step.finished:
+                duplicates_dropped.inc()
+                continue
+            step.delivered[key] = sample  # claimed: a repeat later in the batch is dropped too
+            fresh.append(sample)
+        if fresh:
+            self._record(step, fresh, sub, event if len(fresh) == len(batch) else None)
         if len(step.delivered) == step.num_samples:
             self._finish(step)
 
-    def _record(self, step: RoutedStep, event: rollout_pb2.StepEvent, sub: SubStep | None) -> None:
-        """Keeps a sample event (the shard's own message, renamed to the trainer's step:
-        no copy) and wakes the step's followers."""
-        sample = event.sample
-        key = (sample.prompt_id, sample.sample_index)
-        sample.step_id = step.step_id
-        step.delivered[key] = event
-        step.owner[key] = sub
-        step.delivery_times.append(time.monotonic())
+    def _record(self, step: RoutedStep, samples: list[rollout_pb2.SampleResult], sub: SubStep | None,
+                event: rollout_pb2.StepEvent | None = None) -> None:
+        """Keeps samples (the shard's own messages, renamed to the trainer's step: no copy)
+        and passes them to the step's followers in one event: ``event``, the shard's own,
+        when it holds exactly these samples; else a new one."""
+        now = time.monotonic()
+        for sample in samples:
+            key = (sample.prompt_id, sample.sample_index)
+            sample.step_id = step.step_id
+            step.delivered[key] = sample
+            step.owner[key] = sub
+            step.delivery_times.append(now)
+        if event is None:
+            event = rollout_pb2.StepEvent(sample=samples[0]) if len(samples) == 1 else \
+                rollout_pb2.StepEvent(samples=rollout_pb2.SampleBatch(samples=samples))
         step.events.append(event)
         step.notify()
 
@@ -578,7 +592,7 @@ class Router:
     def _summary(self, step: RoutedStep) -> rollout_pb2.StepSummary:
         """The merged summary: counts over the delivered samples; the workers' busy time
         and the history hit rate over the shards' sub-steps."""
-        samples = [e.sample for e in step.delivered.values()]
+        samples = list(step.delivered.values())
         times = sorted(step.delivery_times)
         makespan = (times[-1] - step.started) if times else 0.0
         tail = times[-1] - times[max(0, math.ceil(0.9 * len(times)) - 1)] if times else 0.0
@@ -611,18 +625,17 @@ class Router:
             self._abort_queued(step, error)
 
     def _abort_queued(self, step: RoutedStep, error: str) -> int:
-        num = 0
+        aborted = []
         while step.queue:
             pid = step.queue.popleft()
-            for k in range(step.n):
-                if (pid, k) not in step.delivered:
-                    self._record(step, rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
-                        prompt_id=pid, sample_index=k, finish_reason=ABORT, error=error,
-                        seed=sample_seed(step.seed, step.step_id, pid, k))), None)
-                    num += 1
+            aborted += [rollout_pb2.SampleResult(prompt_id=pid, sample_index=k, finish_reason=ABORT, error=error,
+                                                 seed=sample_seed(step.seed, step.step_id, pid, k))
+                        for k in range(step.n) if (pid, k) not in step.delivered]
+        if aborted:
+            self._record(step, aborted, None)
         if len(step.delivered) == step.num_samples:
             self._finish(step)
-        return num
+        return len(aborted)
 
     async def cancel(self, step_id: str) -> int:
         step = self.get(step_id)

@@ -11,6 +11,7 @@ import hashlib
 
 import grpc
 import pytest
+from rhymerl.types import event_samples
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.common.ids import sample_seed
@@ -24,10 +25,12 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 
 class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
     """A shard that runs sub-steps instantly, unless held; ``fail_after`` samples into its
-    next sub-step it ends the call UNAVAILABLE (as a killed scheduler's stream ends)."""
+    next sub-step it ends the call UNAVAILABLE (as a killed scheduler's stream ends);
+    ``batched``: each prompt's samples sent in one SampleBatch event, as a scheduler
+    sends the samples it has ready."""
 
-    def __init__(self, name: str, fail_after: int | None = None, held: bool = False):
-        self.name, self.fail_after = name, fail_after
+    def __init__(self, name: str, fail_after: int | None = None, held: bool = False, batched: bool = False):
+        self.name, self.fail_after, self.batched = name, fail_after, batched
         self.release = asyncio.Event()
         if not held:
             self.release.set()
@@ -41,6 +44,7 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
         self.sub_steps.append(request)
         step_seed = request.sampling.seed if request.sampling.HasField("seed") else None
         for prompt in request.prompts:
+            batch = []
             for k in range(request.n):
                 await self.release.wait()
                 if request.step_id in self.cancelled:  # as a scheduler ends a cancelled step's samples
@@ -53,9 +57,13 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "shard going down")
                 seed = sample_seed(step_seed, request.step_id, prompt.prompt_id, k)
                 self.delivered.append((prompt.prompt_id, k))
-                yield rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
+                batch.append(rollout_pb2.SampleResult(
                     step_id=request.step_id, prompt_id=prompt.prompt_id, sample_index=k, token_ids=[seed % 997, 1],
                     seed=seed, finish_reason=LENGTH, policy_version=self.version))
+                if not self.batched:
+                    yield rollout_pb2.StepEvent(sample=batch.pop())
+            if batch:
+                yield rollout_pb2.StepEvent(samples=rollout_pb2.SampleBatch(samples=batch))
         yield rollout_pb2.StepEvent(summary=rollout_pb2.StepSummary(step_id=request.step_id, policy="fake"))
 
     async def CancelStep(self, request, context):
@@ -147,19 +155,24 @@ async def collect(router: Router, req) -> list[rollout_pb2.StepEvent]:
 
 
 def samples(events) -> list[rollout_pb2.SampleResult]:
-    return [e.sample for e in events if e.HasField("sample")]
+    return [s for e in events for s in event_samples(e)]
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @run_async
-async def test_a_group_cut_short_runs_again_elsewhere_without_losing_or_duplicating_a_sample():
+async def test_a_group_cut_short_runs_again_elsewhere_without_losing_or_duplicating_a_sample(batched):
     """Shard a returns one sample and dies; its two groups re-run on b, which returns that
-    sample again: the trainer gets it once, and every sample has the seed of its (step,
-    prompt, index) whichever shard and sub-step ran it."""
-    a, b = ScriptedShard("a", fail_after=1), ScriptedShard("b")
+    sample again (batched: in a batch with its group's other sample, which goes on alone):
+    the trainer gets it once, and every sample has the seed of its (step, prompt, index)
+    whichever shard and sub-step ran it."""
+    a, b = ScriptedShard("a", fail_after=1), ScriptedShard("b", batched=batched)
     before = duplicates_dropped._value.get()
     async with Fleet(a, b) as fleet:
         req = step("s1", 4)  # no seed: the router derives the step's from its id
-        got = samples(await collect(fleet.router, req))
+        events = await collect(fleet.router, req)
+        got = samples(events)
+    if batched:  # b's groups went on to the trainer as b batched them
+        assert sum(e.HasField("samples") for e in events) >= 2
     keys = [(s.prompt_id, s.sample_index) for s in got]
     assert sorted(keys) == sorted((f"p{i}", k) for i in range(4) for k in range(2)), "lost or duplicated"
     assert a.delivered[0] in b.delivered, "the cut-short group did not run again"
@@ -233,10 +246,10 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
         assert not push.done() and a.version == b.version == 0, "the push did not wait for the step"
         a.release.set()
         got = [e async for e in events]
-        assert {e.sample.policy_version for e in got if e.HasField("sample")} == {0}
+        assert {s.policy_version for s in samples(got)} == {0}
         assert (await push).version == 1 and a.version == b.version == 1
         after = [e async for e in stub.SubmitStep(step("new", 4, seed=2))]
-        assert {e.sample.policy_version for e in after if e.HasField("sample")} == {1}
+        assert {s.policy_version for s in samples(after)} == {1}
 
         answer = await stub.ReportRewards(rollout_pb2.ReportRewardsRequest(step_id="old", rewards=[
             rollout_pb2.SampleReward(prompt_id=f"p{i}", sample_index=k, reward=1.0)

@@ -214,11 +214,14 @@ class Router:
         tls: for the channels to the shards; shard_token: bearer token sent to them.
         store: where pushed weights are kept for catching shards up (default: a private
             temporary directory).
+        journal: records the steps in flight (``ShardDirectory``'s ``step_started`` and
+            ``step_finished``), so a restarted router knows which steps trainers will
+            re-submit (``resume``); None: not recorded.
     """
 
     def __init__(self, window: float = 1.0, no_shard_timeout_s: float = 120.0, max_steps_retained: int = 64,
                  tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144,
-                 store: WeightStore | None = None):
+                 store: WeightStore | None = None, journal=None):
         self.window, self.no_shard_timeout_s, self.max_steps_retained = window, no_shard_timeout_s, max_steps_retained
         self.max_samples_retained = max_samples_retained
         self.tls = tls
@@ -228,6 +231,11 @@ class Router:
         self.latest: LatestWeights | None = None
         self._version = 0  # the highest version served so far: a step never runs older weights
         self._catching_up: set[str] = set()
+        self.journal = journal
+        self.pending: dict[str, int] = {}  # steps a previous router ran, not re-submitted yet
+        self._pending_until = 0.0
+        self._pending_done = asyncio.Event()
+        self._pending_done.set()
         self.steps: collections.OrderedDict[str, RoutedStep] = collections.OrderedDict()
         self.active: list[RoutedStep] = []  # unfinished, in submission order
         self.nonce = os.urandom(4).hex()  # sub-step ids of this router process never repeat a previous one's
@@ -409,8 +417,10 @@ class Router:
             self.active.append(step)
             self._idle.clear()
             self.wake()
+            self._journal("step_started", step.step_id, step.version)
         else:
             self._finish(step)
+        self._resubmitted(req.step_id)
         return step
 
     def _forget_old_steps(self) -> None:
@@ -585,6 +595,7 @@ class Router:
                 sub.task.cancel()
         if step.error is None:
             step.events.append(rollout_pb2.StepEvent(summary=self._summary(step)))
+        self._journal("step_finished", step.step_id)
         if not self.active:
             self._idle.set()
         step.notify()
@@ -667,11 +678,52 @@ class Router:
         except grpc.aio.AioRpcError as exc:
             raise ShardError(exc, shard.info.shard_id) from None
 
+    # --- steps of a previous router process -------------------------------------------
+    def resume(self, in_flight: dict[str, int], wait_s: float) -> None:
+        """Steps the previous router was running: trainers re-submit them, and until they
+        do (or ``wait_s`` passes) no weight update starts, so each runs again at the
+        version its first samples had (its seeds are its own: the same samples)."""
+        self.pending = dict(in_flight)
+        self._pending_until = time.monotonic() + wait_s
+        if self.pending:
+            self._pending_done.clear()
+            log.info("%d steps of the previous router: weight updates wait up to %g s for their re-submission",
+                     len(self.pending), wait_s)
+
+    def _resubmitted(self, step_id: str) -> None:
+        if self.pending.pop(step_id, None) is not None and not self.pending:
+            self._pending_done.set()
+
+    def _journal(self, method: str, *args) -> None:
+        if self.journal is not None:
+            self._spawn(self._journal_call(method, *args))
+
+    async def _journal_call(self, method: str, *args) -> None:
+        try:
+            await getattr(self.journal, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - the record is a courtesy to the next router: never fail a step
+            log.warning("step journal: %s%s failed: %s", method, args, exc)
+
+    async def _wait_resubmitted(self) -> None:
+        remaining = self._pending_until - time.monotonic()
+        if self.pending and remaining > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._pending_done.wait(), remaining)
+        if self.pending:
+            log.warning("weight update: %d steps of the previous router were not re-submitted in time (%s)",
+                        len(self.pending), ", ".join(sorted(self.pending)[:5]))
+            for step_id in self.pending:
+                self._journal("step_finished", step_id)
+            self.pending.clear()
+            self._pending_done.set()
+
     # --- weights -----------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def weights_gate(self):
-        """Around a weight push: new steps wait for it; it waits for the running steps."""
+        """Around a weight push: new steps wait for it; it waits for the running steps
+        (and for the previous router's, until re-submitted)."""
         async with self._push_lock:
+            await self._wait_resubmitted()  # before new steps are held: re-submissions must get in
             self._push_done.clear()
             try:
                 await self._idle.wait()

@@ -184,9 +184,14 @@ async def start_router(settings: RouterSettings):
     """Starts the router in this event loop; returns (server, port, router, stop coroutine fn)."""
     if not settings.registry_url:
         raise InvalidArgument("the shard registry's Redis URL is required", "registry_url")
-    router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
-                    settings.shard_auth_token, settings.max_samples_retained, WeightStore(settings.weights_dir))
     directory = ShardDirectory(settings.registry_url)
+    router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
+                    settings.shard_auth_token, settings.max_samples_retained, WeightStore(settings.weights_dir),
+                    journal=directory)
+    try:
+        router.resume(await directory.steps_in_flight(), settings.resubmit_wait_s)
+    except (RedisError, OSError) as exc:
+        log.warning("steps of a previous router unreadable: %s", exc)
     tokens = parse_tokens(settings.auth_tokens)
     if not tokens:
         log.warning("RolloutService accepts calls without a token (RHYMERL_ROUTER_AUTH_TOKENS is empty)")

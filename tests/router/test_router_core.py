@@ -302,6 +302,55 @@ async def test_a_shard_that_missed_a_push_is_caught_up_with_its_bytes_and_no_ste
     assert {s.policy_version for s in samples(events)} == {1} and len(samples(events)) == 4
 
 
+class Journal:
+    """The steps-in-flight record, in memory (the router's is in the registry's Redis)."""
+
+    def __init__(self):
+        self.steps: dict[str, int] = {}
+
+    async def step_started(self, step_id: str, version: int) -> None:
+        self.steps[step_id] = version
+
+    async def step_finished(self, step_id: str) -> None:
+        self.steps.pop(step_id, None)
+
+
+@run_async
+async def test_a_restarted_router_lets_no_push_start_until_the_previous_ones_steps_are_resubmitted():
+    """The router started with step "old" in flight under its predecessor (at version 0):
+    a push waits until a trainer re-submits "old" and it finishes, so "old" runs again at
+    version 0, the version of the samples the trainer already has; steps are journaled
+    while they run."""
+    a = ScriptedShard("a", held=True)
+    journal = Journal()
+    async with Fleet(a) as fleet, fleet.serve_router() as port:
+        fleet.router.journal = journal
+        fleet.router.resume({"old": 0}, wait_s=600.0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            data = b"w" * 10
+
+            async def chunks():
+                yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+                    version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+                yield common_pb2.WeightChunk(data=data)
+
+            push = asyncio.ensure_future(stub.PushWeights(chunks()))
+            other = await fleet.router.submit(step("other", 1, seed=1))  # not the one awaited
+            a.release.set()
+            await until(lambda: other.finished)
+            assert not push.done() and a.version == 0, "the push did not wait for the re-submission"
+            a.release.clear()
+            events = stub.SubmitStep(step("old", 2, seed=1))
+            await until(lambda: "old" in fleet.router.steps and journal.steps == {"old": 0})
+            assert not push.done() and a.version == 0, "the push did not wait for the re-submitted step"
+            a.release.set()
+            got = [e async for e in events]
+            assert {s.policy_version for s in samples(got)} == {0} and len(samples(got)) == 4
+            assert (await push).version == 1 and a.version == 1
+    assert journal.steps == {}
+
+
 async def until_step(router: Router, step_id: str):
     await until(lambda: step_id in router.steps)
     return router.steps[step_id]

@@ -145,6 +145,15 @@ def step(step_id: str, num_prompts: int, n: int = 2, seed: int | None = None) ->
     return req
 
 
+async def weight_chunks(version: int, data: bytes, pieces: int = 1):
+    """A push of ``data`` as ``version``: its header, then ``pieces`` chunks."""
+    yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+        version=version, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    size = -(-len(data) // pieces)
+    for i in range(0, len(data), size):
+        yield common_pb2.WeightChunk(data=data[i:i + size])
+
+
 async def until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)
@@ -236,12 +245,7 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
         run = await until_step(fleet.router, "old")
         data = b"x" * 10
 
-        async def chunks():
-            yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
-                version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
-            yield common_pb2.WeightChunk(data=data)
-
-        push = asyncio.ensure_future(stub.PushWeights(chunks()))
+        push = asyncio.ensure_future(stub.PushWeights(weight_chunks(1, data)))
         await until(lambda: len(run.delivered) == 8)
         assert not push.done() and a.version == b.version == 0, "the push did not wait for the step"
         a.release.set()
@@ -280,13 +284,8 @@ async def test_a_shard_that_missed_a_push_is_caught_up_with_its_bytes_and_no_ste
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             data = b"weights-" * 1000
 
-            async def chunks():
-                yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
-                    version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
-                yield common_pb2.WeightChunk(data=data[:5000])
-                yield common_pb2.WeightChunk(data=data[5000:])
-
-            assert (await rollout_pb2_grpc.RolloutServiceStub(ch).PushWeights(chunks())).version == 1
+            pushed = rollout_pb2_grpc.RolloutServiceStub(ch).PushWeights(weight_chunks(1, data, pieces=2))
+            assert (await pushed).version == 1
         assert (a.version, b.version, fleet.router.version) == (1, 0, 1)
         fleet.router.update_shards({"b": fleet.infos["b"]})  # a left; b serves 0
         assert fleet.router.version == 1
@@ -330,12 +329,7 @@ async def test_a_restarted_router_lets_no_push_start_until_the_previous_ones_ste
             stub = rollout_pb2_grpc.RolloutServiceStub(ch)
             data = b"w" * 10
 
-            async def chunks():
-                yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
-                    version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
-                yield common_pb2.WeightChunk(data=data)
-
-            push = asyncio.ensure_future(stub.PushWeights(chunks()))
+            push = asyncio.ensure_future(stub.PushWeights(weight_chunks(1, data)))
             other = await fleet.router.submit(step("other", 1, seed=1))  # not the one awaited
             a.release.set()
             await until(lambda: other.finished)

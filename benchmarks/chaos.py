@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="rhymerl-chaos-") as tmp:
         result = campaign(args, Path(tmp))
     result.update(command="python -m benchmarks.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
-                  commit=git_commit(), device=f"CPU: {cpu_name()}",
+                  commit=git_commit(".", ":(exclude)benchmarks/results"), device=f"CPU: {cpu_name()}",
                   load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
     if args.only_fair_share:  # its own file: chaos.json stays the whole campaign's
         print(json.dumps(result, indent=2))

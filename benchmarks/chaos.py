@@ -24,6 +24,18 @@ services as separate processes on loopback.
 Writes <out>/chaos.md and chaos.json (seed, faults by kind, steps, samples, lost,
 duplicated, hangs, identical_share, fair_share, reregister_s, soak, scheduler_rss_over_cap,
 command, commit).
+
+Sharded (``--shards N``): the same campaign, trainers and checks against a step router
+in front of N scheduler shards (``services/router/local.py``: each shard its own
+Redis (history, step log), history, scheduler and one CPU worker; a redis-server as the
+shard registry). The faults (``SHARDED_KINDS``) kill a shard's scheduler mid-step (kill
+-9 and SIGTERM), the router mid-step, a shard's worker, history or Redis, and push
+weights, cancel and send bad input through the router. No soak and no fair share (both
+measure one scheduler). Writes chaos_shards.{md,json}
+(``shard_kills_mid_step``, ``groups_requeued``: the prompt groups the router took back
+from the killed shards and ran elsewhere, ``router_kills_mid_step``, ``router_back_s``).
+
+    python -m benchmarks.chaos --shards 2 --seed 1 --faults 40 --steps 20
 """
 
 from __future__ import annotations
@@ -43,12 +55,13 @@ from pathlib import Path
 
 from rhymerl.v1 import common_pb2
 
-from benchmarks.chaos_faults import Faults
+from benchmarks.chaos_faults import KINDS, SHARDED_KINDS, Faults
 from benchmarks.chaos_trainer import MAX_N, SEEDS, StepOutcome, StepPlan, Trainer, prompt_pool, run_step
 from benchmarks.fair_share import measure_fair_share
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
 from services.local import LocalCluster
+from services.router.local import ShardedCluster
 
 log = logging.getLogger("chaos")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -119,9 +132,19 @@ def campaign(args, workdir: Path) -> dict:
 
     checkpoints = [save_tiny_model(workdir / f"weights{i}", seed=i) for i in (0, 1)]
     bad_payload = _nan_payload(checkpoints[0])
-    cluster = LocalCluster(model_dir=str(checkpoints[0]), num_workers=2, policy="rhymerl", chunk_tokens=8,
-                           log_dir=workdir / "logs", separate_redis=True,
-                           extra_env={"RHYMERL_SCHEDULER_WORKER_TIMEOUT_S": "120"})
+    worker_timeout = {"RHYMERL_SCHEDULER_WORKER_TIMEOUT_S": "120"}
+    logs = args.log_dir or workdir / "logs"
+    if args.shards:
+        # 16 slots per worker: a step (up to 32 samples) exceeds one shard's window, so
+        # groups wait in the router and the shard that finishes first takes the tail.
+        cluster = ShardedCluster(model_dir=str(checkpoints[0]), num_shards=args.shards, workers_per_shard=1,
+                                 chunk_tokens=8, max_num_seqs=16, log_dir=logs, extra_env=worker_timeout,
+                                 separate_redis=True)
+        services = ["router"] + [f"shard-{i}/{p}" for i in range(args.shards) for p in ("scheduler", "history", "redis")]
+    else:
+        cluster = LocalCluster(model_dir=str(checkpoints[0]), num_workers=2, policy="rhymerl", chunk_tokens=8,
+                               log_dir=logs, separate_redis=True, extra_env=worker_timeout)
+        services = ["scheduler", "history", "redis"]
     started = time.monotonic()
     with cluster:
         if args.only_fair_share:
@@ -129,14 +152,14 @@ def campaign(args, workdir: Path) -> dict:
         reference = reference_run(cluster, checkpoints)
         ledger, stop = Ledger(reference), threading.Event()
         faults = Faults(cluster, args.seed, args.faults, checkpoints, bad_payload, ledger.on_step,
-                        args.step_deadline_s)
+                        args.step_deadline_s, SHARDED_KINDS if args.shards else KINDS)
         trainers = [Trainer(i, args.seed, cluster.scheduler_address, stop, args.step_deadline_s, ledger.on_step)
                     for i in range(2)]
         rss = Counter()
         for thread in (faults, *trainers):
             thread.start()
         while not (faults.done.is_set() and ledger.steps >= args.steps):
-            for name in ("scheduler", "history", "redis"):
+            for name in services:
                 rss[name] = max(rss[name], cluster.rss_bytes(name))
             time.sleep(0.5)
         stop.set()
@@ -144,8 +167,14 @@ def campaign(args, workdir: Path) -> dict:
             t.join(args.step_deadline_s + 30)
         if faults.error is not None:
             raise faults.error
-        soak = memory_soak(cluster, args.soak_steps, args.soak_cap_mb << 20) if args.soak_steps else None
-        fair = measure_fair_share(cluster) if args.fair_share else None
+        soak = memory_soak(cluster, args.soak_steps, args.soak_cap_mb << 20) if args.soak_steps and not args.shards \
+            else None
+        fair = measure_fair_share(cluster) if args.fair_share and not args.shards else None
+    sharded = {"shards": args.shards, "shard_kills_mid_step": faults.mid_step["kill9_shard"]
+               + faults.mid_step["sigterm_shard"], "groups_requeued": faults.groups_requeued,
+               "router_kills_mid_step": faults.mid_step["kill9_router"]
+               + faults.mid_step["sigterm_router"], "router_back_s": max(faults.router_back_s, default=None),
+               } if args.shards else {}
     faults_by_kind = {k: v for k, v in sorted(faults.counts.items()) if ":" not in k}
     return {
         "seed": args.seed, "faults": faults_by_kind, "num_faults": sum(faults_by_kind.values()),
@@ -161,7 +190,7 @@ def campaign(args, workdir: Path) -> dict:
         "max_rss_mb": {k: round(v / 2**20) for k, v in rss.items()},
         "memory_bounded": all(v <= args.max_rss_mb * 2**20 for v in rss.values()),
         "median_step_s": statistics.median(ledger.step_seconds) if ledger.step_seconds else None,
-        "duration_s": round(time.monotonic() - started, 1),
+        "duration_s": round(time.monotonic() - started, 1), **sharded,
     }
 
 
@@ -218,16 +247,22 @@ def _nan_payload(checkpoint: Path) -> bytes:
 
 def write(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chaos.json").write_text(json.dumps(result, indent=2) + "\n")
-    rows = [{"what": k, "value": json.dumps(result[k])} for k in (
-        "seed", "num_faults", "steps", "samples", "lost", "duplicated", "hangs", "identical_share", "reregister_s",
-        "max_rss_mb", "memory_bounded", "scheduler_rss_over_cap", "aborted_regenerated", "fair_share", "bad_input_mismatch", "duration_s")]
+    name = "chaos_shards" if result.get("shards") else "chaos"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    keys = ["seed", "num_faults", "steps", "samples", "lost", "duplicated", "hangs", "identical_share", "reregister_s",
+            "max_rss_mb", "memory_bounded", "scheduler_rss_over_cap", "aborted_regenerated", "fair_share",
+            "bad_input_mismatch", "duration_s"]
+    if result.get("shards"):
+        keys[1:1] = ["shards", "shard_kills_mid_step", "groups_requeued", "router_kills_mid_step", "router_back_s"]
+    rows = [{"what": k, "value": json.dumps(result[k])} for k in keys]
     text = markdown_table(rows, [("", "what", "{}"), ("", "value", "{}")])
     faults = markdown_table([{"kind": k, "count": v} for k, v in result["faults"].items()],
                             [("fault", "kind", "{}"), ("count", "count", "{}")])
-    (out / "chaos.md").write_text(
-        f"# Chaos campaign\n\n`{result['command']}` at {result['commit']} on {result['device']}\n\n{text}\n\n"
-        f"## Faults injected\n\n{faults}\n")
+    title = f"Chaos campaign, {result['shards']} scheduler shards behind the router" if result.get("shards") \
+        else "Chaos campaign"
+    (out / f"{name}.md").write_text(
+        f"# {title}\n\n`{result['command']}` at {result['commit']} on {result['device']}"
+        f" (load average {result['load_average']} at the end)\n\n{text}\n\n## Faults injected\n\n{faults}\n")
     print(text)
     print(faults)
 
@@ -244,13 +279,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--soak-cap-mb", type=int, default=16, help="the scheduler's cap on kept steps in the soak")
     parser.add_argument("--only-fair-share", action="store_true",
                         help="no campaign: only the fair-share measure (written to fair_share.{md,json})")
+    parser.add_argument("--shards", type=int, default=0,
+                        help="N > 0: a step router in front of N scheduler shards (no soak, no fair share)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep the processes' logs here")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.shards == 1 or args.shards < 0:
+        parser.error("--shards: 0 (one scheduler) or at least 2 (a killed shard's groups need another)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="rhymerl-chaos-") as tmp:
         result = campaign(args, Path(tmp))
     result.update(command="python -m benchmarks.chaos " + " ".join(sys.argv[1:] if argv is None else argv),
-                  commit=git_commit(), device=f"CPU: {cpu_name()}")
+                  commit=git_commit(".", ":(exclude)benchmarks/results"), device=f"CPU: {cpu_name()}",
+                  load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
     if args.only_fair_share:  # its own file: chaos.json stays the whole campaign's
         print(json.dumps(result, indent=2))
         args.out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,12 @@ under its id (finished samples replayed, aborted ones generated again: the ledge
 checks every token against the fault-free run); and bad input of every kind the
 contract names, sent while steps run (each must get its status code;
 ``bad_input_mismatch`` counts the ones that did not).
+
+Sharded (``SHARDED_KINDS``, a ``ShardedCluster``: a step router in front of scheduler
+shards, each with its own history and workers): kill -9 or SIGTERM of a shard's
+scheduler while it runs a sub-step (``mid_step`` counts the kills that found one
+running), of the router while it routes a step, of a shard's worker, history or Redis
+(its step log); the weight, cancel and bad-input faults go through the router.
 """
 
 from __future__ import annotations
@@ -34,36 +40,44 @@ from services.local import LocalCluster
 log = logging.getLogger("chaos")
 PROCESS_FAULTS = ["kill9_worker", "sigterm_worker", "kill9_scheduler", "sigterm_scheduler", "kill9_history",
                   "sigterm_history", "kill9_redis", "sigterm_redis"]
-KINDS = PROCESS_FAULTS + ["weight_push", "bad_input", "kill_all_workers_after_push", "resubmit_aborted_step"]
-WEIGHTS = {"weight_push": 3, "bad_input": 3, "kill9_worker": 3, "kill9_scheduler": 2}  # others: 1
+CALL_FAULTS = ["weight_push", "bad_input", "kill_all_workers_after_push", "resubmit_aborted_step"]
+KINDS = PROCESS_FAULTS + CALL_FAULTS
+SHARDED_KINDS = ["kill9_shard", "sigterm_shard", "kill9_router", "sigterm_router", "kill9_worker", "sigterm_worker",
+                 "kill9_history", "kill9_redis"] + CALL_FAULTS
+WEIGHTS = {"weight_push": 3, "bad_input": 3, "kill9_worker": 3, "kill9_scheduler": 2, "kill9_shard": 3,
+           "kill9_router": 2}  # others: 1
 
 
 class Faults(threading.Thread):
     """Injects ``num_faults`` faults, one every 0.5-2.5 s, then sets ``done``.
 
     Args:
+        cluster: a ``LocalCluster``, or a ``ShardedCluster`` with ``kinds=SHARDED_KINDS``.
         checkpoints: the two weight sets; version v loads ``checkpoints[v % 2]``.
         bad_payload: safetensors bytes with a NaN in one tensor.
     """
 
     def __init__(self, cluster: LocalCluster, seed: int, num_faults: int, checkpoints: list[Path],
-                 bad_payload: bytes, on_step=None, step_deadline_s: float = 300.0):
+                 bad_payload: bytes, on_step=None, step_deadline_s: float = 300.0, kinds: list[str] = KINDS):
         super().__init__(name="faults", daemon=True)
-        self.cluster, self.rng, self.num_faults = cluster, random.Random(seed), num_faults
+        self.cluster, self.rng, self.num_faults, self.kinds = cluster, random.Random(seed), num_faults, kinds
         self.checkpoints, self.bad_payload = checkpoints, bad_payload
         self.on_step, self.step_deadline_s = on_step, step_deadline_s  # the ledger checks re-submitted steps
         self.num_aborted_regenerated = 0  # samples that ended ABORT (cancel) and came back generated
         self.counts: Counter = Counter()
         self.bad_input_mismatch: list[str] = []
-        self.reregister_s: list[float] = []
+        self.reregister_s: list[float] = []  # scheduler (or shard) restarted -> its fleet serving again
+        self.router_back_s: list[float] = []  # router restarted -> ready with every shard
+        self.mid_step: Counter = Counter()  # kills of a shard or the router that found a step running
+        self.groups_requeued = 0  # groups the router ran again elsewhere after the shard kills
         self.done = threading.Event()
         self.error: BaseException | None = None
 
     def schedule(self) -> list[str]:
         """Every kind at least once (when there is room), then weighted draws; shuffled."""
-        kinds = KINDS[:self.num_faults] if self.num_faults < len(KINDS) else list(KINDS)
-        weights = [WEIGHTS.get(k, 1) for k in KINDS]
-        kinds += self.rng.choices(KINDS, weights, k=self.num_faults - len(kinds))
+        kinds = self.kinds[:self.num_faults] if self.num_faults < len(self.kinds) else list(self.kinds)
+        weights = [WEIGHTS.get(k, 1) for k in self.kinds]
+        kinds += self.rng.choices(self.kinds, weights, k=self.num_faults - len(kinds))
         self.rng.shuffle(kinds)
         return kinds
 
@@ -88,7 +102,18 @@ class Faults(threading.Thread):
 
     def _kill(self, kind: str, sig: int) -> None:
         target = kind.split("_", 1)[1]
-        name = self.rng.choice(self.cluster.workers) if target == "worker" else target
+        if target == "shard":
+            self._kill_shard(kind, sig)
+            return
+        if target == "router":
+            self._kill_router(kind, sig)
+            return
+        if target == "worker":
+            name = self.rng.choice(self.cluster.workers)
+        elif hasattr(self.cluster, "shards"):  # a shard's history or Redis
+            name = f"shard-{self.rng.randrange(len(self.cluster.shards))}/{target}"
+        else:
+            name = target
         serving = self._num_serving_workers() if name == "scheduler" else 0
         self.cluster.kill(name, sig, timeout_s=90)
         time.sleep(self.rng.uniform(0.0, 1.5))  # the pod is rescheduled after a moment
@@ -98,8 +123,54 @@ class Faults(threading.Thread):
             self.cluster.wait_registered(120, expected=serving)
             self.reregister_s.append(time.monotonic() - respawned)
 
-    def _num_serving_workers(self) -> int:
-        with grpc.insecure_channel(self.cluster.scheduler_address) as ch:
+    def _kill_shard(self, kind: str, sig: int) -> None:
+        """A shard's scheduler killed while it runs a sub-step, restarted after a moment;
+        the next fault waits until its workers registered again and the router gives it
+        work."""
+        index = self.rng.randrange(len(self.cluster.shards))
+        address = self.cluster.shards[index].scheduler_address
+        serving = self._num_serving_workers(address)
+        requeued = self._router_requeued()
+        self.mid_step[kind] += self._wait_step_running(address)
+        self.cluster.kill(f"shard-{index}/scheduler", sig, timeout_s=90)
+        time.sleep(self.rng.uniform(0.0, 1.5))
+        respawned = time.monotonic()
+        self.cluster.restart(f"shard-{index}/scheduler", wait=False)
+        self.cluster.wait_shard_serving(index, 120, expected=serving)
+        self.reregister_s.append(time.monotonic() - respawned)
+        self.groups_requeued += self._router_requeued() - requeued
+
+    def _router_requeued(self) -> float:
+        """The router's count of groups taken back from a shard (its process's, so far)."""
+        return sum(s.value for s in self.cluster.router_metrics()
+                   if s.name == "rhymerl:router_groups_requeued_total")
+
+    def _kill_router(self, kind: str, sig: int) -> None:
+        """The router killed while it routes a step, restarted after a moment: it comes
+        back knowing no step, and the trainers' re-submissions run theirs again."""
+        self.mid_step[kind] += self._wait_step_running(self.cluster.address)
+        self.cluster.kill("router", sig, timeout_s=90)
+        time.sleep(self.rng.uniform(0.0, 1.5))
+        respawned = time.monotonic()
+        self.cluster.restart("router", timeout_s=120)
+        self.router_back_s.append(time.monotonic() - respawned)
+
+    def _wait_step_running(self, address: str, timeout_s: float = 60.0) -> bool:
+        """Until the scheduler (or router) at ``address`` runs a step; False if none came."""
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(address) as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            while time.monotonic() < deadline:
+                try:
+                    if stub.GetStats(rollout_pb2.GetStatsRequest(), timeout=10).num_steps_running:
+                        return True
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.05)
+        return False
+
+    def _num_serving_workers(self, address: str = "") -> int:
+        with grpc.insecure_channel(address or self.cluster.scheduler_address) as ch:
             try:
                 stats = rollout_pb2_grpc.RolloutServiceStub(ch).GetStats(rollout_pb2.GetStatsRequest(), timeout=10)
             except grpc.RpcError:

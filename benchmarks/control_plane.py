@@ -425,7 +425,13 @@ def chunk_tokens(env: dict[str, str], policy: str, response_tokens: int) -> int:
 
 def write(result: dict, out: Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    path = out / f"{name}.json"
+    if "shards" not in result and path.exists():  # the multi-process run (control_plane_shards.py) stays
+        try:
+            result["shards"] = json.loads(path.read_text())["shards"]
+        except (ValueError, KeyError):
+            pass
+    path.write_text(json.dumps(result, indent=2) + "\n")
     table = markdown_table(result["rows"], COLUMNS) if result["rows"] else ""
     idle = ""
     if result.get("idle"):
@@ -436,9 +442,14 @@ def write(result: dict, out: Path, name: str) -> None:
                 "CPU over the idle seconds (per 1,000 workers), the stats polls the fleet answered, workers marked "
                 "unhealthy over the row's life (while idle), health latency on the health port meanwhile.\n\n"
                 + markdown_table(result["idle"], IDLE_COLUMNS) + "\n")
+    shards = ""
+    if result.get("shards"):
+        from benchmarks.control_plane_shards import markdown_section
+
+        shards = markdown_section(result["shards"])
     (out / f"{name}.md").write_text(
         f"# Control plane: one scheduler process, fake workers\n\n`{result['command']}` at {result['commit']} on "
-        f"{result['device']}\n\n{result['note']}\n\n{table}\n{idle}")
+        f"{result['device']}\n\n{result['note']}\n\n{table}\n{idle}{shards}")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -21,7 +21,10 @@ step's wall time; every (prompt, sample) delivered once (lost, duplicated counte
 On a shared machine the fakes, the trainer, the shards and the router share the cores:
 CPU-seconds per process are the honest figure; wall-clock rates are a lower bound, and
 the load average is reported beside them.
-Writes benchmarks/results/control_plane_shards.{md,json} (``rows``, device, commit, command).
+Writes its rows into benchmarks/results/control_plane.json's ``"shards"`` key (``rows``,
+note, device, commit, command; the rest of the file kept) and renders control_plane.md
+again with a section for them (``benchmarks/control_plane.py`` keeps the key when it
+rewrites the file).
 """
 
 from __future__ import annotations
@@ -180,6 +183,27 @@ def run_row(layout: str, num_shards: int, workers: int, samples: int, *, n: int,
     return row
 
 
+SECTION = "## Scheduler shards behind the step router"
+
+
+def markdown_section(shards: dict) -> str:
+    """The ``"shards"`` part of control_plane.md."""
+    return (f"\n{SECTION}\n\n`{shards['command']}` at {shards['commit']} on {shards['device']}\n\n"
+            f"{shards['note']}\n\n{markdown_table(shards['rows'], COLUMNS)}\n")
+
+
+def write_into(shards: dict, out: Path, name: str) -> None:
+    """``shards`` as the ``"shards"`` key of <out>/<name>.json, the rest of the file as it
+    was, and as the last section of <name>.md (replacing the one there)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path, md = out / f"{name}.json", out / f"{name}.md"
+    result = json.loads(path.read_text()) if path.exists() else {}
+    result["shards"] = shards
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    text = md.read_text() if md.exists() else "# Control plane\n"
+    md.write_text(text.split("\n" + SECTION)[0].rstrip("\n") + "\n" + markdown_section(shards))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=128, help="fake workers in all (split over the shards)")
@@ -195,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--step-timeout-s", type=float, default=1800.0)
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the processes' logs here")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--out-name", default="control_plane_shards")
+    parser.add_argument("--out-name", default="control_plane",
+                        help="the control-plane results whose \"shards\" key these rows go into")
     args = parser.parse_args(argv)
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -220,11 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
         "commit": git_commit(".", ":(exclude)benchmarks/results"), "device": f"CPU: {cpu_name()}",
     }
     print(markdown_table(rows, COLUMNS))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.out_name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.out_name}.md").write_text(
-        f"# Control plane: scheduler shards behind the step router, fake workers\n\n`{result['command']}` at "
-        f"{result['commit']} on {result['device']}\n\n{result['note']}\n\n{markdown_table(rows, COLUMNS)}\n")
+    write_into(result, args.out, args.out_name)
     return result
 
 

@@ -19,9 +19,11 @@ CPU = [
     ["benchmarks.batch_invariant_bench", "--device", "cpu"],
     ["benchmarks.e2e_bench"],
     ["benchmarks.control_plane"],  # the scheduler process under a fake fleet (a few minutes)
+    ["benchmarks.control_plane_shards"],  # shards behind the router: control_plane.json's "shards" (after it)
     ["benchmarks.vllm_bench"],  # vLLM's engine with each proposer beside ours (make install-vllm)
     # The long fault campaign (make test runs a short one): separate processes, kill -9s.
     ["benchmarks.chaos", "--seed", "1", "--faults", "200", "--steps", "50"],
+    ["benchmarks.chaos", "--shards", "2", "--seed", "1", "--faults", "40", "--steps", "20"],  # sharded
 ]
 # `make bench-gpu` (deploy/gpu/launch.py bench): every GPU figure of engine.json first, then
 # the kernels; one device command (under 10 minutes). The e2e benchmark and the `small`

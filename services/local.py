@@ -34,6 +34,17 @@ def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
             proc.wait()
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (0 if it is not running)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class StartStop:
     """``with`` over ``start()`` (returning self) and ``stop()``; a start that fails part
     way stops what it had started."""
@@ -175,13 +186,7 @@ class LocalCluster(StartStop):
 
     def rss_bytes(self, name: str) -> int:
         """Resident memory of a running process (0 if it is not running)."""
-        try:
-            for line in Path(f"/proc/{self.procs[name].pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
+        return rss_bytes(self.procs[name].pid)
 
     def wait_ready(self, name: str, timeout_s: float) -> None:
         """Until ``name`` answers as ready: Redis a PING, a service its gRPC readiness."""

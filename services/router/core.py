@@ -18,9 +18,12 @@ returned completely go back to the front of the queue; a sample delivered twice 
 re-run group, a hung shard that wakes up) is dropped by its (prompt_id, sample_index).
 
 Versions: a step runs only on shards serving the router's version (the highest any
-live shard serves), and a weight push waits for the running steps, then goes to every
-shard (steps submitted meanwhile wait for it): every sample of a step has one version,
-as with one scheduler in ``after_steps`` mode.
+live shard serves, never lower than one it served before), and a weight push waits for
+the running steps, then goes to every shard (steps submitted meanwhile wait for it):
+every sample of a step has one version, as with one scheduler in ``after_steps`` mode.
+A shard behind the router's version (it was down, or had no worker, during the push) is
+caught up by the router: the last update re-sent to it, a load as the same path, a push
+as its bytes from the router's weight store (``services/scheduler/weight_store.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from services.common.ids import prompt_id_from_tokens, sample_seed
 from services.router.registry import ShardInfo
 from services.scheduler.intake import MAX_ID_BYTES, check_id, check_step
 from services.scheduler.step import fingerprint
+from services.scheduler.weight_store import WeightStore
 
 log = logging.getLogger(__name__)
 ABORT = common_pb2.FINISH_REASON_ABORT
@@ -57,7 +61,14 @@ groups_requeued = Counter("rhymerl:router_groups_requeued_total",
                           "Prompt groups taken back from a shard that failed or left, to run elsewhere.")
 duplicates_dropped = Counter("rhymerl:router_duplicates_dropped_total",
                              "Samples a shard returned that the trainer already had (a re-run group).")
+shards_caught_up = Counter("rhymerl:router_shards_caught_up_total",
+                           "Weight updates re-sent to a shard that was behind the router's version.")
+# A shard's registry key shows a version it took within a second (its announce period):
+# until then the key's older version is no reason to send the update again.
+CATCH_UP_GRACE_S = 3.0
 shards_live = Gauge("rhymerl:router_shards", "Shards the router serves with.")
+shard_usable = Gauge("rhymerl:router_shard_usable", "1 while the router gives the shard work (alive, answering, "
+                     "with usable workers, at the router's version), else 0.", ["shard"])
 
 # A shard call that ends with one of these failed the shard, not the request: its groups run elsewhere.
 SHARD_FAULTS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -92,6 +103,7 @@ class Shard:
     outstanding: int = 0  # samples sent and not returned
     failed: str = ""  # why its last call broke; no work until it answers again
     groups_done: int = 0
+    updated_at: float = -math.inf  # when it last took a weight update (its key shows it within a second)
 
     @property
     def limit(self) -> int:
@@ -99,6 +111,16 @@ class Shard:
 
     def usable(self, version: int) -> bool:
         return not self.failed and self.info.capacity > 0 and self.info.policy_version == version
+
+
+@dataclass(frozen=True)
+class LatestWeights:
+    """The update that made the router's version: loaded from ``path``, or pushed bytes
+    kept in the router's weight store under ``sha256``."""
+
+    version: int
+    path: str = ""
+    sha256: str = ""
 
 
 @dataclass
@@ -119,7 +141,7 @@ class RoutedStep:
     seed: int
     queue: collections.deque = field(default_factory=collections.deque)  # prompt ids not sent
     running: dict[str, SubStep] = field(default_factory=dict)  # prompt id -> the sub-step running it
-    delivered: dict[Key, rollout_pb2.StepEvent] = field(default_factory=dict)  # each a sample event
+    delivered: dict[Key, rollout_pb2.SampleResult] = field(default_factory=dict)
     owner: dict[Key, SubStep] = field(default_factory=dict)
     events: list[rollout_pb2.StepEvent] = field(default_factory=list)
     summaries: list[rollout_pb2.StepSummary] = field(default_factory=list)
@@ -190,15 +212,30 @@ class Router:
         max_samples_retained: and at most this many samples over the steps kept (the
             oldest finished steps go first; a step in flight is always kept).
         tls: for the channels to the shards; shard_token: bearer token sent to them.
+        store: where pushed weights are kept for catching shards up (default: a private
+            temporary directory).
+        journal: records the steps in flight (``ShardDirectory``'s ``step_started`` and
+            ``step_finished``), so a restarted router knows which steps trainers will
+            re-submit (``resume``); None: not recorded.
     """
 
     def __init__(self, window: float = 1.0, no_shard_timeout_s: float = 120.0, max_steps_retained: int = 64,
-                 tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144):
+                 tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144,
+                 store: WeightStore | None = None, journal=None):
         self.window, self.no_shard_timeout_s, self.max_steps_retained = window, no_shard_timeout_s, max_steps_retained
         self.max_samples_retained = max_samples_retained
         self.tls = tls
         self.metadata = (("authorization", f"Bearer {shard_token}"),) if shard_token else ()
         self.shards: dict[str, Shard] = {}
+        self.store = store if store is not None else WeightStore()
+        self.latest: LatestWeights | None = None
+        self._version = 0  # the highest version served so far: a step never runs older weights
+        self._catching_up: set[str] = set()
+        self.journal = journal
+        self.pending: dict[str, int] = {}  # steps a previous router ran, not re-submitted yet
+        self._pending_until = 0.0
+        self._pending_done = asyncio.Event()
+        self._pending_done.set()
         self.steps: collections.OrderedDict[str, RoutedStep] = collections.OrderedDict()
         self.active: list[RoutedStep] = []  # unfinished, in submission order
         self.nonce = os.urandom(4).hex()  # sub-step ids of this router process never repeat a previous one's
@@ -215,8 +252,57 @@ class Router:
     # --- shards ----------------------------------------------------------------------
     @property
     def version(self) -> int:
+        """The highest version a shard serves, never lower than one served before (a
+        shard that left with the newest weights does not send steps back to older ones)."""
         live = [s.info.policy_version for s in self.shards.values() if not s.failed and s.info.capacity > 0]
-        return max(live, default=max((s.info.policy_version for s in self.shards.values()), default=0))
+        now = max(live, default=max((s.info.policy_version for s in self.shards.values()), default=0))
+        self._version = max(self._version, now)
+        return self._version
+
+    def updated(self, latest: LatestWeights) -> None:
+        """A weight update some shard took: what a shard behind it is caught up with."""
+        if self.latest is None or latest.version >= self.latest.version:
+            self.latest = latest
+            if latest.sha256:
+                self.store.keep_only(latest.sha256)
+
+    def catch_up(self) -> None:
+        """Every answering shard with workers that is behind the router's version gets the
+        update that made it (once at a time per shard; a failed one is tried again)."""
+        latest = self.latest
+        if latest is None or latest.version != self.version:
+            return
+        for shard in self.shards.values():
+            info = shard.info
+            if (shard.failed or info.capacity == 0 or info.policy_version >= latest.version
+                    or info.shard_id in self._catching_up or time.monotonic() - shard.updated_at < CATCH_UP_GRACE_S):
+                continue
+            self._catching_up.add(info.shard_id)
+            self._spawn(self._catch_up(shard, latest))
+
+    async def _catch_up(self, shard: Shard, latest: LatestWeights) -> None:
+        shard_id = shard.info.shard_id
+        log.info("shard %s serves version %d, the router %d: sending it the %s", shard_id,
+                 shard.info.policy_version, latest.version, "load" if latest.path else "pushed bytes")
+        try:
+            if latest.path:
+                result = await shard.stub.LoadWeights(common_pb2.LoadWeightsRequest(
+                    version=latest.version, path=latest.path), timeout=600, metadata=self.metadata)
+            else:
+                result = await shard.stub.PushWeights(self.store.stream(latest.version, latest.sha256), timeout=600,
+                                                      metadata=self.metadata)
+        except (grpc.aio.AioRpcError, FileNotFoundError) as exc:
+            log.warning("shard %s not caught up to version %d: %s", shard_id, latest.version,
+                        getattr(exc, "details", lambda: exc)())
+            return
+        finally:
+            self._catching_up.discard(shard_id)
+        if self.shards.get(shard_id) is shard:
+            shard.info = replace(shard.info, policy_version=max(shard.info.policy_version, result.version))
+            shard.updated_at = time.monotonic()
+        shards_caught_up.inc()
+        log.info("shard %s caught up to version %d", shard_id, result.version)
+        self.wake()
 
     def update_shards(self, found: dict[str, ShardInfo]) -> None:
         """The registry's shards now: new ones join, gone ones leave (their groups re-queued)."""
@@ -240,6 +326,8 @@ class Router:
     def _remove(self, shard: Shard, why: str) -> None:
         log.warning("shard %s at %s left (%s)", shard.info.shard_id, shard.info.address, why)
         del self.shards[shard.info.shard_id]
+        with contextlib.suppress(KeyError):
+            shard_usable.remove(shard.info.shard_id)
         for step in self.active:
             for sub in {id(s): s for s in step.running.values()}.values():
                 if sub.shard is shard and sub.task is not None:
@@ -259,6 +347,12 @@ class Router:
             self.wake()
 
         await asyncio.gather(*(probe(s) for s in list(self.shards.values()) if s.failed))
+
+    def publish_usable(self) -> None:
+        """The ``rhymerl:router_shard_usable`` gauge, per shard, as of now."""
+        version = self.version
+        for shard in self.shards.values():
+            shard_usable.labels(shard=shard.info.shard_id).set(int(shard.usable(version)))
 
     def _shard_failed(self, shard: Shard, why: str) -> None:
         if not shard.failed:
@@ -301,17 +395,21 @@ class Router:
         known = self.steps.get(req.step_id)
         if known is not None and known.fingerprint != fingerprint(req):
             raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content", "step_id")
-        if known is not None and not (known.finished and any(e.sample.finish_reason == ABORT
-                                                              for e in known.delivered.values())):
+        if known is not None and not (known.finished and any(s.finish_reason == ABORT
+                                                              for s in known.delivered.values())):
             return known
         checked = self.check(req)
         if known is not None:  # re-run the aborted samples; the others are replayed
             self.steps.pop(req.step_id)
         step = RoutedStep(checked, fingerprint(req), self.version, step_seed_of(req), started=time.monotonic())
         if known is not None:
-            for key, event in known.delivered.items():
-                if event.sample.finish_reason != ABORT:
-                    self._record(step, event, known.owner[key])
+            by_owner: dict[int, tuple[SubStep | None, list]] = {}
+            for key, sample in known.delivered.items():
+                if sample.finish_reason != ABORT:
+                    owner = known.owner[key]
+                    by_owner.setdefault(id(owner), (owner, []))[1].append(sample)
+            for owner, kept in by_owner.values():
+                self._record(step, kept, owner)
         step.queue.extend(p.prompt_id for p in checked.prompts if not step.group_done(p.prompt_id))
         self.steps[req.step_id] = step
         self._forget_old_steps()
@@ -319,8 +417,10 @@ class Router:
             self.active.append(step)
             self._idle.clear()
             self.wake()
+            self._journal("step_started", step.step_id, step.version)
         else:
             self._finish(step)
+        self._resubmitted(req.step_id)
         return step
 
     def _forget_old_steps(self) -> None:
@@ -419,11 +519,8 @@ class Router:
             async for event in call:
                 if event.HasField("summary"):
                     step.summaries.append(event.summary)
-                elif event.HasField("sample"):
+                else:
                     self._receive(sub, event)
-                else:  # a batch (a shard sends the samples it has ready together): one event each
-                    for sample in event.samples.samples:
-                        self._receive(sub, rollout_pb2.StepEvent(sample=sample))
             shard.groups_done += len(sub.prompt_ids)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in SHARD_FAULTS:
@@ -449,28 +546,41 @@ class Router:
                      sub.shard.info.shard_id)
 
     def _receive(self, sub: SubStep, event: rollout_pb2.StepEvent) -> None:
-        sample = event.sample
-        key = (sample.prompt_id, sample.sample_index)
-        if key in sub.remaining:
-            sub.remaining.discard(key)
-            sub.shard.outstanding -= 1
+        """A shard's event of one sample or a batch (a shard sends the samples it has
+        ready together): the ones the trainer does not have yet go on in one event."""
         step = sub.step
-        if key in step.delivered or step.finished:
-            duplicates_dropped.inc()
-            return
-        self._record(step, event, sub)
+        batch = event.samples.samples if event.HasField("samples") else [event.sample]
+        fresh = []
+        for sample in batch:
+            key = (sample.prompt_id, sample.sample_index)
+            if key in sub.remaining:
+                sub.remaining.discard(key)
+                sub.shard.outstanding -= 1
+            if key in step.delivered or step.finished:
+                duplicates_dropped.inc()
+                continue
+            step.delivered[key] = sample  # claimed: a repeat later in the batch is dropped too
+            fresh.append(sample)
+        if fresh:
+            self._record(step, fresh, sub, event if len(fresh) == len(batch) else None)
         if len(step.delivered) == step.num_samples:
             self._finish(step)
 
-    def _record(self, step: RoutedStep, event: rollout_pb2.StepEvent, sub: SubStep | None) -> None:
-        """Keeps a sample event (the shard's own message, renamed to the trainer's step:
-        no copy) and wakes the step's followers."""
-        sample = event.sample
-        key = (sample.prompt_id, sample.sample_index)
-        sample.step_id = step.step_id
-        step.delivered[key] = event
-        step.owner[key] = sub
-        step.delivery_times.append(time.monotonic())
+    def _record(self, step: RoutedStep, samples: list[rollout_pb2.SampleResult], sub: SubStep | None,
+                event: rollout_pb2.StepEvent | None = None) -> None:
+        """Keeps samples (the shard's own messages, renamed to the trainer's step: no copy)
+        and passes them to the step's followers in one event: ``event``, the shard's own,
+        when it holds exactly these samples; else a new one."""
+        now = time.monotonic()
+        for sample in samples:
+            key = (sample.prompt_id, sample.sample_index)
+            sample.step_id = step.step_id
+            step.delivered[key] = sample
+            step.owner[key] = sub
+            step.delivery_times.append(now)
+        if event is None:
+            event = rollout_pb2.StepEvent(sample=samples[0]) if len(samples) == 1 else \
+                rollout_pb2.StepEvent(samples=rollout_pb2.SampleBatch(samples=samples))
         step.events.append(event)
         step.notify()
 
@@ -485,6 +595,7 @@ class Router:
                 sub.task.cancel()
         if step.error is None:
             step.events.append(rollout_pb2.StepEvent(summary=self._summary(step)))
+        self._journal("step_finished", step.step_id)
         if not self.active:
             self._idle.set()
         step.notify()
@@ -492,7 +603,7 @@ class Router:
     def _summary(self, step: RoutedStep) -> rollout_pb2.StepSummary:
         """The merged summary: counts over the delivered samples; the workers' busy time
         and the history hit rate over the shards' sub-steps."""
-        samples = [e.sample for e in step.delivered.values()]
+        samples = list(step.delivered.values())
         times = sorted(step.delivery_times)
         makespan = (times[-1] - step.started) if times else 0.0
         tail = times[-1] - times[max(0, math.ceil(0.9 * len(times)) - 1)] if times else 0.0
@@ -525,18 +636,17 @@ class Router:
             self._abort_queued(step, error)
 
     def _abort_queued(self, step: RoutedStep, error: str) -> int:
-        num = 0
+        aborted = []
         while step.queue:
             pid = step.queue.popleft()
-            for k in range(step.n):
-                if (pid, k) not in step.delivered:
-                    self._record(step, rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
-                        prompt_id=pid, sample_index=k, finish_reason=ABORT, error=error,
-                        seed=sample_seed(step.seed, step.step_id, pid, k))), None)
-                    num += 1
+            aborted += [rollout_pb2.SampleResult(prompt_id=pid, sample_index=k, finish_reason=ABORT, error=error,
+                                                 seed=sample_seed(step.seed, step.step_id, pid, k))
+                        for k in range(step.n) if (pid, k) not in step.delivered]
+        if aborted:
+            self._record(step, aborted, None)
         if len(step.delivered) == step.num_samples:
             self._finish(step)
-        return num
+        return len(aborted)
 
     async def cancel(self, step_id: str) -> int:
         step = self.get(step_id)
@@ -568,11 +678,52 @@ class Router:
         except grpc.aio.AioRpcError as exc:
             raise ShardError(exc, shard.info.shard_id) from None
 
+    # --- steps of a previous router process -------------------------------------------
+    def resume(self, in_flight: dict[str, int], wait_s: float) -> None:
+        """Steps the previous router was running: trainers re-submit them, and until they
+        do (or ``wait_s`` passes) no weight update starts, so each runs again at the
+        version its first samples had (its seeds are its own: the same samples)."""
+        self.pending = dict(in_flight)
+        self._pending_until = time.monotonic() + wait_s
+        if self.pending:
+            self._pending_done.clear()
+            log.info("%d steps of the previous router: weight updates wait up to %g s for their re-submission",
+                     len(self.pending), wait_s)
+
+    def _resubmitted(self, step_id: str) -> None:
+        if self.pending.pop(step_id, None) is not None and not self.pending:
+            self._pending_done.set()
+
+    def _journal(self, method: str, *args) -> None:
+        if self.journal is not None:
+            self._spawn(self._journal_call(method, *args))
+
+    async def _journal_call(self, method: str, *args) -> None:
+        try:
+            await getattr(self.journal, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - the record is a courtesy to the next router: never fail a step
+            log.warning("step journal: %s%s failed: %s", method, args, exc)
+
+    async def _wait_resubmitted(self) -> None:
+        remaining = self._pending_until - time.monotonic()
+        if self.pending and remaining > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._pending_done.wait(), remaining)
+        if self.pending:
+            log.warning("weight update: %d steps of the previous router were not re-submitted in time (%s)",
+                        len(self.pending), ", ".join(sorted(self.pending)[:5]))
+            for step_id in self.pending:
+                self._journal("step_finished", step_id)
+            self.pending.clear()
+            self._pending_done.set()
+
     # --- weights -----------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def weights_gate(self):
-        """Around a weight push: new steps wait for it; it waits for the running steps."""
+        """Around a weight push: new steps wait for it; it waits for the running steps
+        (and for the previous router's, until re-submitted)."""
         async with self._push_lock:
+            await self._wait_resubmitted()  # before new steps are held: re-submissions must get in
             self._push_done.clear()
             try:
                 await self._idle.wait()
@@ -595,3 +746,4 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for shard in self.shards.values():
             await shard.channel.close()
+        self.store.close()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.redis_server import EmbeddedRedis, free_port
-from services.local import ROOT, LocalCluster, StartStop, stop_process
+from services.local import ROOT, LocalCluster, StartStop, rss_bytes, stop_process
 
 
 @dataclass
@@ -29,6 +29,14 @@ class ShardedCluster(StartStop):
         max_num_seqs: each worker's slots (a shard's capacity is their sum).
         router_env: environment of the router process (RHYMERL_ROUTER_*).
         worker_env: environment of every worker (RHYMERL_WORKER_*).
+        extra_env: environment of every shard's processes (history, scheduler, workers).
+        separate_redis: each shard with a redis-server of its own for its history and
+            its scheduler's step log (``LocalCluster``'s): a restarted shard then knows
+            its serving version from the record of its last push.
+
+    Processes have names for ``kill`` and ``restart`` (the chaos campaign's faults):
+    "router", and "shard-<i>/<name>" for a shard's own ("shard-0/scheduler",
+    "shard-1/worker-0", "shard-0/history", "shard-0/redis").
     """
 
     model_dir: str
@@ -41,14 +49,26 @@ class ShardedCluster(StartStop):
     log_dir: Path = ROOT / "runs" / "sharded"
     router_env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)  # every worker's (RHYMERL_WORKER_*)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    separate_redis: bool = False
     shards: list[LocalCluster] = field(default_factory=list)
     registry: EmbeddedRedis | None = None
     router: subprocess.Popen | None = None
     router_port: int = 0
+    router_metrics_port: int = 0
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.router_port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        """Where trainers call: the router (the name ``LocalCluster`` gives it)."""
+        return self.address
+
+    @property
+    def workers(self) -> list[str]:
+        return [f"shard-{i}/{w}" for i, shard in enumerate(self.shards) for w in shard.workers]
 
     def start(self, timeout_s: float = 180.0) -> "ShardedCluster":
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -56,8 +76,8 @@ class ShardedCluster(StartStop):
         for i in range(self.num_shards):
             shard = LocalCluster(
                 model_dir=self.model_dir, num_workers=self.workers_per_shard, policy=self.policy,
-                chunk_tokens=self.chunk_tokens, log_dir=self.log_dir / f"shard-{i}",
-                extra_env={"RHYMERL_SCHEDULER_SHARD_REGISTRY_URL": self.registry.url,
+                chunk_tokens=self.chunk_tokens, log_dir=self.log_dir / f"shard-{i}", separate_redis=self.separate_redis,
+                extra_env={**self.extra_env, "RHYMERL_SCHEDULER_SHARD_REGISTRY_URL": self.registry.url,
                            "RHYMERL_SCHEDULER_SHARD_ID": f"shard-{i}",
                            "RHYMERL_SCHEDULER_SHARD_TTL_S": str(self.shard_ttl_s)},
                 worker_env={f"worker-{j}": {"RHYMERL_WORKER_ID": f"s{i}-worker-{j}",
@@ -65,17 +85,91 @@ class ShardedCluster(StartStop):
                             for j in range(self.workers_per_shard)})
             self.shards.append(shard)
             shard.start(timeout_s)
-        self.router_port = free_port()
+        self.router_port, self.router_metrics_port = free_port(), free_port()
+        self._spawn_router()
+        self.wait_router(timeout_s)
+        return self
+
+    def _spawn_router(self) -> None:
         env = {"RHYMERL_ROUTER_HOST": "127.0.0.1", "RHYMERL_ROUTER_PORT": self.router_port,
-               "RHYMERL_ROUTER_METRICS_PORT": 0, "RHYMERL_ROUTER_REGISTRY_URL": self.registry.url,
-               "RHYMERL_ROUTER_REFRESH_S": 0.5, "PYTHONUNBUFFERED": "1", **self.router_env}
+               "RHYMERL_ROUTER_METRICS_PORT": self.router_metrics_port,
+               "RHYMERL_ROUTER_REGISTRY_URL": self.registry.url, "RHYMERL_ROUTER_REFRESH_S": 0.5,
+               "PYTHONUNBUFFERED": "1", **self.router_env}
         log = open(self.log_dir / "router.log", "a")
         self.router = subprocess.Popen([sys.executable, "-m", "services.cli", "router"], cwd=ROOT,
                                        env={**os.environ, **{k: str(v) for k, v in env.items()}},
                                        stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        self.wait_router(timeout_s)
-        return self
+
+    # --- process control by name (the chaos campaign) ----------------------------------
+    def _locate(self, name: str) -> tuple[LocalCluster, str]:
+        shard, _, proc = name.partition("/")
+        if not shard.startswith("shard-") or not proc:
+            raise KeyError(f"no process {name!r}: 'router' or 'shard-<i>/<name>'")
+        return self.shards[int(shard.removeprefix("shard-"))], proc
+
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 30.0) -> int:
+        """Sends ``sig`` to the named process and waits for its exit code."""
+        if name != "router":
+            shard, proc = self._locate(name)
+            return shard.kill(proc, sig, timeout_s)
+        if self.router.poll() is None:
+            self.router.send_signal(sig)
+        try:
+            return self.router.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.router.kill()
+            return self.router.wait()
+
+    def restart(self, name: str, timeout_s: float = 120.0, wait: bool = True) -> None:
+        """Starts the named process again, same ports and environment (after it exited)."""
+        if name != "router":
+            shard, proc = self._locate(name)
+            shard.restart(proc, timeout_s, wait)
+            return
+        if self.router.poll() is None:
+            raise RuntimeError("the router is still running")
+        self._spawn_router()
+        if wait:
+            self.wait_router(timeout_s)
+
+    def rss_bytes(self, name: str) -> int:
+        if name != "router":
+            shard, proc = self._locate(name)
+            return shard.rss_bytes(proc)
+        return rss_bytes(self.router.pid)
+
+    def router_metrics(self) -> list:
+        """The router's Prometheus samples now (name, labels, value)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.router_metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def shard_usable(self) -> dict[str, bool]:
+        """The router's view now (its ``rhymerl:router_shard_usable`` gauge): which shards
+        it would give work to."""
+        return {s.labels["shard"]: s.value == 1.0 for s in self.router_metrics()
+                if s.name == "rhymerl:router_shard_usable"}
+
+    def wait_shard_serving(self, shard: int, timeout_s: float, expected: int | None = None) -> float:
+        """Until shard ``shard`` has ``expected`` workers registered (default: every running
+        one) and the router gives it work again; returns the seconds waited."""
+        started = time.monotonic()
+        self.shards[shard].wait_registered(timeout_s, expected)
+        deadline = started + timeout_s
+        while True:
+            try:
+                if self.shard_usable().get(f"shard-{shard}"):
+                    return time.monotonic() - started
+            except OSError:  # the router restarting
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router does not use shard-{shard}; see {self.log_dir / 'router.log'}")
+            time.sleep(0.1)
 
     def wait_router(self, timeout_s: float) -> None:
         """Until the router is ready and sees every running shard with its capacity."""

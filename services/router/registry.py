@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 PREFIX = "rhymerl:shard:"
+STEPS_KEY = "rhymerl:router:steps"  # step id -> the version it runs at, while it runs
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,17 @@ class ShardDirectory:
                 continue
             shards[info.shard_id] = info
         return shards
+
+    # --- the router's steps in flight, for the router that restarts -------------------
+    async def steps_in_flight(self) -> dict[str, int]:
+        """The steps a router was running (step id -> version), as it recorded them."""
+        return {k.decode(): int(v) for k, v in (await self.client.hgetall(STEPS_KEY)).items()}
+
+    async def step_started(self, step_id: str, version: int) -> None:
+        await self.client.hset(STEPS_KEY, step_id, version)
+
+    async def step_finished(self, step_id: str) -> None:
+        await self.client.hdel(STEPS_KEY, step_id)
 
     async def close(self) -> None:
         await self.client.aclose()

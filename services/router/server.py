@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 
 import grpc
@@ -20,9 +21,10 @@ from services.common import metrics
 from services.common.errors import InvalidArgument, Unavailable, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.security import BearerTokenAuth, parse_tokens
-from services.router.core import SHARD_FAULTS, Router, Shard, ShardError, merge_mismatch
+from services.router.core import SHARD_FAULTS, LatestWeights, Router, Shard, ShardError, merge_mismatch
 from services.router.registry import ShardDirectory
 from services.router.settings import RouterSettings
+from services.scheduler.weight_store import WeightStore
 from services.scheduler.intake import check_rewards
 
 log = logging.getLogger(__name__)
@@ -72,21 +74,36 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @grpc_errors
     async def PushWeights(self, request_iterator, context):
+        """Streamed to every shard at once, and into the router's weight store as it passes
+        (kept if some shard took it: a shard behind is caught up from there)."""
         async with self.router.weights_gate():
             shards = self._shards()
             queues = [asyncio.Queue(maxsize=4) for _ in shards]
             calls = [asyncio.create_task(self._push_one(shard, queue)) for shard, queue in zip(shards, queues)]
+            header, incoming = None, None
             try:
                 async for chunk in request_iterator:
+                    if header is None and chunk.HasField("header"):
+                        header = chunk.header
+                        if self.router.store.path(header.sha256.lower()) is None:
+                            incoming = self.router.store.writer(header)
+                    elif incoming is not None and not chunk.HasField("header"):
+                        await incoming.write(chunk.data)
                     for queue, call in zip(queues, calls):
                         await _put(queue, chunk, call)
                 for queue, call in zip(queues, calls):
                     await _put(queue, None, call)
                 results = await asyncio.gather(*calls, return_exceptions=True)
+                response = self._updated(shards, results, "push")
+                if incoming is None or incoming.commit():  # a payload the shards took is complete
+                    incoming = None
+                    self.router.updated(LatestWeights(header.version, sha256=header.sha256.lower()))
+                return response
             finally:
                 for call in calls:
                     call.cancel()
-            return self._updated(shards, results, "push")
+                if incoming is not None:
+                    incoming.discard()
 
     @grpc_errors
     async def LoadWeights(self, request, context):
@@ -94,7 +111,9 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
             shards = self._shards()
             results = await asyncio.gather(*(shard.stub.LoadWeights(request, metadata=self.router.metadata)
                                              for shard in shards), return_exceptions=True)
-            return self._updated(shards, results, "load")
+            response = self._updated(shards, results, "load")
+            self.router.updated(LatestWeights(request.version, path=request.path))
+            return response
 
     def _shards(self) -> list[Shard]:
         shards = [s for s in self.router.shards.values() if not s.failed]
@@ -118,6 +137,7 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
         failed = [(s, r) for s, r in zip(shards, results) if not isinstance(r, common_pb2.WeightUpdateResponse)]
         for shard, result in done:
             shard.info = replace(shard.info, policy_version=result.version)
+            shard.updated_at = time.monotonic()
         for shard, exc in failed:
             log.warning("weight %s: shard %s did not take it: %s", what, shard.info.shard_id, exc)
         if not done:
@@ -164,9 +184,14 @@ async def start_router(settings: RouterSettings):
     """Starts the router in this event loop; returns (server, port, router, stop coroutine fn)."""
     if not settings.registry_url:
         raise InvalidArgument("the shard registry's Redis URL is required", "registry_url")
-    router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
-                    settings.shard_auth_token, settings.max_samples_retained)
     directory = ShardDirectory(settings.registry_url)
+    router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
+                    settings.shard_auth_token, settings.max_samples_retained, WeightStore(settings.weights_dir),
+                    journal=directory)
+    try:
+        router.resume(await directory.steps_in_flight(), settings.resubmit_wait_s)
+    except (RedisError, OSError) as exc:
+        log.warning("steps of a previous router unreadable: %s", exc)
     tokens = parse_tokens(settings.auth_tokens)
     if not tokens:
         log.warning("RolloutService accepts calls without a token (RHYMERL_ROUTER_AUTH_TOKENS is empty)")
@@ -181,6 +206,8 @@ async def start_router(settings: RouterSettings):
             log.warning("shard registry unreadable: %s", exc)
         await router.probe_failed()
         router.expire_waiting()
+        router.catch_up()
+        router.publish_usable()
         await server.set_service_serving(ROLLOUT_SERVICE, any(s.usable(router.version)
                                                               for s in router.shards.values()))
 

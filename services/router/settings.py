@@ -31,6 +31,13 @@ class RouterSettings(TLSSettings):
     max_samples_retained: int = Field(
         262_144, ge=1, description="And at most this many samples over the steps kept (the oldest finished steps go "
                                    "first): what bounds the router's memory (each sample kept with its tokens).")
+    resubmit_wait_s: float = Field(
+        60.0, ge=0, description="A router that starts with steps a previous router was running (recorded in the "
+                                "registry's Redis) lets no weight update start until trainers re-submitted them, or "
+                                "this long: so a step runs again at the version of the samples it already delivered.")
+    weights_dir: str = Field(
+        "", description="Where the bytes of the last weight push are kept, to catch up a shard that missed it (down, "
+                        "or without a worker, during the push). Empty: a private temporary directory.")
     auth_tokens: str = Field(
         "", description="Bearer tokens trainers must send (comma-separated). Empty: no auth (a trusted network only).")
     shard_auth_token: str = Field(

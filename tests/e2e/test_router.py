@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 from rhymerl import Prompt, RolloutClient, SamplingParams
+from rhymerl.types import event_samples
 from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc
 
 from services.router.local import ShardedCluster
@@ -69,10 +70,10 @@ class Trainer(threading.Thread):
         try:
             with grpc.insecure_channel(self.address) as ch:
                 for event in rollout_pb2_grpc.RolloutServiceStub(ch).SubmitStep(self.request, timeout=500):
-                    if event.HasField("sample"):
-                        self.samples.append(event.sample)
-                    else:
+                    if event.HasField("summary"):
                         self.summary = event.summary
+                    else:
+                        self.samples.extend(event_samples(event))
         except grpc.RpcError as exc:
             self.error = exc
 

@@ -6,14 +6,16 @@ Every wait is on state; the hang guard only bounds a broken router."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 
 import grpc
 import pytest
+from rhymerl.types import event_samples
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.common.ids import sample_seed
-from services.router.core import Router, duplicates_dropped, step_seed_of
+from services.router.core import Router, duplicates_dropped, shards_caught_up, step_seed_of
 from services.router.registry import ShardAnnouncer, ShardDirectory, ShardInfo
 from services.router.server import RouterServicer
 from tests.aio import run_async
@@ -23,10 +25,12 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 
 class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
     """A shard that runs sub-steps instantly, unless held; ``fail_after`` samples into its
-    next sub-step it ends the call UNAVAILABLE (as a killed scheduler's stream ends)."""
+    next sub-step it ends the call UNAVAILABLE (as a killed scheduler's stream ends);
+    ``batched``: each prompt's samples sent in one SampleBatch event, as a scheduler
+    sends the samples it has ready."""
 
-    def __init__(self, name: str, fail_after: int | None = None, held: bool = False):
-        self.name, self.fail_after = name, fail_after
+    def __init__(self, name: str, fail_after: int | None = None, held: bool = False, batched: bool = False):
+        self.name, self.fail_after, self.batched = name, fail_after, batched
         self.release = asyncio.Event()
         if not held:
             self.release.set()
@@ -40,6 +44,7 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
         self.sub_steps.append(request)
         step_seed = request.sampling.seed if request.sampling.HasField("seed") else None
         for prompt in request.prompts:
+            batch = []
             for k in range(request.n):
                 await self.release.wait()
                 if request.step_id in self.cancelled:  # as a scheduler ends a cancelled step's samples
@@ -52,9 +57,13 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "shard going down")
                 seed = sample_seed(step_seed, request.step_id, prompt.prompt_id, k)
                 self.delivered.append((prompt.prompt_id, k))
-                yield rollout_pb2.StepEvent(sample=rollout_pb2.SampleResult(
+                batch.append(rollout_pb2.SampleResult(
                     step_id=request.step_id, prompt_id=prompt.prompt_id, sample_index=k, token_ids=[seed % 997, 1],
                     seed=seed, finish_reason=LENGTH, policy_version=self.version))
+                if not self.batched:
+                    yield rollout_pb2.StepEvent(sample=batch.pop())
+            if batch:
+                yield rollout_pb2.StepEvent(samples=rollout_pb2.SampleBatch(samples=batch))
         yield rollout_pb2.StepEvent(summary=rollout_pb2.StepSummary(step_id=request.step_id, policy="fake"))
 
     async def CancelStep(self, request, context):
@@ -63,9 +72,14 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
         self.release.set()
         return rollout_pb2.CancelStepResponse(num_cancelled=running)
 
+    refuse_updates = False  # as a scheduler without a usable worker answers a push
+    pushed = b""
+
     async def PushWeights(self, request_iterator, context):
         chunks = [c async for c in request_iterator]
-        self.version = chunks[0].header.version
+        if self.refuse_updates:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no rollout worker is registered and healthy")
+        self.version, self.pushed = chunks[0].header.version, b"".join(c.data for c in chunks[1:])
         return common_pb2.WeightUpdateResponse(version=self.version, num_workers_updated=1)
 
     async def GetStats(self, request, context):
@@ -105,6 +119,18 @@ class Fleet:
         for server in self.servers:
             await server.stop(0)
 
+    @contextlib.asynccontextmanager
+    async def serve_router(self):
+        """The router's RolloutService on loopback; yields its port."""
+        server = grpc.aio.server()
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RouterServicer(self.router), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            yield port
+        finally:
+            await server.stop(0)
+
     def prompt_ids(self, name: str) -> list[str]:
         shard = next(s for s in self.shards if s.name == name)
         return [p.prompt_id for sub in shard.sub_steps for p in sub.prompts]
@@ -119,6 +145,15 @@ def step(step_id: str, num_prompts: int, n: int = 2, seed: int | None = None) ->
     return req
 
 
+async def weight_chunks(version: int, data: bytes, pieces: int = 1):
+    """A push of ``data`` as ``version``: its header, then ``pieces`` chunks."""
+    yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
+        version=version, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    size = -(-len(data) // pieces)
+    for i in range(0, len(data), size):
+        yield common_pb2.WeightChunk(data=data[i:i + size])
+
+
 async def until(condition) -> None:
     while not condition():
         await asyncio.sleep(0.01)
@@ -129,19 +164,24 @@ async def collect(router: Router, req) -> list[rollout_pb2.StepEvent]:
 
 
 def samples(events) -> list[rollout_pb2.SampleResult]:
-    return [e.sample for e in events if e.HasField("sample")]
+    return [s for e in events for s in event_samples(e)]
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @run_async
-async def test_a_group_cut_short_runs_again_elsewhere_without_losing_or_duplicating_a_sample():
+async def test_a_group_cut_short_runs_again_elsewhere_without_losing_or_duplicating_a_sample(batched):
     """Shard a returns one sample and dies; its two groups re-run on b, which returns that
-    sample again: the trainer gets it once, and every sample has the seed of its (step,
-    prompt, index) whichever shard and sub-step ran it."""
-    a, b = ScriptedShard("a", fail_after=1), ScriptedShard("b")
+    sample again (batched: in a batch with its group's other sample, which goes on alone):
+    the trainer gets it once, and every sample has the seed of its (step, prompt, index)
+    whichever shard and sub-step ran it."""
+    a, b = ScriptedShard("a", fail_after=1), ScriptedShard("b", batched=batched)
     before = duplicates_dropped._value.get()
     async with Fleet(a, b) as fleet:
         req = step("s1", 4)  # no seed: the router derives the step's from its id
-        got = samples(await collect(fleet.router, req))
+        events = await collect(fleet.router, req)
+        got = samples(events)
+    if batched:  # b's groups went on to the trainer as b batched them
+        assert sum(e.HasField("samples") for e in events) >= 2
     keys = [(s.prompt_id, s.sample_index) for s in got]
     assert sorted(keys) == sorted((f"p{i}", k) for i in range(4) for k in range(2)), "lost or duplicated"
     assert a.delivered[0] in b.delivered, "the cut-short group did not run again"
@@ -194,15 +234,8 @@ async def test_a_shard_leaving_the_registry_gives_its_groups_to_the_others():
 @run_async
 async def test_a_push_waits_for_the_running_step_then_reaches_every_shard_and_reports_route_to_owners():
     a, b = ScriptedShard("a", held=True), ScriptedShard("b")
-    async with Fleet(a, b) as fleet:
-        server = grpc.aio.server()
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RouterServicer(fleet.router), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            await _push_and_report(fleet, a, b, port)
-        finally:
-            await server.stop(0)
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        await _push_and_report(fleet, a, b, port)
 
 
 async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, port: int) -> None:
@@ -212,20 +245,15 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
         run = await until_step(fleet.router, "old")
         data = b"x" * 10
 
-        async def chunks():
-            yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
-                version=1, total_bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
-            yield common_pb2.WeightChunk(data=data)
-
-        push = asyncio.ensure_future(stub.PushWeights(chunks()))
+        push = asyncio.ensure_future(stub.PushWeights(weight_chunks(1, data)))
         await until(lambda: len(run.delivered) == 8)
         assert not push.done() and a.version == b.version == 0, "the push did not wait for the step"
         a.release.set()
         got = [e async for e in events]
-        assert {e.sample.policy_version for e in got if e.HasField("sample")} == {0}
+        assert {s.policy_version for s in samples(got)} == {0}
         assert (await push).version == 1 and a.version == b.version == 1
         after = [e async for e in stub.SubmitStep(step("new", 4, seed=2))]
-        assert {e.sample.policy_version for e in after if e.HasField("sample")} == {1}
+        assert {s.policy_version for s in samples(after)} == {1}
 
         answer = await stub.ReportRewards(rollout_pb2.ReportRewardsRequest(step_id="old", rewards=[
             rollout_pb2.SampleReward(prompt_id=f"p{i}", sample_index=k, reward=1.0)
@@ -243,6 +271,78 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
                 rollout_pb2.SampleReward(prompt_id="p9", sample_index=0, reward=1.0)]))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert err.value.details().startswith("rewards[1].prompt_id")
+
+
+@run_async
+async def test_a_shard_that_missed_a_push_is_caught_up_with_its_bytes_and_no_step_runs_older_weights():
+    """b refuses a push that a takes: the router serves version 1 on a alone; with a gone,
+    its version stays 1 (a step waits rather than run on b's version 0) until b, able to
+    take updates again, gets the pushed bytes from the router and runs the step."""
+    a, b = ScriptedShard("a"), ScriptedShard("b")
+    b.refuse_updates = True
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            data = b"weights-" * 1000
+
+            pushed = rollout_pb2_grpc.RolloutServiceStub(ch).PushWeights(weight_chunks(1, data, pieces=2))
+            assert (await pushed).version == 1
+        assert (a.version, b.version, fleet.router.version) == (1, 0, 1)
+        fleet.router.update_shards({"b": fleet.infos["b"]})  # a left; b serves 0
+        assert fleet.router.version == 1
+        run = await fleet.router.submit(step("after", 2, seed=4))
+        fleet.router.catch_up()  # b still refuses: it stays behind, and gets no work
+        await until(lambda: not fleet.router._catching_up)
+        assert not b.sub_steps and not run.finished
+        caught = shards_caught_up._value.get()
+        b.refuse_updates = False
+        fleet.router.catch_up()
+        events = [e async for e in run.follow()]
+    assert (b.version, b.pushed) == (1, data) and shards_caught_up._value.get() == caught + 1
+    assert {s.policy_version for s in samples(events)} == {1} and len(samples(events)) == 4
+
+
+class Journal:
+    """The steps-in-flight record, in memory (the router's is in the registry's Redis)."""
+
+    def __init__(self):
+        self.steps: dict[str, int] = {}
+
+    async def step_started(self, step_id: str, version: int) -> None:
+        self.steps[step_id] = version
+
+    async def step_finished(self, step_id: str) -> None:
+        self.steps.pop(step_id, None)
+
+
+@run_async
+async def test_a_restarted_router_lets_no_push_start_until_the_previous_ones_steps_are_resubmitted():
+    """The router started with step "old" in flight under its predecessor (at version 0):
+    a push waits until a trainer re-submits "old" and it finishes, so "old" runs again at
+    version 0, the version of the samples the trainer already has; steps are journaled
+    while they run."""
+    a = ScriptedShard("a", held=True)
+    journal = Journal()
+    async with Fleet(a) as fleet, fleet.serve_router() as port:
+        fleet.router.journal = journal
+        fleet.router.resume({"old": 0}, wait_s=600.0)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            data = b"w" * 10
+
+            push = asyncio.ensure_future(stub.PushWeights(weight_chunks(1, data)))
+            other = await fleet.router.submit(step("other", 1, seed=1))  # not the one awaited
+            a.release.set()
+            await until(lambda: other.finished)
+            assert not push.done() and a.version == 0, "the push did not wait for the re-submission"
+            a.release.clear()
+            events = stub.SubmitStep(step("old", 2, seed=1))
+            await until(lambda: "old" in fleet.router.steps and journal.steps == {"old": 0})
+            assert not push.done() and a.version == 0, "the push did not wait for the re-submitted step"
+            a.release.set()
+            got = [e async for e in events]
+            assert {s.policy_version for s in samples(got)} == {0} and len(samples(got)) == 4
+            assert (await push).version == 1 and a.version == 1
+    assert journal.steps == {}
 
 
 async def until_step(router: Router, step_id: str):

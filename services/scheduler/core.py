@@ -52,7 +52,7 @@ class CoreLimits:
     no_worker_timeout_s: float = 30.0  # queued work with no worker this long is aborted
     history_epochs: int = 4  # epochs of history used for length prediction
     fair_share: str = "matched"  # fair_share.py: "matched", "equal" or "work_conserving"
-    handover_slice: int = 1024  # a step's samples go to the policy this many at a time
+    handover_slice: int = 4096  # a step's samples go to the policy this many at a time (docs/architecture.md)
 
 
 class SchedulerCore:

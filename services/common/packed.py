@@ -47,6 +47,17 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+def read_varint(data: bytes) -> int:
+    """The integer of a protobuf varint (``varint``'s inverse; ValueError if it does not end)."""
+    n = shift = 0
+    for byte in data:
+        n |= (byte & _M) << shift
+        if byte < 0x80:
+            return n
+        shift += 7
+    raise ValueError(f"{data!r}: not a whole varint")
+
+
 def field(number: int, payload: bytes) -> bytes:
     """``payload`` as a length-delimited field (a packed repeated field, a string, a
     message); empty for an empty payload (proto3 omits an empty field)."""

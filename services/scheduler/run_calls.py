@@ -86,7 +86,7 @@ class RunCalls:
                 timelines[run.step_id].on_migration()
                 metrics.migrations_total.inc()
             chunks.append(Chunk(dispatch_id, key, prog.prompt_field, prog.token_ids, prog.num_tokens, run.sampling,
-                                prog.seed, a.max_new_tokens, run.step_fields))
+                                prog.seed_varint, a.max_new_tokens, run.step_fields))
         if chunks:
             self.num_chunks += len(chunks)
             self._no_chunks.clear()

@@ -48,7 +48,9 @@ class SampleProgress:
 
     request: Request
     prompt_field: bytes  # the WorkItem's prompt fields, shared by the prompt's samples (``worker_link.prompt_field``)
-    seed: int
+    # its seed (``ids.sample_seed``) as the varint every WorkItem of it and its SampleResult carry, encoded once
+    # (63 bits: nine bytes, each chunk's encoding and the result's would otherwise make them again)
+    seed_varint: bytes
     token_ids: bytes = b""  # packed int32 varints
     num_tokens: int = 0
     logprobs: bytes = b""  # float32 little-endian
@@ -63,6 +65,10 @@ class SampleProgress:
     error: str = ""  # why the service gave it up (finish reason ABORT)
     dispatch_id: str | None = None  # the chunk in flight; a result for any other is stale
     run: StepRun | None = None  # its step (set by the StepRun)
+
+    @property
+    def seed(self) -> int:
+        return packed.read_varint(self.seed_varint)
 
 
 class StepRun:
@@ -215,7 +221,7 @@ class StepRun:
             spec = packed.field(9, common_pb2.SpecCounters(
                 num_verify_steps=s.num_verify_steps, num_draft_tokens=s.num_draft_tokens,
                 num_accepted_tokens=s.num_accepted_tokens).SerializeToString())
-        index, reason, migrations, seed = request.sample_index, s.finish_reason, request.num_migrations, s.seed
+        index, reason, migrations, seed = request.sample_index, s.finish_reason, request.num_migrations, s.seed_varint
         tokens, logprobs = s.token_ids, s.logprobs if self._logprobs else b""
         prompt_id = request.prompt_id.encode()
         return (
@@ -226,5 +232,5 @@ class StepRun:
             b"\x30" + varint(reason) if reason else b"",
             b"\x38" + varint(version) if version else b"", tail, spec,
             b"\x50" + varint(migrations) if migrations else b"",
-            b"\x58" + varint(seed) if seed else b"",
+            b"\x58" + seed if seed != b"\x00" else b"",  # a seed of 0 is omitted, as protobuf does
             packed.field(12, s.error.encode()) if s.error else b"")

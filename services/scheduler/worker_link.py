@@ -40,9 +40,13 @@ class Chunk:
     generated: bytes  # earlier chunks' tokens, packed (the worker re-prefills them)
     num_generated: int
     sampling: common_pb2.SamplingParams  # the step's (its seed is not the sample's)
-    seed: int  # the sample's own seed
+    seed_varint: bytes  # the sample's own seed, as a varint (``SampleProgress.seed_varint``)
     max_new_tokens: int
     step_fields: tuple[bytes, bytes]  # ``step_fields``: the step's part of the WorkItem
+
+    @property
+    def seed(self) -> int:
+        return packed.read_varint(self.seed_varint)
 
 
 @dataclass(slots=True)
@@ -125,7 +129,7 @@ def encode_item(c: Chunk) -> bytes:
     """A WorkItem, spliced: the chunk's own fields, the prompt's and the step's (in one
     join: each ``+`` would copy what is built so far)."""
     fixed, sampling = c.step_fields
-    seed = varint(c.seed)
+    seed = c.seed_varint
     dispatch_id = c.dispatch_id.encode()
     index, generated = c.key.sample_index, c.generated
     return b"".join((

@@ -166,9 +166,12 @@ def events_of(response: worker_pb2.LinkResponse) -> list[LinkEvent]:
             if wrong:
                 events.append(ChunkFailed(r.request_id, f"malformed chunk result: {wrong}"))
                 continue
-            spec = r.spec
-            events.append(ChunkDone(r.request_id, tokens, num, logprobs, r.finish_reason, r.policy_version,
-                                    spec.num_verify_steps, spec.num_draft_tokens, spec.num_accepted_tokens))
+            if r.HasField("spec"):  # a drafter's counters (a worker without one sends none)
+                spec = r.spec
+                events.append(ChunkDone(r.request_id, tokens, num, logprobs, r.finish_reason, r.policy_version,
+                                        spec.num_verify_steps, spec.num_draft_tokens, spec.num_accepted_tokens))
+            else:
+                events.append(ChunkDone(r.request_id, tokens, num, logprobs, r.finish_reason, r.policy_version))
     return events
 
 

@@ -126,7 +126,8 @@ class LengthModel:
         self.num_finished += 1
         self.num_capped += length >= request.max_tokens
         self._siblings[group].append(length)
-        self._progress[group] = max(self._progress.get(group, 0), length)
+        if length > self._progress.get(group, 0):
+            self._progress[group] = length
         self._combined.pop(group, None)
 
     def observe_progress(self, request: Request) -> bool:

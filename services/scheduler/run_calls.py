@@ -141,10 +141,13 @@ class RunCalls:
             r = pending.pop(ev.dispatch_id, None)
             if r is None:
                 continue
-            if isinstance(ev, ChunkDone):
+            if type(ev) is ChunkDone:
                 done = self._on_chunk(worker, r, ev, now)
                 if done is not None:
-                    finished.setdefault(done[0].step_id, (done[0], []))[1].append(done[1])
+                    step = finished.get(done.run.step_id)
+                    if step is None:
+                        step = finished[done.run.step_id] = (done.run, [])
+                    step[1].append(done)
             else:
                 await self._on_failed(worker, r, ev)
         # applied: the chunks' payloads are the samples' now. Emptied before the delivery's
@@ -169,8 +172,7 @@ class RunCalls:
         if not worker.state.running:
             self.core.delivery.set_busy(worker.worker_id, False, now)
 
-    def _on_chunk(self, worker: WorkerHandle, r: Request, ev: ChunkDone,
-                  now: float) -> tuple[StepRun, SampleProgress] | None:
+    def _on_chunk(self, worker: WorkerHandle, r: Request, ev: ChunkDone, now: float) -> SampleProgress | None:
         """Extends the sample by the chunk's payloads (as bytes); returns it when finished."""
         prog = self.core.unfinished.get(r.key)  # ``_current``, inlined: once per chunk
         if prog is None or prog.dispatch_id != ev.dispatch_id:
@@ -192,9 +194,10 @@ class RunCalls:
                 else:
                     runs.append([version, num])
             prog.num_tokens += num
-        prog.num_verify_steps += ev.num_verify_steps
-        prog.num_draft_tokens += ev.num_draft_tokens
-        prog.num_accepted_tokens += ev.num_accepted_tokens
+        if ev.num_draft_tokens or ev.num_verify_steps or ev.num_accepted_tokens:  # a drafter's counters
+            prog.num_verify_steps += ev.num_verify_steps
+            prog.num_draft_tokens += ev.num_draft_tokens
+            prog.num_accepted_tokens += ev.num_accepted_tokens
         self.core.num_generated_tokens += num
         finished = ev.finish_reason != UNSPECIFIED or prog.num_tokens >= r.max_tokens
         prog.finish_reason = ev.finish_reason or (LENGTH if finished else 0)
@@ -202,7 +205,7 @@ class RunCalls:
             prog.finish_reason, prog.error, finished = ABORT, run.abort_error, True
         else:
             self.core.policy.on_chunk_done(r, worker.worker_id, num, finished, now)
-        return (run, prog) if finished else None
+        return prog if finished else None
 
     async def _on_failed(self, worker: WorkerHandle, r: Request, ev: ChunkFailed) -> None:
         """The worker gave no tokens for this chunk: the engine failed on it (back to the

@@ -27,9 +27,25 @@ def sample_seed(step_seed: int | None, step_id: str, prompt_id: str, sample_inde
 
     Returned as a non-negative int63 so it fits int64 tensors and proto uint64.
     """
-    # The two key spaces cannot collide: a step id is tagged, a seed is a bare integer.
-    key = f"{step_seed}:{prompt_id}:{sample_index}" if step_seed is not None else \
-        f"step={step_id}:{prompt_id}:{sample_index}"
-    h = hashlib.blake2b(key.encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") & ((1 << 63) - 1)
+    h = hashlib.blake2b(_seed_prefix(step_seed, step_id, prompt_id) + b"%d" % sample_index, digest_size=8)
+    return int.from_bytes(h.digest(), "little") & _INT63
 
+
+def sample_seeds(step_seed: int | None, step_id: str, prompt_id: str, n: int) -> list[int]:
+    """``sample_seed`` of samples 0..n-1 of a prompt (its key's prefix hashed once)."""
+    base = hashlib.blake2b(_seed_prefix(step_seed, step_id, prompt_id), digest_size=8)
+    seeds = []
+    for k in range(n):
+        h = base.copy()
+        h.update(b"%d" % k)
+        seeds.append(int.from_bytes(h.digest(), "little") & _INT63)
+    return seeds
+
+
+_INT63 = (1 << 63) - 1
+
+
+def _seed_prefix(step_seed: int | None, step_id: str, prompt_id: str) -> bytes:
+    # The two key spaces cannot collide: a step id is tagged, a seed is a bare integer.
+    key = f"{step_seed}:{prompt_id}:" if step_seed is not None else f"step={step_id}:{prompt_id}:"
+    return key.encode()

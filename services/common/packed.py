@@ -24,16 +24,38 @@ _VARINTS = re.compile(rb"(?:[\x80-\xff]{0,9}[\x00-\x7f])*")
 _LITTLE = sys.byteorder == "little"
 
 
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]  # the varints of 0..127
+_KEYS = [bytes((number << 3 | 2,)) for number in range(16)]  # length-delimited keys of fields 1-15
+_M = 0x7F
+
+
 def varint(n: int) -> bytes:
-    """A non-negative integer as a protobuf varint."""
+    """A non-negative integer as a protobuf varint. The common sizes take no loop: one and
+    two bytes (ids, lengths, counts) and nine (a 63-bit seed, ``ids.sample_seed``)."""
     if n < 0x80:
-        return bytes((n,))
+        return _ONE_BYTE[n]
+    if n < 0x4000:
+        return bytes((n & _M | 0x80, n >> 7))
+    if 1 << 56 <= n < 1 << 63:
+        return bytes((n & _M | 0x80, n >> 7 & _M | 0x80, n >> 14 & _M | 0x80, n >> 21 & _M | 0x80,
+                      n >> 28 & _M | 0x80, n >> 35 & _M | 0x80, n >> 42 & _M | 0x80, n >> 49 & _M | 0x80, n >> 56))
     out = bytearray()
     while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
+        out.append((n & _M) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def read_varint(data: bytes) -> int:
+    """The integer of a protobuf varint (``varint``'s inverse; ValueError if it does not end)."""
+    n = shift = 0
+    for byte in data:
+        n |= (byte & _M) << shift
+        if byte < 0x80:
+            return n
+        shift += 7
+    raise ValueError(f"{data!r}: not a whole varint")
 
 
 def field(number: int, payload: bytes) -> bytes:
@@ -41,13 +63,13 @@ def field(number: int, payload: bytes) -> bytes:
     message); empty for an empty payload (proto3 omits an empty field)."""
     if not payload:
         return b""
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
+    return b"".join((_KEYS[number] if number < 16 else varint(number << 3 | 2), varint(len(payload)), payload))
 
 
 def header(number: int, size: int) -> bytes:
     """The key and length of a length-delimited field of ``size`` bytes (what ``field``
     puts before its payload)."""
-    return varint(number << 3 | 2) + varint(size)
+    return (_KEYS[number] if number < 16 else varint(number << 3 | 2)) + varint(size)
 
 
 def payload(encoded: bytes) -> bytes:

@@ -43,6 +43,7 @@ from services.scheduler.workers import WorkerHandle, WorkerTable
 
 log = logging.getLogger(__name__)
 ABORT = common_pb2.FINISH_REASON_ABORT
+INTAKE_SLICE = 1024  # samples split between two turns of the event loop (a prompt's samples are never split)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class CoreLimits:
     no_worker_timeout_s: float = 30.0  # queued work with no worker this long is aborted
     history_epochs: int = 4  # epochs of history used for length prediction
     fair_share: str = "matched"  # fair_share.py: "matched", "equal" or "work_conserving"
-    handover_slice: int = 1024  # a step's samples go to the policy this many at a time
+    handover_slice: int = 4096  # a step's samples go to the policy this many at a time (docs/architecture.md)
 
 
 class SchedulerCore:
@@ -167,12 +168,16 @@ class SchedulerCore:
                                     f"({in_flight} of {self.limits.max_samples_in_flight} used)", "prompts")
         self._admitting += num_missing  # other steps' intakes run while this one yields
         try:
-            samples = []
+            samples, since_yield = [], 0
             for group in intake.split(req, intake.Fleet(0, 0) if done else self._fleet()):
                 samples += group
-                await asyncio.sleep(0)  # a huge step's intake takes a while: let health checks in
+                since_yield += len(group)
+                if since_yield >= INTAKE_SLICE:  # a huge step's intake takes a while: let other work in
+                    since_yield = 0
+                    await asyncio.sleep(0)
             run = StepRun(req, samples)
-            missing = [s for s in samples if (s.request.prompt_id, s.request.sample_index) not in restored]
+            missing = [s for s in samples if (s.request.prompt_id, s.request.sample_index) not in restored] \
+                if restored else samples
             for s in missing:
                 self.unfinished[s.request.key] = s
         finally:

@@ -41,6 +41,8 @@ class Delivery:
                       logged: dict[tuple[str, int], rollout_pb2.SampleResult],
                       logged_summary: rollout_pb2.StepSummary | None) -> None:
         """Publishes the samples a previous scheduler logged; they are not generated again."""
+        if not logged:  # a new step: nothing to look up per sample
+            return
         events, reasons = [], []
         for s in samples:
             result = logged.get((s.request.prompt_id, s.request.sample_index))

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from rhymerl.v1 import rollout_pb2
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.ids import prompt_id_from_tokens, sample_seed
+from services.common.ids import prompt_id_from_tokens, sample_seeds
+from services.common.packed import varint
 from services.common.validation import MAX_N, check_length, check_sampling, check_token_ids
 from services.scheduler.policies.base import Request
 from services.scheduler.step import SampleProgress
@@ -75,8 +76,8 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[Sam
         seen.add(pid)
         encoded = prompt_field(pid, prompt.token_ids)  # once per prompt; its samples share it
         num_tokens = len(prompt.token_ids)
-        yield [SampleProgress(Request(step_id, pid, k, prompt_len=num_tokens, max_tokens=max_tokens), encoded,
-                              sample_seed(step_seed, step_id, pid, k)) for k in range(req.n)]
+        yield [SampleProgress(Request(step_id, pid, k, num_tokens, max_tokens), encoded, varint(seed))
+               for k, seed in enumerate(sample_seeds(step_seed, step_id, pid, req.n))]
 
 
 def check_rewards(req: rollout_pb2.ReportRewardsRequest) -> None:

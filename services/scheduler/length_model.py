@@ -122,11 +122,13 @@ class LengthModel:
         one is not evidence of how long its siblings run, and is ignored)."""
         if request.aborted:
             return
+        group, length = request.group_id, int(length)
         self.num_finished += 1
         self.num_capped += length >= request.max_tokens
-        self._siblings[request.group_id].append(int(length))
-        self._progress[request.group_id] = max(self._progress.get(request.group_id, 0), int(length))
-        self._combined.pop(request.group_id, None)
+        self._siblings[group].append(length)
+        if length > self._progress.get(group, 0):
+            self._progress[group] = length
+        self._combined.pop(group, None)
 
     def observe_progress(self, request: Request) -> bool:
         """``request`` returned from a chunk unfinished: its group runs at least

@@ -56,6 +56,7 @@ class RunCalls:
         self._no_chunks.set()
         self._dispatch_ids = itertools.count()
         self._incarnation = secrets.token_hex(4)  # dispatch ids never repeat across restarts
+        self._prefix = self._incarnation + "-"  # every dispatch id's, before its number
         self._streams: dict[str, _Stream] = {}  # worker_id -> its open stream
 
     async def drained(self) -> None:
@@ -65,11 +66,31 @@ class RunCalls:
     def start(self, worker: WorkerHandle, assignments: list[Assignment], now: float) -> None:
         """Sends ``assignments`` to ``worker`` as one batch on its stream."""
         stream = self._stream(worker)
-        chunks = [self._chunk(worker, a, now) for a in assignments]
-        pending = stream.pending
-        for c, a in zip(chunks, assignments):
-            pending[c.dispatch_id] = a.request
-        stream.link.send(self.core.policy_version, chunks)
+        core, worker_id, running, pending = self.core, worker.worker_id, worker.state.running, stream.pending
+        unfinished, timelines, prefix, counter = core.unfinished, core.delivery.timelines, self._prefix, self._dispatch_ids
+        if assignments and not running:
+            core.delivery.set_busy(worker_id, True, now)
+        chunks, last_run = [], None
+        for a in assignments:
+            request = a.request
+            key = request.key
+            prog = unfinished[key]
+            run = prog.run
+            prog.dispatch_id = dispatch_id = prefix + str(next(counter))
+            run.num_running += 1
+            running[key] = pending[dispatch_id] = request
+            if run is not last_run:  # the batch's chunks share ``now``: once per step is enough
+                timelines[run.step_id].on_dispatch(worker_id, now)
+                last_run = run
+            if a.is_migration:
+                timelines[run.step_id].on_migration()
+                metrics.migrations_total.inc()
+            chunks.append(Chunk(dispatch_id, key, prog.prompt_field, prog.token_ids, prog.num_tokens, run.sampling,
+                                prog.seed_varint, a.max_new_tokens, run.step_fields))
+        if chunks:
+            self.num_chunks += len(chunks)
+            self._no_chunks.clear()
+        stream.link.send(core.policy_version, chunks)
 
     def abort(self, worker_id: str, dispatch_ids: list[str]) -> None:
         """Asks the worker to abort these chunks (on its stream: a worker with none open
@@ -103,24 +124,6 @@ class RunCalls:
         stream.link.close()
         self._requeue(stream.worker, stream.pending)
 
-    def _chunk(self, worker: WorkerHandle, a: Assignment, now: float) -> Chunk:
-        prog = self.core.unfinished[a.request.key]
-        run = prog.run
-        prog.dispatch_id = f"{self._incarnation}-{next(self._dispatch_ids)}"
-        run.num_running += 1
-        self.num_chunks += 1
-        self._no_chunks.clear()
-        timeline = self.core.delivery.timelines[run.step_id]
-        if not worker.state.running:
-            self.core.delivery.set_busy(worker.worker_id, True, now)
-        worker.state.running[a.request.key] = a.request
-        timeline.on_dispatch(worker.worker_id, now)
-        if a.is_migration:
-            timeline.on_migration()
-            metrics.migrations_total.inc()
-        return Chunk(prog.dispatch_id, a.request.key, prog.prompt_field, prog.token_ids, prog.num_tokens,
-                     run.sampling, prog.seed, a.max_new_tokens, run.step_fields)
-
     async def _read(self, stream: _Stream) -> None:
         async for batch in stream.link.events():
             if isinstance(batch, RunEnded):
@@ -138,10 +141,13 @@ class RunCalls:
             r = pending.pop(ev.dispatch_id, None)
             if r is None:
                 continue
-            if isinstance(ev, ChunkDone):
+            if type(ev) is ChunkDone:
                 done = self._on_chunk(worker, r, ev, now)
                 if done is not None:
-                    finished.setdefault(done[0].step_id, (done[0], []))[1].append(done[1])
+                    step = finished.get(done.run.step_id)
+                    if step is None:
+                        step = finished[done.run.step_id] = (done.run, [])
+                    step[1].append(done)
             else:
                 await self._on_failed(worker, r, ev)
         # applied: the chunks' payloads are the samples' now. Emptied before the delivery's
@@ -166,14 +172,12 @@ class RunCalls:
         if not worker.state.running:
             self.core.delivery.set_busy(worker.worker_id, False, now)
 
-    def _on_chunk(self, worker: WorkerHandle, r: Request, ev: ChunkDone,
-                  now: float) -> tuple[StepRun, SampleProgress] | None:
+    def _on_chunk(self, worker: WorkerHandle, r: Request, ev: ChunkDone, now: float) -> SampleProgress | None:
         """Extends the sample by the chunk's payloads (as bytes); returns it when finished."""
-        entry = self._current(r.key, ev.dispatch_id)
-        if entry is None:
+        prog = self.core.unfinished.get(r.key)  # ``_current``, inlined: once per chunk
+        if prog is None or prog.dispatch_id != ev.dispatch_id:
             return None
-        run, prog = entry
-        num = ev.num_tokens
+        run, num = prog.run, ev.num_tokens
         self._release(worker, run, prog, now)
         if num:
             prog.token_ids += ev.token_ids
@@ -190,9 +194,10 @@ class RunCalls:
                 else:
                     runs.append([version, num])
             prog.num_tokens += num
-        prog.num_verify_steps += ev.num_verify_steps
-        prog.num_draft_tokens += ev.num_draft_tokens
-        prog.num_accepted_tokens += ev.num_accepted_tokens
+        if ev.num_draft_tokens or ev.num_verify_steps or ev.num_accepted_tokens:  # a drafter's counters
+            prog.num_verify_steps += ev.num_verify_steps
+            prog.num_draft_tokens += ev.num_draft_tokens
+            prog.num_accepted_tokens += ev.num_accepted_tokens
         self.core.num_generated_tokens += num
         finished = ev.finish_reason != UNSPECIFIED or prog.num_tokens >= r.max_tokens
         prog.finish_reason = ev.finish_reason or (LENGTH if finished else 0)
@@ -200,7 +205,7 @@ class RunCalls:
             prog.finish_reason, prog.error, finished = ABORT, run.abort_error, True
         else:
             self.core.policy.on_chunk_done(r, worker.worker_id, num, finished, now)
-        return (run, prog) if finished else None
+        return prog if finished else None
 
     async def _on_failed(self, worker: WorkerHandle, r: Request, ev: ChunkFailed) -> None:
         """The worker gave no tokens for this chunk: the engine failed on it (back to the

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 from services.common import packed
+from services.common.packed import varint
 from services.scheduler.policies.base import Request
 from services.scheduler.worker_link import step_fields
 
@@ -47,7 +48,9 @@ class SampleProgress:
 
     request: Request
     prompt_field: bytes  # the WorkItem's prompt fields, shared by the prompt's samples (``worker_link.prompt_field``)
-    seed: int
+    # its seed (``ids.sample_seed``) as the varint every WorkItem of it and its SampleResult carry, encoded once
+    # (63 bits: nine bytes, each chunk's encoding and the result's would otherwise make them again)
+    seed_varint: bytes
     token_ids: bytes = b""  # packed int32 varints
     num_tokens: int = 0
     logprobs: bytes = b""  # float32 little-endian
@@ -63,6 +66,10 @@ class SampleProgress:
     dispatch_id: str | None = None  # the chunk in flight; a result for any other is stale
     run: StepRun | None = None  # its step (set by the StepRun)
 
+    @property
+    def seed(self) -> int:
+        return packed.read_varint(self.seed_varint)
+
 
 class StepRun:
     """State of one step; the scheduler core fills it, SubmitStep streams read it.
@@ -77,6 +84,7 @@ class StepRun:
         self.fingerprint = fingerprint(request)
         self.request: rollout_pb2.SubmitStepRequest | None = request
         self.sampling = request.sampling
+        self._logprobs = self.sampling.logprobs  # read per sample
         self.n = request.n
         # Its samples until they go to the policy (then the core's index of unfinished
         # samples is the only one: a finished sample's progress is released, its event
@@ -198,7 +206,7 @@ class StepRun:
         """``StepEvent(sample=...)`` serialized: ``encode_sample`` behind the event's key
         and length, in one allocation (what the step keeps per sample)."""
         parts = self._sample_parts(s, policy_version)
-        return b"".join((b"\x0a", packed.varint(sum(map(len, parts))), *parts))  # StepEvent.sample
+        return b"".join((b"\x0a", varint(sum(map(len, parts))), *parts))  # StepEvent.sample
 
     def _sample_parts(self, s: SampleProgress, policy_version: int) -> tuple[bytes, ...]:
         request = s.request
@@ -213,15 +221,16 @@ class StepRun:
             spec = packed.field(9, common_pb2.SpecCounters(
                 num_verify_steps=s.num_verify_steps, num_draft_tokens=s.num_draft_tokens,
                 num_accepted_tokens=s.num_accepted_tokens).SerializeToString())
-        index, reason, migrations = request.sample_index, s.finish_reason, request.num_migrations
-        tokens, logprobs = s.token_ids, s.logprobs if self.sampling.logprobs else b""
+        index, reason, migrations, seed = request.sample_index, s.finish_reason, request.num_migrations, s.seed_varint
+        tokens, logprobs = s.token_ids, s.logprobs if self._logprobs else b""
+        prompt_id = request.prompt_id.encode()
         return (
-            self._step_id_field, packed.field(2, request.prompt_id.encode()),
-            b"\x18" + packed.varint(index) if index else b"",
-            packed.header(4, len(tokens)) if tokens else b"", tokens,  # the payloads spliced as they are
-            packed.header(5, len(logprobs)) if logprobs else b"", logprobs,
-            b"\x30" + packed.varint(reason) if reason else b"",
-            b"\x38" + packed.varint(version) if version else b"", tail, spec,
-            b"\x50" + packed.varint(migrations) if migrations else b"",
-            b"\x58" + packed.varint(s.seed) if s.seed else b"",
+            self._step_id_field, b"\x12", varint(len(prompt_id)), prompt_id,
+            b"\x18" + varint(index) if index else b"",
+            b"\x22" + varint(len(tokens)) if tokens else b"", tokens,  # the payloads spliced as they are
+            b"\x2a" + varint(len(logprobs)) if logprobs else b"", logprobs,
+            b"\x30" + varint(reason) if reason else b"",
+            b"\x38" + varint(version) if version else b"", tail, spec,
+            b"\x50" + varint(migrations) if migrations else b"",
+            b"\x58" + seed if seed != b"\x00" else b"",  # a seed of 0 is omitted, as protobuf does
             packed.field(12, s.error.encode()) if s.error else b"")

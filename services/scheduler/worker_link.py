@@ -21,6 +21,7 @@ import grpc
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import packed
+from services.common.packed import varint
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig
 from services.scheduler.policies.base import RequestKey
@@ -39,9 +40,13 @@ class Chunk:
     generated: bytes  # earlier chunks' tokens, packed (the worker re-prefills them)
     num_generated: int
     sampling: common_pb2.SamplingParams  # the step's (its seed is not the sample's)
-    seed: int  # the sample's own seed
+    seed_varint: bytes  # the sample's own seed, as a varint (``SampleProgress.seed_varint``)
     max_new_tokens: int
     step_fields: tuple[bytes, bytes]  # ``step_fields``: the step's part of the WorkItem
+
+    @property
+    def seed(self) -> int:
+        return packed.read_varint(self.seed_varint)
 
 
 @dataclass(slots=True)
@@ -121,19 +126,29 @@ def prompt_field(prompt_id: str, token_ids: list[int]) -> bytes:
 
 
 def encode_item(c: Chunk) -> bytes:
-    """A WorkItem, spliced: the chunk's own fields, the prompt's and the step's."""
+    """A WorkItem, spliced: the chunk's own fields, the prompt's and the step's (in one
+    join: each ``+`` would copy what is built so far)."""
     fixed, sampling = c.step_fields
-    sampling_field = packed.field(6, sampling + b"\x30" + packed.varint(c.seed))
-    index = c.key.sample_index
-    return (packed.field(1, c.dispatch_id.encode()) + c.prompt_field
-            + (b"\x18" + packed.varint(index) if index else b"") + packed.field(5, c.generated)
-            + sampling_field + b"\x38" + packed.varint(c.max_new_tokens) + fixed)
+    seed = c.seed_varint
+    dispatch_id = c.dispatch_id.encode()
+    index, generated = c.key.sample_index, c.generated
+    return b"".join((
+        b"\x0a", varint(len(dispatch_id)), dispatch_id, c.prompt_field,  # request_id, prompt_id, prompt_token_ids
+        b"\x18" + varint(index) if index else b"",  # sample_index
+        packed.header(5, len(generated)) if generated else b"", generated,  # generated_token_ids
+        b"\x32", varint(len(sampling) + 1 + len(seed)), sampling, b"\x30", seed,  # sampling, its seed the sample's
+        b"\x38", varint(c.max_new_tokens), fixed))
 
 
 def encode_batch(policy_version: int, chunks: list[Chunk]) -> bytes:
     """A LinkRequest of ``chunks``, serialized (what ``send`` puts on the stream)."""
-    items = b"".join(packed.field(1, encode_item(c)) for c in chunks)
-    return items + (b"\x10" + packed.varint(policy_version) if policy_version > 0 else b"")
+    parts = []
+    for c in chunks:
+        item = encode_item(c)
+        parts += (b"\x0a", varint(len(item)), item)  # items
+    if policy_version > 0:
+        parts += (b"\x10", varint(policy_version))
+    return b"".join(parts)
 
 
 def events_of(response: worker_pb2.LinkResponse) -> list[LinkEvent]:
@@ -151,9 +166,12 @@ def events_of(response: worker_pb2.LinkResponse) -> list[LinkEvent]:
             if wrong:
                 events.append(ChunkFailed(r.request_id, f"malformed chunk result: {wrong}"))
                 continue
-            spec = r.spec
-            events.append(ChunkDone(r.request_id, tokens, num, logprobs, r.finish_reason, r.policy_version,
-                                    spec.num_verify_steps, spec.num_draft_tokens, spec.num_accepted_tokens))
+            if r.HasField("spec"):  # a drafter's counters (a worker without one sends none)
+                spec = r.spec
+                events.append(ChunkDone(r.request_id, tokens, num, logprobs, r.finish_reason, r.policy_version,
+                                        spec.num_verify_steps, spec.num_draft_tokens, spec.num_accepted_tokens))
+            else:
+                events.append(ChunkDone(r.request_id, tokens, num, logprobs, r.finish_reason, r.policy_version))
     return events
 
 

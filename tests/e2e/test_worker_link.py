@@ -22,7 +22,7 @@ SAMPLING = common_pb2.SamplingParams(temperature=1.0, max_tokens=12, logprobs=Tr
 
 def chunk(dispatch_id: str, prompt: list[int], generated: list[int] = (), max_new_tokens: int = 12) -> Chunk:
     return Chunk(dispatch_id, RequestKey("link-test", "p", 0), prompt_field("p", prompt),
-                 packed.pack_token_ids(list(generated)), len(generated), SAMPLING, 77, max_new_tokens,
+                 packed.pack_token_ids(list(generated)), len(generated), SAMPLING, packed.varint(77), max_new_tokens,
                  step_fields(SAMPLING, "link-test", 1))
 
 
@@ -75,13 +75,13 @@ def test_refusals_per_item_payloads_and_a_resumed_chunk_over_one_stream(cluster)
         # The next chunk carries the first one's bytes as they came: the worker counts them as
         # generated (7 more reach max_tokens: LENGTH) and, batch-invariant or not, starts from them.
         link.send(0, [Chunk("rest", RequestKey("link-test", "p", 0), prompt_field("p", prompt),
-                            first.packed_token_ids, 5, SAMPLING, 77, 7, step_fields(SAMPLING, "link-test", 1))])
+                            first.packed_token_ids, 5, SAMPLING, packed.varint(77), 7, step_fields(SAMPLING, "link-test", 1))])
         (rest,) = link.wait("rest")
         assert rest.num_tokens == 7 and rest.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert len(packed.unpack_token_ids(first.packed_token_ids + rest.packed_token_ids)) == 12
         # a resumed chunk that claims more generated tokens than max_tokens allows is refused, naming the field
         link.send(0, [Chunk("over", RequestKey("link-test", "p", 0), prompt_field("p", prompt),
-                            whole.packed_token_ids, 12, SAMPLING, 77, 1, step_fields(SAMPLING, "link-test", 1))])
+                            whole.packed_token_ids, 12, SAMPLING, packed.varint(77), 1, step_fields(SAMPLING, "link-test", 1))])
         (over,) = link.wait("over")
         assert over.refusal == worker_pb2.REFUSAL_INVALID_ARGUMENT and "items[0].max_new_tokens" in over.error
     finally:

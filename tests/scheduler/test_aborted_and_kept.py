@@ -69,7 +69,7 @@ async def test_after_a_restart_the_logged_aborted_samples_are_generated_again(cl
 def kept_step(num_samples: int, num_tokens: int) -> StepRun:
     request = rollout_pb2.SubmitStepRequest(step_id="big", n=num_samples, sampling=common_pb2.SamplingParams(
         max_tokens=num_tokens, logprobs=True), prompts=[common_pb2.Prompt(prompt_id="p", token_ids=[3, 4])])
-    return StepRun(request, [SampleProgress(Request("big", "p", 0, prompt_len=2, max_tokens=num_tokens), b"", 0)])
+    return StepRun(request, [SampleProgress(Request("big", "p", 0, prompt_len=2, max_tokens=num_tokens), b"", b"\x00")])
 
 
 def test_a_kept_step_costs_what_it_counts():

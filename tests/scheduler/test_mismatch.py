@@ -27,7 +27,7 @@ def step(step_id: str, logprobs: bool = True, unfinished=()) -> StepRun:
     samples = []
     for (pid, k), lps in ROLLOUT.items():
         r = Request(step_id, pid, k, prompt_len=3, max_tokens=8)
-        samples.append(SampleProgress(r, b"", seed=1, token_ids=packed.pack_token_ids(range(len(lps))),
+        samples.append(SampleProgress(r, b"", packed.varint(1), token_ids=packed.pack_token_ids(range(len(lps))),
                                       num_tokens=len(lps), logprobs=packed.pack_logprobs(lps) if logprobs else b""))
     request = rollout_pb2.SubmitStepRequest(step_id=step_id, n=2,
                                             sampling=common_pb2.SamplingParams(logprobs=logprobs, max_tokens=8))

@@ -43,7 +43,7 @@ def test_only_the_workers_own_failures_count_against_the_samples():
 def chunk(dispatch_id: str, index: int = 0, generated: list[int] = (), prompt: list[int] = (5, 6),
           seed: int = 7, sampling: common_pb2.SamplingParams = SAMPLING) -> Chunk:
     return Chunk(dispatch_id, RequestKey("s", "p", index), prompt_field("p", list(prompt)),
-                 packed.pack_token_ids(list(generated)), len(generated), sampling, seed,
+                 packed.pack_token_ids(list(generated)), len(generated), sampling, packed.varint(seed),
                  sampling.max_tokens - len(generated), step_fields(sampling, "s", 3))
 
 
@@ -161,7 +161,7 @@ def test_tokens_and_logprobs_pass_through_exactly(chunks, logprobs):
     the token ids and the logprobs come out bit for bit, never decoded on the way."""
     request = rollout_pb2.SubmitStepRequest(step_id="s", n=1, sampling=common_pb2.SamplingParams(
         max_tokens=1000, logprobs=logprobs))
-    prog = SampleProgress(Request("s", "p", 0, prompt_len=2, max_tokens=1000), prompt_field("p", [5, 6]), seed=3)
+    prog = SampleProgress(Request("s", "p", 0, prompt_len=2, max_tokens=1000), prompt_field("p", [5, 6]), packed.varint(3))
     run = StepRun(request, [prog])
     all_tokens, all_logprobs = [], []
     for tokens, data in chunks:
@@ -177,7 +177,7 @@ def test_tokens_and_logprobs_pass_through_exactly(chunks, logprobs):
         all_tokens += tokens
         all_logprobs += lps
         resumed = Chunk("next", prog.request.key, prog.prompt_field, prog.token_ids, prog.num_tokens, run.sampling,
-                        prog.seed, 1, run.step_fields)
+                        prog.seed_varint, 1, run.step_fields)
         item = worker_pb2.LinkRequest.FromString(encode_batch(0, [resumed])).items[0]
         assert list(item.generated_token_ids) == all_tokens and list(item.prompt_token_ids) == [5, 6]
     sample = rollout_pb2.SampleResult.FromString(run.encode_sample(prog, 1))
@@ -229,7 +229,7 @@ def test_a_spliced_sample_result_parses_as_the_one_protobuf_builds(index, seed, 
     r = Request("step/é", prompt_id, index, prompt_len=2, max_tokens=1000)
     r.num_migrations = migrations
     tokens = [t for v, count in runs for t in range(count)]
-    prog = SampleProgress(r, b"", seed=seed, token_ids=packed.pack_token_ids(tokens), num_tokens=len(tokens),
+    prog = SampleProgress(r, b"", packed.varint(seed), token_ids=packed.pack_token_ids(tokens), num_tokens=len(tokens),
                           logprobs=packed.pack_logprobs([-1.25] * len(tokens)), finish_reason=reason, error=error,
                           num_verify_steps=spec[0], num_draft_tokens=spec[1], num_accepted_tokens=spec[2])
     versions = [v for v, count in runs for _ in range(count)]

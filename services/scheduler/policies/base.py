@@ -97,8 +97,10 @@ class WorkerState:
         return max(0, self.capacity - len(self.running)) if self.healthy else 0
 
 
-@dataclass(frozen=True)
-class Assignment:
+class Assignment(NamedTuple):
+    """A chunk to run (immutable; a tuple: made once per chunk, where a frozen
+    dataclass's ``__init__`` costs several times more)."""
+
     request: Request
     worker_id: str
     max_new_tokens: int  # this chunk's budget, 1 <= budget <= max_tokens - num_generated

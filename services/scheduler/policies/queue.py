@@ -133,6 +133,21 @@ class StepQueues:
     def pop(self, quota: StepQuota | None = None) -> Request | None:
         """The smallest-keyed request of a step ``quota`` allows (it takes one of that
         step's allowance); None when no allowed step has one queued."""
+        if len(self._by_step) == 1 and quota is None:  # one step queued (the usual case): its head
+            best = next(iter(self._by_step.values()))
+        else:
+            best = self._smallest_head(quota)
+        request = best.pop() if best is not None else None
+        if request is None:
+            return None
+        self._len -= 1
+        if not best:
+            del self._by_step[request.step_id]
+        if quota is not None:
+            quota.take(request.step_id)
+        return request
+
+    def _smallest_head(self, quota: StepQuota | None) -> RequestQueue | None:
         best, best_head = None, None
         for step_id, queue in self._by_step.items():
             if quota is not None and not quota.allows(step_id):
@@ -140,15 +155,7 @@ class StepQueues:
             head = queue.head()
             if head is not None and (best_head is None or head < best_head):
                 best, best_head = queue, head
-        if best is None:
-            return None
-        request = best.pop()
-        self._len -= 1
-        if not best:
-            del self._by_step[request.step_id]
-        if quota is not None:
-            quota.take(request.step_id)
-        return request
+        return best
 
     def remove_step(self, step_id: str) -> list[Request]:
         queue = self._by_step.pop(step_id, None)

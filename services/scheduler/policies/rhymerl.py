@@ -127,7 +127,7 @@ class RhymeRLPolicy(SeerPolicy):
     def on_chunk_done(self, request: Request, worker_id: str, num_new_tokens: int,
                       finished: bool, now: float) -> None:
         super().on_chunk_done(request, worker_id, num_new_tokens, finished, now)
-        if finished and request.step_id not in self._steps.live_steps():
+        if finished and not self._steps.is_live(request):
             self._step_seq.pop(request.step_id, None)
             self._sharing.pop(request.step_id, None)
 

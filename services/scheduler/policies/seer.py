@@ -159,11 +159,12 @@ class SeerPolicy(Policy):
         if request is None:
             request = self._rest.pop(quota)
         if request is not None:
-            group = self._queued[request.group_id]
+            group_id = request.group_id
+            group = self._queued[group_id]
             del group[request.key]
             if not group:
-                del self._queued[request.group_id]
-                self._stale.pop(request.group_id, None)
+                del self._queued[group_id]
+                self._stale.pop(group_id, None)
         return request
 
     def _rekey_group(self, group_id: tuple[str, str]) -> None:

@@ -19,10 +19,12 @@ class StepBook:
         self._num_arrived = 0
 
     def add(self, requests: list[Request]) -> None:
+        counts, arrived = self._num_unfinished, self._num_arrived
         for request in requests:
-            self._num_unfinished[request.step_id] = self._num_unfinished.get(request.step_id, 0) + 1
-            request.arrival = self._num_arrived
-            self._num_arrived += 1
+            counts[request.step_id] = counts.get(request.step_id, 0) + 1
+            request.arrival = arrived
+            arrived += 1
+        self._num_arrived = arrived
 
     def arrival(self, request: Request) -> int:
         """Its place in arrival order, over all steps."""

@@ -24,13 +24,12 @@ import os
 from functools import cache
 from pathlib import Path
 
-import numpy as np
 import torch
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "libgumbel.so"
 BUNDLED = Path(__file__).resolve().parents[1] / ".gpu-bundle" / "lib" / "libgumbel.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_GUMBEL_LIBRARY"  # another build of it
-ABI_VERSION = 1
+ABI_VERSION = 2
 BLOCK_ELEMENTS = 1 << 19  # rows per block: about 2 MB of float32, cache-sized
 
 log = logging.getLogger(__name__)
@@ -89,18 +88,19 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
         return None
     seeds, positions = seeds.long(), positions.long()
     n = seeds.shape[0]
-    key_hi = np.ascontiguousarray(_row_key(seeds, positions, _ROW_SALT).numpy(), dtype=np.uint32)  # [n]
-    key_lo = np.ascontiguousarray(_row_key(seeds, positions, _ROW_SALT_2).numpy(), dtype=np.uint32)
+    # [n] int64 holding uint32 values, handed over as they are (no host read: a CPU tensor's memory)
+    key_hi = _row_key(seeds, positions, _ROW_SALT).contiguous()
+    key_lo = _row_key(seeds, positions, _ROW_SALT_2).contiguous()
     noise = torch.empty(n, vocab_size, dtype=torch.float32)  # [n, vocab]
     rows = max(1, block_elements // max(1, vocab_size))
     units = torch.empty(min(rows, n), vocab_size, dtype=torch.float32)  # [rows, vocab], reused
     for start in range(0, n, rows):
         end = min(n, start + rows)
         block = units[: end - start]
-        rc = lib.rhg_signed_units(key_hi[start:].ctypes.data, key_lo[start:].ctypes.data, end - start,
+        rc = lib.rhg_signed_units(key_hi[start:].data_ptr(), key_lo[start:].data_ptr(), end - start,
                                   vocab_size, block.data_ptr())
         if rc != 0:
-            raise ValueError(f"vocab_size {vocab_size} is out of the compiled RNG's range")
+            raise ValueError(f"vocab_size {vocab_size} or a row key is out of the compiled RNG's range")
         # block = +U where U < 1/2, -(1 - U) elsewhere: the reference's two branches
         low_half = block > 0
         w = block.abs()

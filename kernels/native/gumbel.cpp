@@ -56,14 +56,20 @@ RHG_CLONES void fill_row(uint32_t key_hi, uint32_t key_lo, int64_t vocab, float*
 
 extern "C" {
 
-__attribute__((visibility("default"))) int rhg_abi_version() { return 1; }
+__attribute__((visibility("default"))) int rhg_abi_version() { return 2; }
 
-// Rows [0, rows) of `out` ([rows, vocab] float32, row-major). Returns 0, or -1 when an
-// argument is out of range (nothing written).
-__attribute__((visibility("default"))) int rhg_signed_units(const uint32_t* key_hi, const uint32_t* key_lo,
+// Rows [0, rows) of `out` ([rows, vocab] float32, row-major); the row keys are int64
+// holding uint32 values (the reference's `_row_key`, passed as it is). Returns 0, or -1
+// when an argument is out of range (nothing written).
+__attribute__((visibility("default"))) int rhg_signed_units(const int64_t* key_hi, const int64_t* key_lo,
                                                            int64_t rows, int64_t vocab, float* out) {
   if (rows < 0 || vocab < 0 || vocab > (int64_t{1} << 32) || (rows > 0 && (!key_hi || !key_lo || !out))) return -1;
-  for (int64_t r = 0; r < rows; ++r) fill_row(key_hi[r], key_lo[r], vocab, out + r * vocab);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (key_hi[r] < 0 || key_hi[r] > 0xFFFFFFFFll || key_lo[r] < 0 || key_lo[r] > 0xFFFFFFFFll) return -1;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    fill_row(static_cast<uint32_t>(key_hi[r]), static_cast<uint32_t>(key_lo[r]), vocab, out + r * vocab);
+  }
   return 0;
 }
 

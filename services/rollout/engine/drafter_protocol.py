@@ -101,20 +101,23 @@ def commit_calls(request_ids: Sequence[str], num_draft: Sequence[int], num_accep
 
 
 def commit_step(drafter, request_ids: Sequence[str], num_draft: Sequence[int], num_accepted: Sequence[int],
-                token_ids: Sequence[int], num_tokens: Sequence[int], call=None) -> None:
+                token_ids: Sequence[int], num_tokens: Sequence[int], call=None, failed=None) -> None:
     """A step's commits: ``drafter.commit_step`` where it has one, else its per-request
     calls (``commit_calls``). With `call` (``call(method, request_id, *args)``, an engine's
     guard that sets a failing request aside), a ``commit_step`` that raises, which applies
     nothing, is retried as the per-request calls through `call`, so one bad request costs
-    only its own drafts; without it, errors propagate."""
+    only its own drafts (`failed`, if given, is told of the batch's exception first: a
+    drafter error to count); without `call`, errors propagate."""
     batched = getattr(drafter, "commit_step", None)
     if batched is not None:
         try:
             batched(request_ids, num_draft, num_accepted, token_ids, num_tokens)
             return
-        except Exception:
+        except Exception as exc:
             if call is None:
                 raise
+            if failed is not None:
+                failed(exc)
     for name, request_id, args in commit_calls(request_ids, num_draft, num_accepted, token_ids, num_tokens):
         if call is None:
             getattr(drafter, name)(request_id, *args)
@@ -141,12 +144,12 @@ class Commits:
         if token_ids:
             self.tokens += token_ids
 
-    def send(self, drafter, call=None) -> None:
+    def send(self, drafter, call=None, failed=None) -> None:
         """``commit_step`` of what was gathered (if anything), then empty again."""
         if not self.ids:
             return
         try:
-            commit_step(drafter, self.ids, self.drafts, self.accepted, self.tokens, self.counts, call)
+            commit_step(drafter, self.ids, self.drafts, self.accepted, self.tokens, self.counts, call, failed)
         finally:
             for values in (self.ids, self.drafts, self.accepted, self.tokens, self.counts):
                 values.clear()

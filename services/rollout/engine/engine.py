@@ -434,7 +434,13 @@ class LLMEngine:
     def _send(self, commits: Commits) -> None:
         """A step's verdicts and tokens to the drafter in one call (``commit_step``); where
         it fails, request by request, and only the request that fails goes on without drafts."""
-        commits.send(self._drafter, self._drafter_call)
+        commits.send(self._drafter, self._drafter_call, self._commit_step_failed)
+
+    def _commit_step_failed(self, exc: Exception) -> None:
+        """The drafter's ``commit_step`` raised (it applied nothing; its commits go again
+        request by request): a drafter error, logged and counted."""
+        log.warning("drafter.commit_step failed (%s: %s); committing request by request", type(exc).__name__, exc)
+        self.metrics.on_drafter_error()
 
     def _drafter_call(self, method, request_id: str, *args) -> None:
         """Calls the drafter for one request; if it fails, that request goes on without

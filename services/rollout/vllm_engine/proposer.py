@@ -147,7 +147,14 @@ class HistoryProposer:
         """The gathered commits in one call; where it fails, request by request (only the
         request that fails goes on without drafts)."""
         commits.send(self.drafter, lambda method, req_id, *args: self._drafter_call(self._live[req_id], method,
-                                                                                   req_id, *args))
+                                                                                   req_id, *args),
+                     self._commit_step_failed)
+
+    def _commit_step_failed(self, exc: Exception) -> None:
+        """The drafter's ``commit_step`` raised (it applied nothing; its commits go again
+        request by request): a drafter error, logged and counted."""
+        log.warning("drafter.commit_step failed (%s: %s); committing request by request", type(exc).__name__, exc)
+        self.num_drafter_errors += 1
 
     def _drafter_call(self, live: _Live, method, req_id: str, *args) -> None:
         """Calls the drafter for one request; if it raises, that request goes on without

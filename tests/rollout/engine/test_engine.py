@@ -523,6 +523,7 @@ def test_a_failing_commit_step_goes_again_request_by_request(model):
     assert {rid: out.token_ids for rid, out in spec.items()} == {rid: out.token_ids for rid, out in plain.items()}
     assert NoBatch.tries > 0 and engine.metrics.counters.num_accepted_tokens > 0
     assert drafter.stats().num_accepted_tokens > 0  # the verdicts reached it one by one
+    assert engine.metrics.counters.num_drafter_errors == NoBatch.tries  # each failed batch counted as a drafter error
 
 
 class EagerGraphs(CUDAGraphs):

@@ -194,11 +194,13 @@ def test_processed_logprobs_are_rhymerls_over_the_allowed_tokens(engine, policy)
         assert sum(w - b for w, b in zip(want, below)) > 1e-3  # the modes differ here: the check can tell
 
 
-@pytest.mark.parametrize("failing", ["add_tokens", "record_acceptance", "propose", "start_request"])
+@pytest.mark.parametrize("failing", ["add_tokens", "record_acceptance", "commit_step", "propose", "start_request"])
 def test_a_failing_drafter_costs_speed_never_samples(engine, failing):
     """A drafter that raises on every third call (a bug under load) inside vLLM's step: the
     affected requests decode without drafts, every sample comes back whole with the greedy
-    tokens it has without the fault, and the errors are counted."""
+    tokens it has without the fault, and the errors are counted. A failing per-request
+    commit (add_tokens, record_acceptance) is a drafter without ``commit_step``, which the
+    proposer then commits request by request; a failing ``commit_step`` is retried so."""
     proposer = engine.llm.collective_rpc(lambda worker: worker.model_runner.drafter)[0]
     healthy = proposer.drafter
     plain = sampled(engine, range(8), 16, temperature=0.0)
@@ -208,6 +210,8 @@ def test_a_failing_drafter_costs_speed_never_samples(engine, failing):
         calls = 0
 
         def __getattr__(self, name):
+            if name == "commit_step" and failing in ("add_tokens", "record_acceptance"):
+                raise AttributeError(name)  # commits go request by request, through the failing call
             return getattr(healthy, name)
 
     def broken(*args, **kw):

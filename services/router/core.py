@@ -293,7 +293,7 @@ class Router:
                                                       metadata=self.metadata)
         except (grpc.aio.AioRpcError, FileNotFoundError) as exc:
             log.warning("shard %s not caught up to version %d: %s", shard_id, latest.version,
-                        getattr(exc, "details", lambda: exc)())
+                        exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc)
             return
         finally:
             self._catching_up.discard(shard_id)

@@ -87,7 +87,7 @@ class ShardedCluster(StartStop):
             shard.start(timeout_s)
         self.router_port, self.router_metrics_port = free_port(), free_port()
         self._spawn_router()
-        self.wait_router(timeout_s)
+        self.wait_router(timeout_s, every_shard_usable=True)
         return self
 
     def _spawn_router(self) -> None:
@@ -171,19 +171,29 @@ class ShardedCluster(StartStop):
                 raise TimeoutError(f"the router does not use shard-{shard}; see {self.log_dir / 'router.log'}")
             time.sleep(0.1)
 
-    def wait_router(self, timeout_s: float) -> None:
-        """Until the router is ready and sees every running shard with its capacity."""
+    def wait_router(self, timeout_s: float, every_shard_usable: bool = False) -> None:
+        """Until the router is ready and sees every running shard's workers; with
+        ``every_shard_usable`` (a fresh cluster: every shard at the first version), also
+        until it would give work to every shard that can serve (not so after a restart: a
+        shard behind the version waits for the next push there)."""
         from rhymerl import RolloutClient
 
         deadline = time.monotonic() + timeout_s
         expected = sum(s.is_running(w) for s in self.shards for w in s.workers)
+        # the shards the router should give work to: a running scheduler with a running worker
+        serving = [f"shard-{i}" for i, s in enumerate(self.shards)
+                   if every_shard_usable and s.is_running("scheduler") and any(s.is_running(w) for w in s.workers)]
         while True:
             if self.router.poll() is not None:
                 raise RuntimeError(f"router exited; see {self.log_dir / 'router.log'}")
             try:
                 with RolloutClient(self.address, timeout_s=5, max_retries=0) as client:
-                    if len([w for w in client.stats().workers if w.healthy]) >= expected and self._ready():
-                        return
+                    healthy = len([w for w in client.stats().workers if w.healthy]) >= expected
+                # and the registry's view (capacity announced, refreshed about every second)
+                # has caught up: a step sent before would go to the shards seen so far only
+                usable = self.shard_usable() if healthy and serving else {}
+                if healthy and all(usable.get(name) for name in serving) and self._ready():
+                    return
             except Exception:  # noqa: BLE001 - not up yet
                 pass
             if time.monotonic() > deadline:

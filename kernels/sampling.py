@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import gumbel_native
 from kernels.paged_attention import use_triton
 
 try:
@@ -241,8 +242,6 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, processed
 def _cpu_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``gumbel_noise``, bit for bit, with its hashing compiled (kernels/gumbel_native.py)
     when `make install` built it; else the reference itself."""
-    from kernels import gumbel_native
-
     noise = gumbel_native.gumbel_noise(seeds, positions, vocab_size)
     return noise if noise is not None else gumbel_noise(seeds, positions, vocab_size)
 

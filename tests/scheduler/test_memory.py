@@ -10,6 +10,7 @@ pay for are named in ``test_a_sample_in_flight_costs_under_a_bound``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import subprocess
 import sys
@@ -111,6 +112,16 @@ async def until(condition) -> None:
         await asyncio.sleep(0)
 
 
+@contextlib.contextmanager
+def tracing():
+    """tracemalloc on for the block (the counts below are of what it allocates)."""
+    tracemalloc.start()
+    try:
+        yield
+    finally:
+        tracemalloc.stop()
+
+
 def traced() -> int:
     gc.collect()
     return tracemalloc.get_traced_memory()[0]
@@ -137,15 +148,12 @@ async def _in_flight(workers: int = 16):
 
 @run_async
 async def test_a_sample_in_flight_costs_under_a_bound():
-    tracemalloc.start()
-    try:
+    with tracing():
         core, _, run, before = await _in_flight()
         per_sample = (traced() - before) / SAMPLES
         assert run.num_running == SAMPLES
         assert per_sample <= MAX_BYTES_IN_FLIGHT, f"{per_sample:.0f} bytes per sample in flight"
         await core.stop()
-    finally:
-        tracemalloc.stop()
 
 
 @run_async
@@ -153,8 +161,7 @@ async def test_a_finished_samples_progress_is_released_as_it_finishes():
     """Half the workers answer: their samples' progress is gone while the others still
     run. Then a second step like the first (the tables already sized by it): what it
     leaves once done is its events alone."""
-    tracemalloc.start()
-    try:
+    with tracing():
         core, link, run, _ = await _in_flight()
         first = link.streams[: len(link.streams) // 2]
         for stream in first:
@@ -176,16 +183,13 @@ async def test_a_finished_samples_progress_is_released_as_it_finishes():
         assert alive(SampleProgress, "memory-step-0002") == alive(Request, "memory-step-0002") == 0
         assert per_sample <= MAX_BYTES_DONE_OVER_LOG, f"{per_sample:.0f} bytes per finished sample beyond its event"
         await core.stop()
-    finally:
-        tracemalloc.stop()
 
 
 @run_async
 async def test_batches_waiting_for_their_delivery_hold_no_parsed_results():
     """Every worker answers at once and every batch's delivery waits (a slow step log):
     what they hold meanwhile is the samples and their events, not the results."""
-    tracemalloc.start()
-    try:
+    with tracing():
         core, link, run, before = await _in_flight()
         waiting, go = [], asyncio.Event()
 
@@ -203,8 +207,6 @@ async def test_batches_waiting_for_their_delivery_hold_no_parsed_results():
         await run.finished.wait()
         assert run.num_published == SAMPLES
         await core.stop()
-    finally:
-        tracemalloc.stop()
 
 
 class _Response:

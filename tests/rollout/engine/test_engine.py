@@ -472,16 +472,22 @@ def test_history_drafter_is_lossless(model, kind, temperature):
     assert engine.metrics.counters.num_accepted_tokens > 0
 
 
+def _four_requests_decoded_plainly(model):
+    """Four sampled requests of one prompt ("p", T=0.7, 24 tokens) and their outputs
+    without speculation: the drafter-fault tests' batch and its expected tokens."""
+    prompt = prompt_of(10)
+    reqs = [make_request(i, prompt, prompt_id="p", temperature=0.7, max_tokens=24, max_new_tokens=24)
+            for i in range(4)]
+    return reqs, run_to_end(_engine_with(model, reqs, speculative=False))
+
+
 @pytest.mark.parametrize("failing", ["propose", "add_tokens", "record_acceptance", "start_request"])
 def test_a_failing_drafter_costs_speed_never_samples(model, failing):
     """A drafter that raises (a bug under load) must not fail the step or the batch: the
     affected requests decode without drafts, the output is unchanged, the error counted."""
     from services.rollout.drafter import HistoDrafter
 
-    prompt = prompt_of(10)
-    reqs = [make_request(i, prompt, prompt_id="p", temperature=0.7, max_tokens=24, max_new_tokens=24)
-            for i in range(4)]
-    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    reqs, plain = _four_requests_decoded_plainly(model)
 
     class Flaky(HistoDrafter):
         calls = 0
@@ -505,10 +511,7 @@ def test_a_failing_commit_step_goes_again_request_by_request(model):
     (it applies nothing) they go again one call per request, so drafting goes on."""
     from services.rollout.drafter import HistoDrafter
 
-    prompt = prompt_of(10)
-    reqs = [make_request(i, prompt, prompt_id="p", temperature=0.7, max_tokens=24, max_new_tokens=24)
-            for i in range(4)]
-    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    reqs, plain = _four_requests_decoded_plainly(model)
 
     class NoBatch(HistoDrafter):
         tries = 0

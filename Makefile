@@ -25,8 +25,14 @@ DRAFTER_ASAN := $(DRAFTER_DIR)/libhisto_asan.so
 # The CPU sampler's RNG (kernels/native/gumbel.cpp; kernels/gumbel_native.py loads it):
 # the same noise as the PyTorch reference, bit for bit, about 10x faster on a CPU worker.
 SAMPLER_LIB  := kernels/native/libgumbel.so
+# The CPU paged attention's two passes over the KV cache (kernels/native/attention.cpp;
+# kernels/paged_attention_native.py loads it): decode and verify steps without copying K/V.
+ATTENTION_LIB := kernels/native/libattention.so
 
-install: $(STAMP) $(GENERATED) $(DRAFTER_LIB) $(SAMPLER_LIB)
+install: $(STAMP) $(GENERATED) $(DRAFTER_LIB) $(SAMPLER_LIB) $(ATTENTION_LIB)
+
+$(ATTENTION_LIB): kernels/native/attention.cpp $(DRAFTER_DIR)/build.py
+	$(PY) $(DRAFTER_DIR)/build.py --target attention --force --out $@
 
 $(SAMPLER_LIB): kernels/native/gumbel.cpp $(DRAFTER_DIR)/build.py
 	$(PY) $(DRAFTER_DIR)/build.py --target gumbel --force --out $@

@@ -13,7 +13,10 @@ whose bit j is set in ``tree_mask[row]`` (its ancestors and itself); a row whose
 
 This module knows nothing about sequences, schedulers or models: it sees tensors.
 Each op has a Triton kernel, a checked wrapper (``*_triton``), a PyTorch reference
-(``*_reference``, the ground truth) and a dispatcher that picks between them.
+(``*_reference``, the ground truth) and a dispatcher that picks between them. On a CPU
+the dispatcher runs decode and verify steps (float32, queries of up to 64 rows, no tree)
+through the compiled passes of ``kernels/paged_attention_native.py``, which read the KV
+cache in place instead of gathering it, and everything else through the reference.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import torch
 
 from kernels.paged_attention_invariant import paged_attention_invariant_reference
+from kernels.paged_attention_native import paged_attention_native
 
 try:
     import triton
@@ -316,7 +320,8 @@ def paged_attention(
         return paged_attention_triton(*args, batch_invariant=batch_invariant, tree_mask=tree_mask)
     if batch_invariant:
         return paged_attention_invariant_reference(*args[:7], tree_mask=tree_mask)
-    return paged_attention_reference(*args, tree_mask=tree_mask)
+    out = paged_attention_native(*args, tree_mask=tree_mask)  # the CPU's decode and verify steps
+    return out if out is not None else paged_attention_reference(*args, tree_mask=tree_mask)
 
 
 # ------------------------------------------------------------------------ Triton kernels

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from benchmarks import drafter_replay as R
 from kernels.gumbel_native import LIBRARY as GUMBEL_LIBRARY
+from kernels.paged_attention_native import LIBRARY as ATTENTION_LIBRARY
 from services.rollout.drafter import DrafterConfig, HistoDrafter, UnknownRequestError
 from services.rollout.drafter.compiled import (
     LIBRARY,
@@ -267,7 +268,8 @@ def test_a_missing_library_names_make_install(tmp_path):
 @pytest.mark.parametrize("library, exported, internal", [
     (LIBRARY, "rhd_propose", "SuffixIndex"),  # the drafter core
     (GUMBEL_LIBRARY, "rhg_signed_units", "mix32"),  # the CPU sampler's RNG (same build script)
-], ids=["histo", "gumbel"])
+    (ATTENTION_LIBRARY, "rpa_scores", "scores_of"),  # the CPU paged attention's passes
+], ids=["histo", "gumbel", "attention"])
 def test_library_needs_nothing_newer_than_glibc_2_17(library, exported, internal):
     """The GPU machine's glibc may be older than this machine's: no symbol versioned above
     GLIBC_2.17, and no libstdc++/libgcc_s to find there (linked in statically)."""

@@ -1,9 +1,11 @@
 """Builds the project's compiled hot paths into shared libraries, with g++ (or $CXX).
 
-    python3 services/rollout/drafter/native/build.py [--target histo|gumbel] [--out PATH] [--sanitize]
+    python3 services/rollout/drafter/native/build.py [--target histo|gumbel|attention] [--out PATH] [--sanitize]
 
-Targets: `histo`, the compiled drafter core (histo.cpp, the default), and `gumbel`, the
-CPU sampler's RNG (kernels/native/gumbel.cpp, loaded by kernels/gumbel_native.py).
+Targets: `histo`, the compiled drafter core (histo.cpp, the default); `gumbel`, the CPU
+sampler's RNG (kernels/native/gumbel.cpp, loaded by kernels/gumbel_native.py); and
+`attention`, the CPU paged attention's passes over the KV cache (kernels/native/attention.cpp,
+loaded by kernels/paged_attention_native.py).
 
 Release build: -O2, libstdc++ and libgcc linked statically and no libm, so the library
 needs no glibc symbol newer than 2.17 and one build loads on any Python (ctypes, a flat C
@@ -42,6 +44,9 @@ TARGETS = {
     "histo": Target(SOURCES, HEADERS, LIBRARY, SANITIZED),
     # -O3: its one loop is integer hashing that only pays once vectorised
     "gumbel": Target([KERNELS / "gumbel.cpp"], [], KERNELS / "libgumbel.so", KERNELS / "libgumbel_asan.so", "-O3"),
+    # -O3: its dot products and weighted sums only pay once vectorised
+    "attention": Target([KERNELS / "attention.cpp"], [], KERNELS / "libattention.so", KERNELS / "libattention_asan.so",
+                        "-O3"),
 }
 
 COMMON = ["-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off", "-fno-exceptions", "-fno-rtti",

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 LIBRARY = Path(__file__).resolve().parent / "native" / "libattention.so"
+BUNDLED = Path(__file__).resolve().parents[1] / ".gpu-bundle" / "lib" / "libattention.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_ATTENTION_LIBRARY"  # another build of it
 ABI_VERSION = 1
 MAX_QUERY = 64  # query rows per sequence up to which this path serves (decode, verify)
@@ -46,8 +47,10 @@ log = logging.getLogger(__name__)
 
 
 def library_path() -> Path:
-    """$RHYMERL_ATTENTION_LIBRARY, else the build of `make install`."""
-    return Path(os.environ[LIBRARY_ENV]) if os.environ.get(LIBRARY_ENV) else LIBRARY
+    """$RHYMERL_ATTENTION_LIBRARY, else the build of `make install`, else the GPU bundle's copy."""
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    return BUNDLED if not LIBRARY.exists() and BUNDLED.exists() else LIBRARY
 
 
 def load_library(path: str | Path | None = None) -> ctypes.CDLL | None:

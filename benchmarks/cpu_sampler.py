@@ -1,12 +1,14 @@
-"""The CPU sampler with the compiled RNG against the PyTorch reference, side by side.
+"""The CPU sampler (compiled RNG, screened Gumbel-max) against the PyTorch reference, side by side.
 
     python -m benchmarks.cpu_sampler [--repeats 5] [--threads 2]
 
-A CPU worker samples every step through ``kernels.sampling.sample``: Gumbel noise over
-the whole vocabulary, then the argmax and the token's logprob. The noise is either the
-PyTorch reference (``gumbel_noise``, int64 hashing) or the compiled RNG
-(``kernels/gumbel_native.py``, the same bits). For each (rows, vocabulary) it reports
-the median process CPU time and wall time of a whole ``sample`` call with each RNG, their
+A CPU worker samples every step through ``kernels.sampling.sample``: the argmax of the
+scaled logits plus Gumbel noise, and the token's logprob. The reference
+(``sample_reference``) computes the noise over the whole vocabulary with int64 hashing in
+PyTorch; the CPU path (``sample``) uses the compiled RNG (``kernels/gumbel_native.py``),
+and for rows without truncation (these rows: T=1) the screened Gumbel-max, which
+computes the noise of a few candidate tokens per row only. For each (rows, vocabulary)
+it reports the median process CPU time and wall time of a whole call of each, their
 ratio, and whether the tokens and logprobs are identical (they must be). Vocabularies:
 SmolLM2's 49,152 and Qwen's 151,936; rows 1 to 256 (a decode batch).
 
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 command="python -m benchmarks.cpu_sampler " + " ".join(argv if argv is not None else sys.argv[1:]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu_sampler.json").write_text(json.dumps(dict(meta, rows=rows), indent=1) + "\n")
-    lines = ["# CPU sampler: compiled RNG vs the PyTorch reference", "",
+    lines = ["# CPU sampler: the CPU path (compiled RNG, screened Gumbel-max) vs the PyTorch reference", "",
              f"`{meta['command']}` at commit {meta['commit']} on {meta['device']} ({args.threads} torch threads, "
              f"median of {args.repeats}). A whole `sample` call (noise, argmax, logprob) at T=1; CPU time is the "
              "process's, so it counts every torch thread. Ratios are this CPU's.", "",

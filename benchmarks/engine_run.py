@@ -55,5 +55,13 @@ class ContinuationDrafter:
     def stop_request(self, request_id):
         self.done.pop(request_id, None)
 
+    def commit_step(self, request_ids, num_draft, num_accepted, token_ids, num_tokens):
+        """A step's add_tokens in one call, as both rhymerl drafters take them (the engines
+        send a step's commits so; drafter_protocol.commit_step)."""
+        done = self.done
+        for request_id, count in zip(request_ids, num_tokens):
+            if count > 0:
+                done[request_id] += count
+
     def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
         return [self.continuations[r][self.done[r]:self.done[r] + n] for r, n in zip(request_ids, max_lens)]

@@ -29,13 +29,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from kernels.native import run_split
+
 LIBRARY = Path(__file__).resolve().parent / "native" / "libattention.so"
+BUNDLED = Path(__file__).resolve().parents[1] / ".gpu-bundle" / "lib" / "libattention.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_ATTENTION_LIBRARY"  # another build of it
 ABI_VERSION = 1
 MAX_QUERY = 64  # query rows per sequence up to which this path serves (decode, verify)
@@ -46,8 +48,10 @@ log = logging.getLogger(__name__)
 
 
 def library_path() -> Path:
-    """$RHYMERL_ATTENTION_LIBRARY, else the build of `make install`."""
-    return Path(os.environ[LIBRARY_ENV]) if os.environ.get(LIBRARY_ENV) else LIBRARY
+    """$RHYMERL_ATTENTION_LIBRARY, else the build of `make install`, else the GPU bundle's copy."""
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    return BUNDLED if not LIBRARY.exists() and BUNDLED.exists() else LIBRARY
 
 
 def load_library(path: str | Path | None = None) -> ctypes.CDLL | None:
@@ -77,11 +81,6 @@ def _load(path: str) -> ctypes.CDLL | None:
 
 def available() -> bool:
     return load_library() is not None
-
-
-@cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rhymerl-attention")
 
 
 def applies(q: torch.Tensor, k_cache: torch.Tensor, max_query_len: int | None, tree_mask) -> bool:
@@ -134,7 +133,7 @@ def paged_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_st
 def _run(fn, calls: list[tuple]) -> None:
     """``fn`` once per argument tuple, in the pool's threads when there are several;
     raises ValueError naming what the library refused."""
-    results = list(_pool(len(calls)).map(lambda args: fn(*args), calls)) if len(calls) > 1 else [fn(*calls[0])]
+    results = run_split(lambda part, first, end: fn(*calls[part]), list(range(len(calls) + 1)))
     bad = next((r for r in results if r), 0)
     if bad < 0:
         raise ValueError("paged attention: bad dimensions")

@@ -234,9 +234,30 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, processed
     """
     if use_triton(logits):
         return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation)
-    noise_fn = _cpu_noise if logits.device.type == "cpu" else gumbel_noise
-    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation,
-                            noise_fn)
+    if logits.device.type == "cpu":
+        return _sample_cpu(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation)
+    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation)
+
+
+def _sample_cpu(logits, temperature, top_k, top_p, min_p, seeds, positions, processed=None, truncation=None):
+    """``sample_reference`` on the CPU, the same tokens and logprobs bit for bit: rows
+    without truncation take their token from ``gumbel_native.sample_screened`` (the noise
+    of a few candidates per row, not of the whole vocabulary), the others from the full
+    noise (``_cpu_noise``); without the compiled library, the reference itself."""
+    if not gumbel_native.available():
+        return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions, processed, truncation,
+                                _cpu_noise)
+    _check_args(logits, temperature, top_k, top_p, min_p, processed, seeds=seeds, positions=positions)
+    scaled, t = _scale(logits, temperature)  # [n, vocab]
+    allowed = allowed_mask(logits, t, top_k, top_p, min_p, truncation)
+    if allowed is not None:
+        noise = _cpu_noise(seeds, positions, logits.shape[1])
+        scores = (scaled + torch.where((temperature == 0)[:, None], 0.0, noise)).masked_fill(~allowed, float("-inf"))
+        tokens = scores.argmax(dim=-1)
+    else:  # greedy rows: the argmax itself; the others: screened Gumbel-max
+        tokens = torch.where(temperature == 0, scaled.argmax(dim=-1),
+                             gumbel_native.sample_screened(scaled, seeds, positions))
+    return tokens, _logprobs_reference(scaled, allowed, processed, tokens)
 
 
 def _cpu_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

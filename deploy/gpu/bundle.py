@@ -15,6 +15,8 @@ travel with the working tree (the device's `carry`, 64 MiB with the tree). The b
                          services/rollout/drafter/compiled.py, its SHA-256 checked)
     lib/libgumbel.so     the CPU sampler's RNG (kernels/gumbel_native.py; the GPU tier runs
                          tests/kernels, its tests included)
+    lib/libattention.so  the CPU paged attention's passes (kernels/paged_attention_native.py;
+                         the same: its tests are in tests/kernels)
     manifest.json        Python version, pins, every file's size and SHA-256
 
 deploy/gpu/launch.py installs and uses it there. Downloads are cached (--cache), so a
@@ -147,7 +149,8 @@ def generate_grpc(out: Path, cache: Path) -> None:
 def native_build(out: Path, target: str = "histo") -> None:
     """A compiled library, built here: it needs glibc 2.17 only, so it loads there. The
     drafter core (services/rollout/drafter/compiled.py finds it in the bundle and checks its
-    SHA-256) and the CPU sampler's RNG (kernels/gumbel_native.py; the GPU tier runs its tests)."""
+    SHA-256), and the CPU sampler's RNG and paged attention (kernels/gumbel_native.py,
+    kernels/paged_attention_native.py; the GPU tier runs their tests)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         build_drafter(out, force=True, target=target)
@@ -176,6 +179,7 @@ def build(out: Path, python: str, cache: Path, max_mib: float) -> dict:
         generate_grpc(tmp / "proto", cache)
         native_build(tmp / "lib" / "libhisto.so")
         native_build(tmp / "lib" / "libgumbel.so", target="gumbel")
+        native_build(tmp / "lib" / "libattention.so", target="attention")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = dict(
             python=python, platform="manylinux x86-64", commit=commit, pins=pins,
@@ -191,7 +195,7 @@ def build(out: Path, python: str, cache: Path, max_mib: float) -> dict:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"GPU bundle: {out} ({mib:.1f} MiB: {len(pins)} wheels, redis-server, gRPC code, drafter) "
+    print(f"GPU bundle: {out} ({mib:.1f} MiB: {len(pins)} wheels, redis-server, gRPC code, native libraries) "
           f"for CPython {python}", flush=True)
     return manifest
 

@@ -51,9 +51,16 @@ int64_t check(const Dims& d, const int32_t* tables, const int32_t* seq_lens, con
   return 0;
 }
 
-inline const float* row_at(const float* cache, const Dims& d, const int32_t* table, int64_t pos, int64_t kv_head) {
-  const int64_t block = table[pos / d.block_size];
-  return cache + ((block * d.block_size + pos % d.block_size) * d.num_kv_heads + kv_head) * d.head_dim;
+// Calls fn(j, row) for positions j = 0..ctx - 1 in order, row = KV head h's cached row at
+// j, walking the block table block by block (no division per position).
+template <typename Fn>
+inline void for_each_row(const float* cache, const Dims& d, const int32_t* table, int64_t ctx, int64_t h, Fn fn) {
+  const int64_t stride = d.num_kv_heads * d.head_dim;
+  for (int64_t b = 0, j = 0; j < ctx; ++b) {
+    const float* row = cache + (int64_t(table[b]) * d.block_size * d.num_kv_heads + h) * d.head_dim;
+    const int64_t end = j + d.block_size < ctx ? j + d.block_size : ctx;
+    for (; j < end; ++j, row += stride) fn(j, row);
+  }
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(RPA_NO_CLONES)
@@ -73,43 +80,50 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
+// A sequence's query rows are taken together: each cached row is read once, and dotted
+// with (or added into) every query row that sees it. Row i sees positions 0..first_pos + i
+// (first_pos = ctx - qlen), so position j is seen by rows max(0, j - first_pos)..qlen - 1.
+// Each row's own arithmetic is the same whatever the other rows: its sums run over j in
+// order, so a row's result does not depend on its query's length or its batch.
 RPA_CLONES void scores_of(const Dims& d, const float* q, const float* k_cache, const int32_t* table, int64_t ctx,
                           int64_t first, int64_t qlen, float scale, float* scores) {
-  const int64_t group = d.num_heads / d.num_kv_heads;
+  const int64_t group = d.num_heads / d.num_kv_heads, first_pos = ctx - qlen;
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < qlen; ++i) {
-    const int64_t token = first + i, visible = ctx - qlen + i + 1;
-    for (int64_t h = 0; h < d.num_kv_heads; ++h) {
-      const float* qh = q + (token * d.num_heads + h * group) * d.head_dim;
-      float* out = scores + (token * d.num_heads + h * group) * d.width;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float* kr = row_at(k_cache, d, table, j, h);
+  for (int64_t h = 0; h < d.num_kv_heads; ++h) {
+    for_each_row(k_cache, d, table, ctx, h, [&](int64_t j, const float* kr) {
+      for (int64_t i = j > first_pos ? j - first_pos : 0; i < qlen; ++i) {
+        const float* qh = q + ((first + i) * d.num_heads + h * group) * d.head_dim;
+        float* out = scores + ((first + i) * d.num_heads + h * group) * d.width;
         for (int64_t g = 0; g < group; ++g) out[g * d.width + j] = dot(qh + g * d.head_dim, kr, d.head_dim) * scale;
       }
+    });
+    for (int64_t i = 0; i < qlen; ++i) {  // past each row's last visible position
+      float* out = scores + ((first + i) * d.num_heads + h * group) * d.width;
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t j = visible; j < d.width; ++j) out[g * d.width + j] = ninf;
+        for (int64_t j = first_pos + i + 1; j < d.width; ++j) out[g * d.width + j] = ninf;
     }
   }
 }
 
 RPA_CLONES void values_of(const Dims& d, const float* probs, const float* v_cache, const int32_t* table, int64_t ctx,
                           int64_t first, int64_t qlen, float* out) {
-  const int64_t group = d.num_heads / d.num_kv_heads, hd = d.head_dim;
-  for (int64_t i = 0; i < qlen; ++i) {
-    const int64_t token = first + i, visible = ctx - qlen + i + 1;
-    for (int64_t h = 0; h < d.num_kv_heads; ++h) {
-      const float* p = probs + (token * d.num_heads + h * group) * d.width;
-      float* o = out + (token * d.num_heads + h * group) * hd;
+  const int64_t group = d.num_heads / d.num_kv_heads, hd = d.head_dim, first_pos = ctx - qlen;
+  for (int64_t h = 0; h < d.num_kv_heads; ++h) {
+    for (int64_t i = 0; i < qlen; ++i) {
+      float* o = out + ((first + i) * d.num_heads + h * group) * hd;
       for (int64_t x = 0; x < group * hd; ++x) o[x] = 0.0f;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float* vr = row_at(v_cache, d, table, j, h);
+    }
+    for_each_row(v_cache, d, table, ctx, h, [&](int64_t j, const float* vr) {
+      for (int64_t i = j > first_pos ? j - first_pos : 0; i < qlen; ++i) {
+        const float* p = probs + ((first + i) * d.num_heads + h * group) * d.width;
+        float* o = out + ((first + i) * d.num_heads + h * group) * hd;
         for (int64_t g = 0; g < group; ++g) {
           const float w = p[g * d.width + j];
           float* og = o + g * hd;
           for (int64_t x = 0; x < hd; ++x) og[x] += w * vr[x];
         }
       }
-    }
+    });
   }
 }
 

@@ -121,7 +121,7 @@ def test_bundle_installs_offline_and_everything_imports(bundle, tmp_path):
     python = gpu_like_python(tmp_path / "gpu-python")
     # Both compiled libraries travel in it (the drafter core, the CPU sampler's RNG).
     files = json.loads((bundle / "manifest.json").read_text())["files"]
-    assert {"lib/libhisto.so", "lib/libgumbel.so"} <= set(files)
+    assert {"lib/libhisto.so", "lib/libgumbel.so", "lib/libattention.so"} <= set(files)
     # The GPU-like Python really lacks what the bundle brings.
     probe = subprocess.run([str(python), "-c", "import redis"], capture_output=True, text=True)
     assert probe.returncode != 0 and "redis" in probe.stderr

@@ -21,12 +21,13 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
-from services.rollout.engine.drafter_protocol import Commits, Drafter, NullDrafter
+from services.rollout.engine.drafter_protocol import Commits, Drafter, NullDrafter, commit_step
 from services.common.validation import check_sampling_values
 from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics
@@ -34,7 +35,8 @@ from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blo
 from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.tree import MAX_TREE_ROWS, check_tree, is_chain, kv_moves, prune, shape
-from services.rollout.engine.verifier import Verdict, sample_rows, verify, verify_linear
+from services.rollout.engine.input_batch import VerifyStats
+from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_rows, verify, verify_linear
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(worker_id, deferred=True)
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
+        self._verify_stats = VerifyStats(max_num_seqs, max(self.max_draft_len, 1))  # linear steps' counts by slot
 
     @classmethod
     def from_path(cls, model_path, device="auto", dtype=None, **kw) -> "LLMEngine":
@@ -120,6 +123,7 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
+        self._verify_stats.drain(seq)
         self._aborted.append(seq.to_output("abort"))
         self._remove(seq)
         return True
@@ -228,61 +232,86 @@ class LLMEngine:
                      cost_start: float) -> list[RequestOutput]:
         """Verify, commit and finish a step of the decode layout (every sequence samples:
         its last token, then perhaps a linear draft; step_inputs._decode_step): the drafts
-        accepted for the whole batch by array operations (``verify_linear``), then one
-        pass over the sequences doing what ``_commit`` does, in the same order (the
-        scheduler's ``postprocess`` has nothing to do for such a step but charge its time).
-        The drafter gets the step's verdicts and tokens in one ``commit_step`` call after
-        the pass (before a finished request's stop_request: the same order as calls one by
-        one)."""
+        accepted for the whole batch by array operations (``verify_linear``), their counts
+        per request summed by arrays too (``VerifyStats``), then one pass over the
+        sequences appending what each committed, in order (the scheduler's ``postprocess``
+        has nothing to do for such a step but charge its time). The drafter gets the
+        step's verdicts and tokens in one ``commit_step`` call, made from the arrays after
+        the pass (or, where a request's chunk ends, the commits before it first, then its
+        stop_request: the same order as calls one by one)."""
         runner = self.runner
         v = verify_linear(logits, runner.sampling, runner.params, runner.reader)
         elapsed = time.perf_counter() - start
+        seqs = batch.seqs
+        self._verify_stats.record(runner.sampling.row_slots_host[v.query_start[:-1]], v.num_draft, v.num_accepted)
         tokens, logprobs = v.token_ids, v.logprobs
-        undrafted, bm = self._undrafted, self.block_manager
+        bm = self.block_manager
         bs = bm.block_size
-        num_generated = num_drafts = num_accepted = 0
-        commits = Commits()  # the drafter's: per request its verdict and tokens
-        for seq, lo, num_draft, a in zip(batch.seqs, v.query_start.tolist(), v.num_draft.tolist(),
-                                         v.num_accepted.tolist()):
+        num_generated = sent = 0  # sent: the sequences whose commits the drafter has
+        for i, (seq, lo, num_draft, a) in enumerate(zip(seqs, v.query_start.tolist(), v.num_draft.tolist(),
+                                                        v.num_accepted.tolist())):
             seq.busy_s += elapsed
-            request_id = seq.request_id
             if num_draft:
-                num_drafts += 1
-                num_accepted += a
-                seq.record_verify(num_draft, a)
                 seq.draft_token_ids = []
             computed = seq.num_computed_tokens
             seq.num_computed_tokens = computed + 1 + a  # the fed token and the accepted drafts
             seq.num_scheduled_tokens = 0
-            token_ids = tokens[lo:lo + a + 1]
+            hi = lo + a + 1
+            token_ids = tokens[lo:hi]
             own = seq.token_ids
             if len(own) + a + 1 < seq.end_len and seq.stop_token_ids.isdisjoint(token_ids):
                 own += token_ids  # none can end the chunk (Sequence.append_tokens' common case)
                 seq.out_token_ids += token_ids
-                seq.out_logprobs += logprobs[lo:lo + a + 1]
+                seq.out_logprobs += logprobs[lo:hi]
                 num_generated += a + 1
             else:
-                num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:lo + a + 1])
+                num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:hi])
                 num_generated += num_emitted
-                if ended:
-                    if num_draft and request_id not in undrafted:  # its verdict, no tokens
-                        commits.add(request_id, num_draft, a, None)
-                    self._send(commits)  # the commits so far, before the request stops
+                if ended:  # the commits so far and its verdict (no tokens), before the request stops
+                    self._send_linear(v, seqs, sent, i, ended=True)
+                    sent = i + 1
                     outputs.append(self._finish(seq))
                     continue
-            if num_draft and len(seq.block_table) * bs >= len(seq.token_ids) + bs:
-                bm.truncate(seq, len(seq.token_ids))  # drop the rejected drafts' blocks
+            if num_draft and len(seq.block_table) * bs >= len(own) + bs:
+                bm.truncate(seq, len(own))  # drop the rejected drafts' blocks
             if seq.num_computed_tokens // bs != computed // bs:
                 bm.commit(seq)
-            if request_id not in undrafted:
-                commits.add(request_id, num_draft, a, token_ids)
-        self._send(commits)
-        num_draft_tokens = len(tokens) - len(batch.seqs)
-        self.metrics.on_accepted(num_drafts, num_draft_tokens, num_accepted, v.num_accepted)
+        self._send_linear(v, seqs, sent, len(seqs))
+        num_draft_tokens = len(tokens) - len(seqs)
+        self.metrics.on_accepted(int(np.count_nonzero(v.num_draft)), num_draft_tokens, int(v.num_accepted.sum()),
+                                 v.num_accepted)
         self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), num_draft_tokens, num_generated)
         return outputs
 
+    def _send_linear(self, v: LinearVerdicts, seqs: list[Sequence], first: int, end: int,
+                     ended: bool = False) -> None:
+        """The drafter's commits of sequences ``first..end - 1`` of a linear step, from its
+        arrays: each one's verdict and committed tokens; with ``ended``, sequence ``end``'s
+        chunk ended: its verdict too (where it drafted), without tokens. Requests the
+        drafter failed on are left out."""
+        ids = [s.request_id for s in seqs[first:end]]
+        drafts, accepted = v.num_draft[first:end].tolist(), v.num_accepted[first:end].tolist()
+        counts = [a + 1 for a in accepted]
+        tokens = v.committed(first, end).tolist()
+        if ended and v.num_draft[end]:
+            ids.append(seqs[end].request_id)
+            drafts.append(int(v.num_draft[end]))
+            accepted.append(int(v.num_accepted[end]))
+            counts.append(-1)
+        if self._undrafted and any(r in self._undrafted for r in ids):
+            kept = Commits()
+            at = 0
+            for request_id, d, a, n in zip(ids, drafts, accepted, counts):
+                if request_id not in self._undrafted:
+                    kept.add(request_id, d, a, None if n < 0 else tokens[at:at + n])
+                at += max(n, 0)
+            self._send(kept)
+        elif ids:
+            commit_step(self._drafter, ids, drafts, accepted, tokens, counts, self._drafter_call,
+                        self._commit_step_failed)
+
     def _finish(self, seq: Sequence) -> RequestOutput:
+        self._verify_stats.drain(seq)
         output = seq.to_output(seq.finish_reason)
         self._remove(seq)
         return output
@@ -425,6 +454,7 @@ class LLMEngine:
             self.block_manager.commit(seq)
 
     def _remove(self, seq: Sequence) -> None:
+        self._verify_stats.drain(seq)  # (clears its slot's counts for the slot's next request)
         self.scheduler.remove(seq)
         self.runner.params.release(seq.slot)
         del self.seqs[seq.request_id]

@@ -315,3 +315,62 @@ class BlockTables:
         array[:old_rows, :old_cols] = self.array
         lengths[:old_rows] = self.lengths
         self.array, self.lengths = array, lengths
+
+
+class VerifyStats:
+    """Per request slot, what ``Sequence.record_verify`` counts (verify steps, draft tokens,
+    accepted tokens, accepted drafts per position), summed by array operations for a whole
+    decode-layout step (``record``) instead of one call per sequence. ``drain`` adds a
+    slot's totals into its sequence, where its output reads them, and clears the slot; the
+    engine drains a sequence before making its output and when its slot is given back."""
+
+    def __init__(self, slots: int = 256, positions: int = 8):
+        self.counts = np.zeros((slots, 3), dtype=np.int64)  # verify steps, draft tokens, accepted tokens
+        self.per_pos = np.zeros((slots, positions), dtype=np.int64)  # drafts accepted at position i
+        self.longest = np.zeros(slots, dtype=np.int64)  # the longest draft verified (per_pos's used length)
+
+    def record(self, slots: np.ndarray, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+        """One step's verdicts: sequence i, in slot ``slots[i]`` (each slot at most once),
+        verified ``num_draft[i]`` draft tokens and accepted ``num_accepted[i]``."""
+        drafted = num_draft > 0
+        if not drafted.any():
+            return
+        slots, num_draft, num_accepted = slots[drafted], num_draft[drafted], num_accepted[drafted]
+        self._fit(int(slots.max()) + 1, int(num_draft.max()))
+        self.counts[slots] += np.stack((np.ones_like(num_draft), num_draft, num_accepted), axis=1)
+        most = int(num_accepted.max())
+        if most:
+            self.per_pos[slots, :most] += np.arange(most) < num_accepted[:, None]
+        self.longest[slots] = np.maximum(self.longest[slots], num_draft)
+
+    def drain(self, seq) -> None:
+        """Adds the slot's totals into ``seq`` (as its record_verify calls would have) and
+        clears the slot."""
+        slot = seq.slot
+        if not 0 <= slot < len(self.longest) or not self.counts[slot, 0]:
+            return
+        steps, drafts, accepted = self.counts[slot].tolist()
+        seq.num_verify_steps += steps
+        seq.num_draft_tokens += drafts
+        seq.num_accepted_tokens += accepted
+        longest = int(self.longest[slot])
+        per_pos = seq.accepted_per_pos
+        if len(per_pos) < longest:
+            per_pos.extend([0] * (longest - len(per_pos)))
+        for i, n in enumerate(self.per_pos[slot, :longest].tolist()):
+            per_pos[i] += n
+        self.counts[slot] = 0
+        self.per_pos[slot] = 0
+        self.longest[slot] = 0
+
+    def _fit(self, slots: int, positions: int) -> None:
+        old_slots, old_positions = self.per_pos.shape
+        if slots <= old_slots and positions <= old_positions:
+            return
+        slots, positions = max(slots, 2 * old_slots if slots > old_slots else old_slots), max(positions, old_positions)
+        counts = np.zeros((slots, 3), dtype=np.int64)
+        per_pos = np.zeros((slots, positions), dtype=np.int64)
+        longest = np.zeros(slots, dtype=np.int64)
+        counts[:old_slots], per_pos[:old_slots, :old_positions], longest[:old_slots] = (
+            self.counts, self.per_pos, self.longest)
+        self.counts, self.per_pos, self.longest = counts, per_pos, longest

@@ -95,6 +95,16 @@ class LinearVerdicts:
     query_start: np.ndarray  # [num_seqs + 1]
     num_draft: np.ndarray  # [num_seqs] draft tokens verified
     num_accepted: np.ndarray  # [num_seqs]
+    tokens: np.ndarray  # [num_rows] token_ids as an array
+
+    def committed(self, first: int, end: int) -> np.ndarray:
+        """The tokens sequences ``first..end - 1`` commit (each its first num_accepted + 1
+        rows), in order, as one array."""
+        qs = self.query_start
+        lo, hi = int(qs[first]), int(qs[end])
+        lens = qs[first + 1:end + 1] - qs[first:end]
+        offset = np.arange(hi - lo) - np.repeat(qs[first:end] - lo, lens)
+        return self.tokens[lo:hi][offset <= np.repeat(self.num_accepted[first:end], lens)]
 
 
 def accepted_lengths(sampled: np.ndarray, fed: np.ndarray, query_start: np.ndarray) -> np.ndarray:
@@ -118,7 +128,8 @@ def verify_linear(logits: torch.Tensor, sampling: StepSampling, params: SlotPara
     tokens, logprobs = sample_arrays(logits, sampling, params, reader)
     query_start = sampling.query_start_host
     num_accepted = accepted_lengths(tokens, sampling.fed_host, query_start)
-    return LinearVerdicts(tokens.tolist(), logprobs.tolist(), query_start, np.diff(query_start) - 1, num_accepted)
+    return LinearVerdicts(tokens.tolist(), logprobs.tolist(), query_start, np.diff(query_start) - 1, num_accepted,
+                          tokens)
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | None = None,

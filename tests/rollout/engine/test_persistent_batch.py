@@ -268,6 +268,40 @@ def test_array_verify_is_lossless(model, array_paths, wrong_every):
     assert not drafter.generated
 
 
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_array_verify_counts_each_requests_drafts_as_the_walk_does(model, array_paths, monkeypatch, wrong_every):
+    """Per request, the verify steps, draft and accepted tokens and accepted drafts per
+    position that the linear path sums by arrays (``VerifyStats``) equal those of the
+    per-sequence walk (``Sequence.record_verify``), and an aborted request's output
+    carries its counts so far and leaves its slot's counts clear for the next request."""
+    reqs = mixed_requests()
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    continuations = {rid: out.token_ids for rid, out in plain.items()}
+    spec = run_to_end(_engine_with(model, reqs, drafter=OracleDrafter(continuations, wrong_every)))
+    linear_steps = array_paths["verify_linear"]
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 10**9)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 10**9)
+    walk = run_to_end(_engine_with(model, reqs, drafter=OracleDrafter(continuations, wrong_every)))
+    assert array_paths["verify_linear"] == linear_steps >= 3  # the walk took none
+    stats = ("num_verify_steps", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+    for rid, out in walk.items():
+        assert [getattr(spec[rid], k) for k in stats] == [getattr(out, k) for k in stats], rid
+    assert sum(o.num_verify_steps for o in walk.values()) > 0 and any(len(o.accepted_per_pos) > 1
+                                                                      for o in walk.values())
+    monkeypatch.undo()
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 1)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)
+    engine = _engine_with(model, reqs, drafter=OracleDrafter(continuations, wrong_every))
+    longest = max(reqs, key=lambda r: r.max_tokens).request_id
+    while not engine._verify_stats.counts[engine.seqs[longest].slot, 0]:  # until it has verified a draft
+        engine.step()
+    slot = engine.seqs[longest].slot
+    assert engine.abort(longest)
+    aborted = engine.step()[0]
+    assert aborted.finish_reason == "abort" and aborted.num_verify_steps > 0
+    assert not engine._verify_stats.counts[slot].any() and not engine._verify_stats.per_pos[slot].any()
+
+
 def test_reused_slots_and_rows_carry_nothing_of_their_last_request(model, array_paths):
     """A first wave of requests runs (two aborted mid-way, the rest finish; a small KV cache
     preempts some), then a second wave with other seeds and sampling settings takes their

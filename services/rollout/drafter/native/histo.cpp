@@ -159,14 +159,7 @@ struct PySet {
 
 // ---------------------------------------------------------------- suffix_index.SuffixIndex
 
-// One continuation: its token, its target state and that state's weight, kept beside the
-// edge so that a scan of a state's continuations reads one contiguous array instead of
-// each target's state (SuffixIndex keeps the copy exact: see refresh and finalize_weights).
-struct Item {
-  int32_t tok, next;
-  double weight;
-};
-static_assert(sizeof(Item) == 16, "an edge is 16 bytes");
+typedef std::pair<int32_t, int32_t> Item;  // (token, target)
 
 struct Edges {  // a dict's edges: insertion order kept, values updated in place
   typedef std::unordered_map<int32_t, int32_t> Positions;
@@ -179,18 +172,18 @@ struct Edges {  // a dict's edges: insertion order kept, values updated in place
   int find(int32_t tok) const {
     if (items.size() <= LINEAR_EDGES) {
       for (size_t i = 0; i < items.size(); ++i)
-        if (items[i].tok == tok) return (int)i;
+        if (items[i].first == tok) return (int)i;
       return -1;
     }
     auto it = pos->find(tok);
     return it == pos->end() ? -1 : it->second;
   }
-  void add(int32_t tok, int32_t nxt, double weight) {
-    items.push_back(Item{tok, nxt, weight});
+  void add(int32_t tok, int32_t nxt) {
+    items.emplace_back(tok, nxt);
     if (items.size() > LINEAR_EDGES) {
       if (!pos) {
         pos.reset(new Positions());
-        for (size_t i = 0; i < items.size(); ++i) pos->emplace(items[i].tok, (int32_t)i);
+        for (size_t i = 0; i < items.size(); ++i) pos->emplace(items[i].first, (int32_t)i);
       } else {
         pos->emplace(tok, (int32_t)items.size() - 1);
       }
@@ -200,52 +193,36 @@ struct Edges {  // a dict's edges: insertion order kept, values updated in place
 
 // One state of the automaton, everything a walk reads of it in 32 bytes (one cache line
 // holds two): its suffix link, length and weight, and its transitions: none, one (`tok`
-// -> `next`, with `next`'s weight in `next_weight`), or an edge list (`next` = -1 - its
-// index in `edges`; `tok` = its length and `items` its items, kept in step with the list).
+// -> `next`), or an edge list (`next` = -1 - its index in `edges`; `tok` = its length and
+// `items` its items, kept in step with the list).
 struct State {
   int32_t link, length;
   int32_t tok;   // one transition: its token; an edge list: its length
   int32_t next;  // > 0: the one transition's target; < 0: -1 - the edge list; 0: none
   double weight;
-  union {
-    const Item *items;   // next < 0: an edge list's items
-    double next_weight;  // next > 0: the weight of `next` (kept exact like an Item's)
-  };
+  const Item *items;  // an edge list's items
 };
 static_assert(sizeof(State) == 32, "a state is 32 bytes");
 
 struct SuffixIndex {
-  std::vector<State> st{State{-1, 0, 0, 0, 0.0, {nullptr}}};
+  std::vector<State> st{State{-1, 0, 0, 0, 0.0, nullptr}};
   std::vector<Edges> edges;
   int64_t num_tokens = 0;
 
   int32_t size() const { return (int32_t)st.size(); }
   bool has_next(int32_t s) const { return st[(size_t)s].next != 0; }
   const Edges &list(const State &s) const { return edges[(size_t)(-1 - s.next)]; }
-  // The transition of `s` on `tok`: its target (0: none; ROOT is never a target) and, where
-  // there is one, the target's weight (the copy kept beside the edge) in `w`.
-  int32_t get(const State &s, int32_t tok, double &w) const {
-    if (s.next > 0) {
-      if (s.tok != tok) return 0;
-      w = s.next_weight;
-      return s.next;
-    }
+  int32_t get(const State &s, int32_t tok) const {  // 0: none (ROOT is never a target)
+    if (s.next > 0) return s.tok == tok ? s.next : 0;
     if (s.next == 0) return 0;
     if (s.tok <= (int32_t)LINEAR_EDGES) {
       for (int32_t i = 0; i < s.tok; ++i)
-        if (s.items[i].tok == tok) { w = s.items[i].weight; return s.items[i].next; }
+        if (s.items[i].first == tok) return s.items[i].second;
       return 0;
     }
     const Edges &e = list(s);
     auto it = e.pos->find(tok);
-    if (it == e.pos->end()) return 0;
-    const Item &item = e.items[(size_t)it->second];
-    w = item.weight;
-    return item.next;
-  }
-  int32_t get(const State &s, int32_t tok) const {
-    double w;
-    return get(s, tok, w);
+    return it == e.pos->end() ? 0 : e.items[(size_t)it->second].second;
   }
   int32_t get(int32_t s, int32_t tok) const { return get(st[(size_t)s], tok); }
   void sync(int32_t s) {  // a state's copy of its edge list's length and items
@@ -253,19 +230,7 @@ struct SuffixIndex {
     st[(size_t)s].tok = (int32_t)e.items.size();
     st[(size_t)s].items = e.items.data();
   }
-  // The weight kept beside p's transition on `tok` (which exists), its target in `target`.
-  double *kept_weight(int32_t p, int32_t tok, int32_t &target) {
-    State &s = st[(size_t)p];
-    if (s.next > 0) {
-      target = s.next;
-      return &s.next_weight;
-    }
-    Edges &e = edges[(size_t)(-1 - s.next)];
-    Item &item = e.items[(size_t)e.find(tok)];
-    target = item.next;
-    return &item.weight;
-  }
-  int32_t clone(int32_t q, int32_t len, bool propagate) {  // its transitions' kept weights: q's, still exact
+  int32_t clone(int32_t q, int32_t len, bool propagate) {
     int32_t c = size();
     State copy = st[(size_t)q];
     copy.length = len;
@@ -281,46 +246,26 @@ struct SuffixIndex {
     return c;
   }
   void redirect(int32_t p, int32_t tok, int32_t old, int32_t nw) {
-    const double w = st[(size_t)nw].weight;
     while (p != -1) {
       State &s = st[(size_t)p];
       if (s.next > 0) {
         if (s.next != old || s.tok != tok) return;
         s.next = nw;
-        s.next_weight = w;
       } else {
         if (s.next == 0) return;
         Edges &e = edges[(size_t)(-1 - s.next)];
         int i = e.find(tok);
-        if (i < 0 || e.items[(size_t)i].next != old) return;
-        e.items[(size_t)i].next = nw;
-        e.items[(size_t)i].weight = w;
+        if (i < 0 || e.items[(size_t)i].second != old) return;
+        e.items[(size_t)i].second = nw;
       }
       p = s.link;
-    }
-  }
-  // After an insert on `tok` propagated its weight to the states of its chain as short as
-  // `min_len`: the kept weight of every edge into them. Those edges all carry `tok` and
-  // come from the suffix chain of the state the token extended (from p on: the ones before
-  // p were made by this insert with their weight), and their targets climb the new state's
-  // chain as p climbs its own: the first edge into a state shorter than min_len ends it.
-  void refresh(int32_t p, int32_t tok, int32_t min_len) {
-    while (p != -1) {
-      int32_t target;
-      double *w = kept_weight(p, tok, target);
-      const State &t = st[(size_t)target];
-      if (t.length < min_len) return;
-      *w = t.weight;
-      p = st[(size_t)p].link;
     }
   }
   int32_t extend(int32_t last, int32_t tok, double w, bool propagate) {
     if (size() >= 0x7ffffff0) out_of_memory();
     num_tokens += 1;
     int32_t q = get(last, tok), state;
-    int32_t from = last;  // where the edges whose kept weight changes begin (-1: none)
     const int32_t last_len = st[(size_t)last].length;
-    const double fresh = 0.0 + w;  // a new state's weight once w is added to it
     if (q) {
       if (st[(size_t)q].length == last_len + 1) {
         state = q;
@@ -330,7 +275,7 @@ struct SuffixIndex {
       }
     } else {
       state = size();
-      st.push_back(State{0, last_len + 1, 0, 0, 0.0, {nullptr}});
+      st.push_back(State{0, last_len + 1, 0, 0, 0.0, nullptr});
       int32_t p = last;
       while (p != -1) {
         State &s = st[(size_t)p];
@@ -338,25 +283,23 @@ struct SuffixIndex {
           if (s.tok == tok) { q = s.next; break; }
           Edges e;
           e.items.reserve(4);  // one allocation for the first four continuations (not 1, 2, 4)
-          e.add(s.tok, s.next, s.next_weight);
-          e.add(tok, state, fresh);
+          e.add(s.tok, s.next);
+          e.add(tok, state);
           edges.push_back(std::move(e));
           s.next = -(int32_t)edges.size();
           sync(p);
         } else if (s.next == 0) {
           s.tok = tok;
           s.next = state;
-          s.next_weight = fresh;
         } else {
           Edges &e = edges[(size_t)(-1 - s.next)];
           int i = e.find(tok);
-          if (i >= 0) { q = e.items[(size_t)i].next; break; }
-          e.add(tok, state, fresh);
+          if (i >= 0) { q = e.items[(size_t)i].second; break; }
+          e.add(tok, state);
           sync(p);
         }
         p = st[(size_t)p].link;
       }
-      from = p;
       if (p != -1) {
         if (st[(size_t)p].length + 1 == st[(size_t)q].length) {
           st[(size_t)state].link = q;
@@ -367,19 +310,10 @@ struct SuffixIndex {
         }
       }
     }
-    // Without propagation (a rebuild's inserts) no weight is read before finalize_weights,
-    // which sets every kept weight.
     if (!propagate) { st[(size_t)state].weight += w; return state; }
-    int32_t s = state, min_len = 0;
+    int32_t s = state;
     int depth = MAX_PROPAGATION;
-    while (s > 0 && depth) {
-      State &a = st[(size_t)s];
-      a.weight += w;
-      min_len = a.length;
-      s = a.link;
-      --depth;
-    }
-    refresh(from, tok, min_len);
+    while (s > 0 && depth) { st[(size_t)s].weight += w; s = st[(size_t)s].link; --depth; }
     return state;
   }
   void finalize_weights() {  // by length, longest first; states in ascending order within
@@ -395,10 +329,6 @@ struct SuffixIndex {
         int32_t s = order[(size_t)k], parent = st[(size_t)s].link;
         if (parent > 0) st[(size_t)parent].weight += st[(size_t)s].weight;
       }
-    for (State &s : st)  // every transition's kept weight: its target's, now final
-      if (s.next > 0) s.next_weight = st[(size_t)s.next].weight;
-    for (Edges &e : edges)
-      for (Item &item : e.items) item.weight = st[(size_t)item.next].weight;
   }
   int32_t link(int32_t s) const { return st[(size_t)s].link; }
   int32_t length(int32_t s) const { return st[(size_t)s].length; }
@@ -422,7 +352,7 @@ struct SuffixIndex {
   int64_t bytes() const {
     int64_t total = (int64_t)st.capacity() * (int64_t)sizeof(State) + (int64_t)edges.capacity() * (int64_t)sizeof(Edges);
     for (const Edges &e : edges) {
-      total += (int64_t)e.items.capacity() * (int64_t)sizeof(Item);
+      total += (int64_t)e.items.capacity() * 8;
       if (e.pos) total += (int64_t)sizeof(Edges::Positions) + (int64_t)e.pos->bucket_count() * 8 + (int64_t)e.pos->size() * 24;
     }
     return total;
@@ -455,13 +385,14 @@ struct Scan {
   double best, total;
 };
 
-Scan scan(const State &s) {  // walk._scan, of a state with an edge list: its items only
+Scan scan(const SuffixIndex &ix, const State &s) {  // walk._scan, of a state with an edge list
   Scan r{0, 0, -1.0, 0.0};
+  const State *st = ix.st.data();
   for (int32_t k = 0; k < s.tok; ++k) {
     const Item &it = s.items[k];
-    double w = it.weight;
+    double w = st[it.second].weight;
     r.total += w;
-    if (w > r.best) { r.best = w; r.token = it.tok; r.state = it.next; }
+    if (w > r.best) { r.best = w; r.token = it.first; r.state = it.second; }
   }
   return r;
 }
@@ -470,26 +401,25 @@ double prob(const SuffixIndex &ix, int32_t state, int32_t token, double smoothin
   const State &s = ix.st[(size_t)state];
   int32_t parent = s.link;
   const State &ps = ix.st[(size_t)parent];
-  double w = 0.0, upw = 0.0;
-  int32_t up = ix.get(ps, token, upw);
+  int32_t up = ix.get(ps, token);
   int32_t nxt;
   double total, escape;
   if (s.next > 0) {
     nxt = s.tok == token ? s.next : 0;
     if (!nxt && !up) return 0.0;
-    if (nxt) w = s.next_weight;
-    total = s.next_weight;
+    total = ix.weight(s.next);
     escape = backoff * 1 + smoothing;
   } else {
-    nxt = ix.get(s, token, w);
+    nxt = ix.get(s, token);
     if (!nxt && !up) return 0.0;
     PySum sum(neumaier);
-    for (int32_t k = 0; k < s.tok; ++k) sum.add(s.items[k].weight);
+    for (int32_t k = 0; k < s.tok; ++k) sum.add(ix.weight(s.items[k].second));
     total = sum.get();
     escape = backoff * (double)s.tok + smoothing;
   }
+  double w = nxt ? ix.weight(nxt) : 0.0;
   if (parent <= 0) return w / (total + smoothing);
-  return (up ? (w + escape * (upw / (ps.weight + smoothing))) : w) / (total + escape);
+  return (up ? (w + escape * (ix.weight(up) / (ps.weight + smoothing))) : w) / (total + escape);
 }
 
 // prob() for a state whose continuations' total (as prob sums them) and escape are known
@@ -497,11 +427,11 @@ double prob(const SuffixIndex &ix, int32_t state, int32_t token, double smoothin
 double prob_given(const SuffixIndex &ix, const State &s, int32_t token, double total, double escape,
                   double smoothing) {
   const State &ps = ix.st[(size_t)s.link];
-  double w = 0.0, upw = 0.0;
-  int32_t up = ix.get(ps, token, upw), nxt = ix.get(s, token, w);
+  int32_t up = ix.get(ps, token), nxt = ix.get(s, token);
   if (!nxt && !up) return 0.0;
+  double w = nxt ? ix.weight(nxt) : 0.0;
   if (s.link <= 0) return w / (total + smoothing);
-  return (up ? (w + escape * (upw / (ps.weight + smoothing))) : w) / (total + escape);
+  return (up ? (w + escape * (ix.weight(up) / (ps.weight + smoothing))) : w) / (total + escape);
 }
 
 bool follow(Src &s, int32_t token, int32_t nxt, int64_t min_match_len) {  // walk._follow; nxt < 0: unknown
@@ -576,10 +506,10 @@ struct Walk {
       double w, total, escape;
       if (nxt > 0) {
         tok = cur.tok;
-        w = total = cur.next_weight;
+        w = total = ix.weight(nxt);
         escape = single_escape;
       } else {
-        Scan sc = scan(cur);
+        Scan sc = scan(ix, cur);
         tok = sc.token; nxt = sc.state; w = sc.best; total = sc.total;
         escape = pp.backoff * (double)cur.tok + pp.smoothing;
       }
@@ -590,15 +520,14 @@ struct Walk {
       } else {
         const State &ps = ix.st[(size_t)parent];
         int32_t up = 0;
-        double upw = 0.0;
         if (ps.next > 0) {
           if (ps.length >= pp.min_match_len) backoffs[nb++] = ps.tok;
-          if (ps.tok == tok) { up = ps.next; upw = ps.next_weight; }
+          if (ps.tok == tok) up = ps.next;
         } else if (ps.next < 0) {
-          if (ps.length >= pp.min_match_len) backoffs[nb++] = scan(ps).token;
-          up = ix.get(ps, tok, upw);
+          if (ps.length >= pp.min_match_len) backoffs[nb++] = scan(ix, ps).token;
+          up = ix.get(ps, tok);
         }
-        own = (up ? (w + escape * (upw / (ps.weight + pp.smoothing))) : w) / (total + escape);
+        own = (up ? (w + escape * (ix.weight(up) / (ps.weight + pp.smoothing))) : w) / (total + escape);
       }
       views[i] = View{tok, nxt, own, total, escape};
       if (i == 0) token = tok;
@@ -633,7 +562,7 @@ struct Walk {
           const State &cur = src[i].ix->st[(size_t)src[i].state];
           if (cur.next > 0) continue;
           PySum sum(true);
-          for (int32_t e = 0; e < cur.tok; ++e) sum.add(cur.items[e].weight);
+          for (int32_t e = 0; e < cur.tok; ++e) sum.add(src[i].ix->weight(cur.items[e].second));
           views[i].total = sum.get();
         }
       for (size_t k = 0; k <= cands.mask; ++k) {
@@ -738,17 +667,17 @@ struct TreeWalk {
       double best = -1.0;
       int32_t token = 0;
       for (const auto &it : items)
-        if (it.weight > best) { best = it.weight; token = it.tok; }
+        if (ix.weight(it.second) > best) { best = ix.weight(it.second); token = it.first; }
       heaviest_out.push_back(token);
       return;
     }
     order.resize(items.size());
     for (size_t i = 0; i < items.size(); ++i) order[i] = (int32_t)i;
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
-      return items[(size_t)a].weight > items[(size_t)b].weight;
+      return ix.weight(items[(size_t)a].second) > ix.weight(items[(size_t)b].second);
     });
     size_t m = (size_t)std::min<int64_t>(k, (int64_t)items.size());
-    for (size_t i = 0; i < m; ++i) heaviest_out.push_back(items[(size_t)order[i]].tok);
+    for (size_t i = 0; i < m; ++i) heaviest_out.push_back(items[(size_t)order[i]].first);
   }
   void offer() {  // a dict's update: insertion order, no duplicates
     for (int32_t t : heaviest_out)

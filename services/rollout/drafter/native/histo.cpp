@@ -385,16 +385,27 @@ struct Scan {
   double best, total;
 };
 
-Scan scan(const SuffixIndex &ix, const State &s) {  // walk._scan, of a state with an edge list
+// walk._scan, of a state with an edge list. FIND: the same pass also finds the continuation
+// on `tok` (its target in `found`, else 0), for the walk's back-off scan of a parent, which
+// needs both, without a second lookup (past LINEAR_EDGES, one in the list's token map).
+template <bool FIND>
+Scan scan_edges(const SuffixIndex &ix, const State &s, int32_t tok, int32_t &found) {
   Scan r{0, 0, -1.0, 0.0};
   const State *st = ix.st.data();
+  if (FIND) found = 0;
   for (int32_t k = 0; k < s.tok; ++k) {
     const Item &it = s.items[k];
     double w = st[it.second].weight;
     r.total += w;
     if (w > r.best) { r.best = w; r.token = it.first; r.state = it.second; }
+    if (FIND && it.first == tok) found = it.second;
   }
   return r;
+}
+
+Scan scan(const SuffixIndex &ix, const State &s) {
+  int32_t unused;
+  return scan_edges<false>(ix, s, 0, unused);
 }
 
 double prob(const SuffixIndex &ix, int32_t state, int32_t token, double smoothing, double backoff, bool neumaier) {
@@ -524,8 +535,8 @@ struct Walk {
           if (ps.length >= pp.min_match_len) backoffs[nb++] = ps.tok;
           if (ps.tok == tok) up = ps.next;
         } else if (ps.next < 0) {
-          if (ps.length >= pp.min_match_len) backoffs[nb++] = scan(ix, ps).token;
-          up = ix.get(ps, tok);
+          if (ps.length >= pp.min_match_len) backoffs[nb++] = scan_edges<true>(ix, ps, tok, up).token;
+          else up = ix.get(ps, tok);
         }
         own = (up ? (w + escape * (ix.weight(up) / (ps.weight + pp.smoothing))) : w) / (total + escape);
       }

@@ -13,8 +13,9 @@ REPO = Path(__file__).resolve().parent.parent
 def git_commit(*paths: str) -> str:
     """$RHYMERL_COMMIT when set (deploy/gpu/launch.py sets it from the bundle on the GPU
     machine, whose copy of the tree may hold a stale .git); else HEAD's short hash, with
-    "-dirty" when the work tree (or just ``paths``, if given) differs from it; outside a
-    git checkout, "uncommitted"."""
+    "-dirty" when the work tree (or just ``paths``, if given) differs from it, leaving out
+    benchmarks/results (what an earlier benchmark of the same session wrote is not code);
+    outside a git checkout, "uncommitted"."""
     if os.environ.get("RHYMERL_COMMIT"):
         return os.environ["RHYMERL_COMMIT"]
     def git(*args: str) -> str:
@@ -25,7 +26,8 @@ def git_commit(*paths: str) -> str:
         commit = git("rev-parse", "--short", "HEAD")
         if not commit:
             return os.environ.get("RHYMERL_COMMIT", "uncommitted")
-        return commit + ("-dirty" if git("status", "--porcelain", "--", *paths) else "")
+        changed = git("status", "--porcelain", "--", *(paths or (".",)), ":(exclude)benchmarks/results")
+        return commit + ("-dirty" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("RHYMERL_COMMIT", "uncommitted")
 

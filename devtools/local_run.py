@@ -74,6 +74,7 @@ def policy_checkpoint(settings: LocalRunSettings) -> tuple[str, dict]:
 
 
 def run_local(settings: LocalRunSettings) -> None:
+    import os
     import signal
     import sys
 
@@ -82,8 +83,6 @@ def run_local(settings: LocalRunSettings) -> None:
     from services.local import ROOT, LocalCluster
 
     model_dir, trainer_options = policy_checkpoint(settings)
-    # SIGTERM (a time limit, `kill`) unwinds like Ctrl-C: the cluster stops the processes it started.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print(f"starting history (with its redis-server), the scheduler and {settings.workers} CPU workers; "
           f"each loads the policy (logs in {settings.log_dir}/)...", flush=True)
     start = time.monotonic()
@@ -94,6 +93,18 @@ def run_local(settings: LocalRunSettings) -> None:
                                                        "RHYMERL_WORKER_MAX_NUM_SEQS": settings.max_num_seqs,
                                                        "RHYMERL_WORKER_NUM_KV_BLOCKS": settings.kv_blocks}
                                        for i in range(settings.workers)})
+
+    def on_sigterm(signum, frame) -> None:
+        """SIGTERM (a time limit, `kill`): the processes this run started are stopped here
+        (each drains), then the run exits at once with 128 + SIGTERM, without unwinding
+        through the trainer, its client and the gRPC call in flight (twice under heavy
+        load such an unwinding had not reached the cluster's stop after 120 s; a run
+        stopped mid-step keeps its last finished step's state either way). Ctrl-C unwinds."""
+        cluster.stop()
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     with cluster:
         print(f"rhymerl is up after {time.monotonic() - start:.0f} s: scheduler {cluster.scheduler_address}, "
               f"metrics on ports {sorted(cluster.metrics_ports.values())}", flush=True)

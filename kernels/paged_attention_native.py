@@ -100,12 +100,19 @@ def paged_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_st
     lib = load_library()
     if lib is None:
         return None
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"paged attention: q {tuple(q.shape)} must be [tokens, heads, head_dim] and k_cache "
+                         f"{tuple(k_cache.shape)} [blocks, block_size, kv_heads, head_dim]")
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     if tuple(k_cache.shape[3:]) != (head_dim,) or v_cache.shape != k_cache.shape or num_heads % num_kv_heads:
         raise ValueError(f"paged attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
                          f"{tuple(v_cache.shape)} do not fit together")
     num_seqs = seq_lens.shape[0]
+    if (block_tables.dim() != 2 or block_tables.shape[0] < num_seqs or query_start_loc.dim() != 1
+            or query_start_loc.shape[0] < num_seqs + 1):
+        raise ValueError(f"paged attention: block_tables {tuple(block_tables.shape)} and query_start_loc "
+                         f"{tuple(query_start_loc.shape)} must cover the {num_seqs} sequences of seq_lens")
     out = torch.zeros_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out

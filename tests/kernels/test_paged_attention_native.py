@@ -142,6 +142,12 @@ def test_hostile_arguments_raise_naming_the_sequence(break_it, bad_seq):
 
 def test_mismatched_shapes_raise():
     q, k_cache, v_cache, tables, ctx, starts = batch(1, 2, 2, 1, 8, 4, 10, 1)
+    with pytest.raises(ValueError, match="must cover"):  # fewer table rows than sequences
+        native.paged_attention_native(q, k_cache, v_cache, tables[:1], ctx, starts, 0.5)
+    with pytest.raises(ValueError, match="must cover"):  # fewer query starts than sequences + 1
+        native.paged_attention_native(q, k_cache, v_cache, tables, ctx, starts[:2], 0.5)
+    with pytest.raises(ValueError, match="must be"):
+        native.paged_attention_native(q[:, 0], k_cache, v_cache, tables, ctx, starts, 0.5)
     with pytest.raises(ValueError, match="do not fit"):
         native.paged_attention_native(q[:, :, :4], k_cache, v_cache, tables, ctx, starts, 0.5)
     with pytest.raises(ValueError, match="do not fit"):

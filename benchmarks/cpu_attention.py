@@ -18,20 +18,17 @@ ratio: it says how much of a CPU worker's step attention was, not how a GPU atte
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
-from pathlib import Path
 
 import torch
 
-from benchmarks.cpu_sampler import timed
+from benchmarks.cpu_sampler import compiled_cli, side_by_side
 from benchmarks.provenance import cpu_name, git_commit
 from kernels import paged_attention_native as native
 from kernels.paged_attention import paged_attention_reference
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK_SIZE = 16
 SHAPES = {"smollm2": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64)}  # query heads, KV heads, head size
 # (shape, sequences, context tokens, query rows per sequence): decodes of a GRPO batch as
@@ -60,25 +57,16 @@ def inputs(shape: str, num_seqs: int, ctx: int, qlen: int):
 
 def case(shape: str, num_seqs: int, ctx: int, qlen: int, repeats: int) -> dict:
     args = inputs(shape, num_seqs, ctx, qlen)
-    ref_cpu, ref_wall, ref = timed(lambda: paged_attention_reference(*args), repeats)
-    new_cpu, new_wall, out = timed(lambda: native.paged_attention_native(*args), repeats)
-    return dict(shape=shape, seqs=num_seqs, context=ctx, query_rows=qlen, reference_cpu_ms=round(ref_cpu, 2),
-                compiled_cpu_ms=round(new_cpu, 2), reference_wall_ms=round(ref_wall, 2),
-                compiled_wall_ms=round(new_wall, 2), cpu_ratio=round(ref_cpu / max(new_cpu, 1e-9), 2),
-                wall_ratio=round(ref_wall / max(new_wall, 1e-9), 2),
+    times, ref, out = side_by_side(lambda: paged_attention_reference(*args),
+                                   lambda: native.paged_attention_native(*args), repeats)
+    return dict(shape=shape, seqs=num_seqs, context=ctx, query_rows=qlen, **times,
                 max_abs_diff=float((out - ref).abs().max()))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (a CPU worker's)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    if not native.available():
-        print(f"the compiled passes {native.library_path()} do not load: run `make install`", file=sys.stderr)
+    args = compiled_cli(__doc__, argv, native, "the compiled passes")
+    if args is None:
         return 1
-    torch.set_num_threads(args.threads)
     rows = []
     print(f"{'shape':>12} {'seqs':>5} {'ctx':>5} {'q':>2} | {'ref CPU ms':>10} {'compiled':>9} {'ratio':>6} | "
           f"{'ref wall ms':>11} {'compiled':>9} {'ratio':>6} | max diff")

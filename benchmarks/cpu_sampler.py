@@ -48,30 +48,48 @@ def timed(fn, repeats: int) -> tuple[float, float, object]:
     return statistics.median(cpu), statistics.median(wall), out
 
 
+def side_by_side(reference, compiled, repeats: int) -> tuple[dict, object, object]:
+    """Both callables ``timed``: a results row's time fields (median CPU and wall ms of each,
+    their ratios) and the last result of each."""
+    ref_cpu, ref_wall, ref = timed(reference, repeats)
+    new_cpu, new_wall, out = timed(compiled, repeats)
+    return dict(reference_cpu_ms=round(ref_cpu, 2), compiled_cpu_ms=round(new_cpu, 2),
+                reference_wall_ms=round(ref_wall, 2), compiled_wall_ms=round(new_wall, 2),
+                cpu_ratio=round(ref_cpu / max(new_cpu, 1e-9), 2),
+                wall_ratio=round(ref_wall / max(new_wall, 1e-9), 2)), ref, out
+
+
+def compiled_cli(doc: str, argv: list[str] | None, library, what: str) -> argparse.Namespace | None:
+    """The arguments of a compiled-vs-reference CPU benchmark (--repeats, --threads, --out),
+    torch's threads set; None, after one line naming `make install`, when ``library`` (a
+    kernels module with ``available`` and ``library_path``) does not load."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (a CPU worker's)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if not library.available():
+        print(f"{what} {library.library_path()} does not load: run `make install`", file=sys.stderr)
+        return None
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def case(rows: int, vocab: int, repeats: int) -> dict:
     gen = torch.Generator().manual_seed(rows * 7 + vocab)
     logits = torch.randn(rows, vocab, generator=gen) * 3  # [rows, vocab]
     args = (torch.ones(rows), torch.zeros(rows, dtype=torch.int32), torch.zeros(rows), torch.zeros(rows),
             torch.arange(rows, dtype=torch.int64) * 7919 + 11, torch.arange(rows, dtype=torch.int64) + 300)
-    ref_cpu, ref_wall, (ref_tok, ref_lp) = timed(lambda: sp.sample_reference(logits, *args), repeats)
-    new_cpu, new_wall, (tok, lp) = timed(lambda: sp.sample(logits, *args), repeats)
+    times, (ref_tok, ref_lp), (tok, lp) = side_by_side(lambda: sp.sample_reference(logits, *args),
+                                                       lambda: sp.sample(logits, *args), repeats)
     identical = bool(torch.equal(tok, ref_tok) and torch.equal(lp.view(torch.int32), ref_lp.view(torch.int32)))
-    return dict(rows=rows, vocab=vocab, reference_cpu_ms=round(ref_cpu, 2), compiled_cpu_ms=round(new_cpu, 2),
-                reference_wall_ms=round(ref_wall, 2), compiled_wall_ms=round(new_wall, 2),
-                cpu_ratio=round(ref_cpu / max(new_cpu, 1e-9), 2), wall_ratio=round(ref_wall / max(new_wall, 1e-9), 2),
-                identical=identical)
+    return dict(rows=rows, vocab=vocab, **times, identical=identical)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (a CPU worker's)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    if not gumbel_native.available():
-        print(f"the compiled RNG {gumbel_native.library_path()} does not load: run `make install`", file=sys.stderr)
+    args = compiled_cli(__doc__, argv, gumbel_native, "the compiled RNG")
+    if args is None:
         return 1
-    torch.set_num_threads(args.threads)
     rows = []
     print(f"{'rows':>5} {'vocab':>7} | {'ref CPU ms':>10} {'compiled':>9} {'ratio':>6} | "
           f"{'ref wall ms':>11} {'compiled':>9} {'ratio':>6} | identical")

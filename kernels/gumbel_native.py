@@ -26,54 +26,36 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from kernels.native import even_bounds, run_split
+from kernels.native import Library, even_bounds, run_split
 
-LIBRARY = Path(__file__).resolve().parent / "native" / "libgumbel.so"
-BUNDLED = Path(__file__).resolve().parents[1] / ".gpu-bundle" / "lib" / "libgumbel.so"  # make gpu-bundle
-LIBRARY_ENV = "RHYMERL_GUMBEL_LIBRARY"  # another build of it
 ABI_VERSION = 3
 BLOCK_ELEMENTS = 1 << 19  # rows per block: about 2 MB of float32, cache-sized
 
 log = logging.getLogger(__name__)
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = Library(
+    "libgumbel.so", "RHYMERL_GUMBEL_LIBRARY", ABI_VERSION, "rhg_abi_version",
+    {"rhg_signed_units": (ctypes.c_int, [_p, _p, _i64, _i64, _p]),
+     "rhg_screen": (ctypes.c_int, [_p, _p, _i64, _i64, _p, _i64, _p, _i64, _i64, _p, _p, _p, _p])},
+    log, "the CPU sampler's compiled RNG %s does not load (%s): sampling uses the slower PyTorch reference; "
+         "`make install` builds it")
+LIBRARY, BUNDLED, LIBRARY_ENV = _LIBRARY.built, _LIBRARY.bundled, _LIBRARY.env  # LIBRARY_ENV: another build of it
 
 
 def library_path() -> Path:
     """$RHYMERL_GUMBEL_LIBRARY, else the build of `make install`, else the GPU bundle's copy."""
-    if os.environ.get(LIBRARY_ENV):
-        return Path(os.environ[LIBRARY_ENV])
-    return BUNDLED if not LIBRARY.exists() and BUNDLED.exists() else LIBRARY
+    return _LIBRARY.path()
 
 
 def load_library(path: str | Path | None = None) -> ctypes.CDLL | None:
-    """The library (``library_path()`` unless given) with its function typed, or None
+    """The library (``library_path()`` unless given) with its functions typed, or None
     (logged once per path) when it is missing or does not load."""
-    return _load(str(path if path is not None else library_path()))
-
-
-@cache
-def _load(path: str) -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(path)
-        lib.rhg_abi_version.restype, lib.rhg_abi_version.argtypes = ctypes.c_int, []
-        if lib.rhg_abi_version() != ABI_VERSION:
-            raise OSError(f"ABI version {lib.rhg_abi_version()}, expected {ABI_VERSION}")
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn = lib.rhg_signed_units
-        fn.restype = ctypes.c_int
-        fn.argtypes = [p, p, i64, i64, p]
-        lib.rhg_screen.restype = ctypes.c_int
-        lib.rhg_screen.argtypes = [p, p, i64, i64, p, i64, p, i64, i64, p, p, p, p]
-    except (OSError, AttributeError) as exc:
-        log.warning("the CPU sampler's compiled RNG %s does not load (%s): sampling uses the slower PyTorch "
-                    "reference; `make install` builds it", path, exc)
-        return None
-    return lib
+    return _LIBRARY.load(path)
 
 
 def available() -> bool:

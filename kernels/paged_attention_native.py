@@ -28,55 +28,37 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-from functools import cache
 from pathlib import Path
 
 import torch
 
-from kernels.native import run_split
+from kernels.native import Library, run_split
 
-LIBRARY = Path(__file__).resolve().parent / "native" / "libattention.so"
-BUNDLED = Path(__file__).resolve().parents[1] / ".gpu-bundle" / "lib" / "libattention.so"  # make gpu-bundle
-LIBRARY_ENV = "RHYMERL_ATTENTION_LIBRARY"  # another build of it
 ABI_VERSION = 1
 MAX_QUERY = 64  # query rows per sequence up to which this path serves (decode, verify)
 PARALLEL_MIN_WORK = 1 << 22  # multiply-adds per pass (query rows x context x heads x head size) from which
 #                              a step is split across threads (about a millisecond of one thread)
 
 log = logging.getLogger(__name__)
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = Library(
+    "libattention.so", "RHYMERL_ATTENTION_LIBRARY", ABI_VERSION, "rpa_abi_version",
+    {"rpa_scores": (_i64, [_p, _p, _p, _p, _p, _p, _i64, _i64, ctypes.c_float, _p]),
+     "rpa_values": (_i64, [_p, _p, _p, _p, _p, _p, _i64, _i64, _p])},
+    log, "the CPU paged attention's compiled passes %s do not load (%s): attention uses the slower PyTorch "
+         "reference; `make install` builds them")
+LIBRARY, BUNDLED, LIBRARY_ENV = _LIBRARY.built, _LIBRARY.bundled, _LIBRARY.env  # LIBRARY_ENV: another build of it
 
 
 def library_path() -> Path:
     """$RHYMERL_ATTENTION_LIBRARY, else the build of `make install`, else the GPU bundle's copy."""
-    if os.environ.get(LIBRARY_ENV):
-        return Path(os.environ[LIBRARY_ENV])
-    return BUNDLED if not LIBRARY.exists() and BUNDLED.exists() else LIBRARY
+    return _LIBRARY.path()
 
 
 def load_library(path: str | Path | None = None) -> ctypes.CDLL | None:
     """The library (``library_path()`` unless given) with its functions typed, or None
     (logged once per path) when it is missing or does not load."""
-    return _load(str(path if path is not None else library_path()))
-
-
-@cache
-def _load(path: str) -> ctypes.CDLL | None:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    try:
-        lib = ctypes.CDLL(path)
-        lib.rpa_abi_version.restype, lib.rpa_abi_version.argtypes = ctypes.c_int, []
-        if lib.rpa_abi_version() != ABI_VERSION:
-            raise OSError(f"ABI version {lib.rpa_abi_version()}, expected {ABI_VERSION}")
-        lib.rpa_scores.restype = i64
-        lib.rpa_scores.argtypes = [p, p, p, p, p, p, i64, i64, ctypes.c_float, p]
-        lib.rpa_values.restype = i64
-        lib.rpa_values.argtypes = [p, p, p, p, p, p, i64, i64, p]
-    except (OSError, AttributeError) as exc:
-        log.warning("the CPU paged attention's compiled passes %s do not load (%s): attention uses the slower "
-                    "PyTorch reference; `make install` builds them", path, exc)
-        return None
-    return lib
+    return _LIBRARY.load(path)
 
 
 def available() -> bool:
@@ -126,21 +108,19 @@ def paged_attention_native(q, k_cache, v_cache, block_tables, seq_lens, query_st
     shape = torch.tensor([num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size, tables.shape[1],
                           width], dtype=torch.int64)
     scores = torch.empty(num_tokens, num_heads, width, dtype=torch.float32)
-    ranges = _split(starts, num_seqs, width * num_heads * head_dim, num_threads or torch.get_num_threads())
+    bounds = _split(starts, num_seqs, width * num_heads * head_dim, num_threads or torch.get_num_threads())
     common = (tables.data_ptr(), lens.data_ptr(), starts.data_ptr())
     c_scale = ctypes.c_float(scale)
-    _run(lib.rpa_scores, [(shape.data_ptr(), q.data_ptr(), k_cache.data_ptr(), *common, a, b, c_scale,
-                           scores.data_ptr()) for a, b in ranges])
+    _check(run_split(lambda part, a, b: lib.rpa_scores(shape.data_ptr(), q.data_ptr(), k_cache.data_ptr(), *common,
+                                                        a, b, c_scale, scores.data_ptr()), bounds))
     probs = torch.softmax(scores, dim=-1)
-    _run(lib.rpa_values, [(shape.data_ptr(), probs.data_ptr(), v_cache.data_ptr(), *common, a, b, out.data_ptr())
-                          for a, b in ranges])
+    _check(run_split(lambda part, a, b: lib.rpa_values(shape.data_ptr(), probs.data_ptr(), v_cache.data_ptr(),
+                                                        *common, a, b, out.data_ptr()), bounds))
     return out
 
 
-def _run(fn, calls: list[tuple]) -> None:
-    """``fn`` once per argument tuple, in the pool's threads when there are several;
-    raises ValueError naming what the library refused."""
-    results = run_split(lambda part, first, end: fn(*calls[part]), list(range(len(calls) + 1)))
+def _check(results: list[int]) -> None:
+    """Raises ValueError naming what the library refused (its calls' return codes)."""
     bad = next((r for r in results if r), 0)
     if bad < 0:
         raise ValueError("paged attention: bad dimensions")
@@ -149,13 +129,12 @@ def _run(fn, calls: list[tuple]) -> None:
                          "out of range")
 
 
-def _split(starts: torch.Tensor, num_seqs: int, work_per_row: int, threads: int) -> list[tuple[int, int]]:
-    """Sequence ranges of about equal query rows, one per thread for a large step."""
+def _split(starts: torch.Tensor, num_seqs: int, work_per_row: int, threads: int) -> list[int]:
+    """Bounds of sequence ranges of about equal query rows, one range per thread for a large step."""
     rows = int(starts[num_seqs]) - int(starts[0])
     if threads <= 1 or num_seqs < 2 or rows * work_per_row < PARALLEL_MIN_WORK:
-        return [(0, num_seqs)]
+        return [0, num_seqs]
     threads = min(threads, num_seqs)
     cuts = torch.searchsorted(starts[:num_seqs + 1].to(torch.int64),
                               torch.linspace(int(starts[0]), int(starts[num_seqs]), threads + 1)[1:-1].to(torch.int64))
-    bounds = [0, *sorted(set(int(c) for c in cuts.tolist()) - {0, num_seqs}), num_seqs]
-    return list(zip(bounds, bounds[1:]))
+    return [0, *sorted(set(int(c) for c in cuts.tolist()) - {0, num_seqs}), num_seqs]

@@ -188,12 +188,17 @@ def sample_reference(logits, temperature, top_k, top_p, min_p, seeds, positions,
     _check_args(logits, temperature, top_k, top_p, min_p, processed, seeds=seeds, positions=positions)
     scaled, t = _scale(logits, temperature)  # [n, vocab]
     noise = noise_fn(seeds, positions, logits.shape[1])  # [n, vocab]
-    scores = scaled + torch.where((temperature == 0)[:, None], 0.0, noise)  # [n, vocab]
     allowed = allowed_mask(logits, t, top_k, top_p, min_p, truncation)
+    tokens = _gumbel_argmax(scaled, temperature, noise, allowed)
+    return tokens, _logprobs_reference(scaled, allowed, processed, tokens)
+
+
+def _gumbel_argmax(scaled, temperature, noise, allowed) -> torch.Tensor:  # [n] int64
+    """Each row's first best of scaled + noise (greedy rows: of scaled) over its allowed tokens."""
+    scores = scaled + torch.where((temperature == 0)[:, None], 0.0, noise)  # [n, vocab]
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
-    tokens = scores.argmax(dim=-1)  # [n]
-    return tokens, _logprobs_reference(scaled, allowed, processed, tokens)
+    return scores.argmax(dim=-1)
 
 
 # At most this many rows, ``sample_triton`` splits each row's vocabulary across programs
@@ -251,9 +256,7 @@ def _sample_cpu(logits, temperature, top_k, top_p, min_p, seeds, positions, proc
     scaled, t = _scale(logits, temperature)  # [n, vocab]
     allowed = allowed_mask(logits, t, top_k, top_p, min_p, truncation)
     if allowed is not None:
-        noise = _cpu_noise(seeds, positions, logits.shape[1])
-        scores = (scaled + torch.where((temperature == 0)[:, None], 0.0, noise)).masked_fill(~allowed, float("-inf"))
-        tokens = scores.argmax(dim=-1)
+        tokens = _gumbel_argmax(scaled, temperature, _cpu_noise(seeds, positions, logits.shape[1]), allowed)
     else:  # greedy rows: the argmax itself; the others: screened Gumbel-max
         tokens = torch.where(temperature == 0, scaled.argmax(dim=-1),
                              gumbel_native.sample_screened(scaled, seeds, positions))

@@ -4,14 +4,63 @@
 attention's passes over the KV cache (attention.cpp -> libattention.so, loaded by
 kernels/paged_attention_native.py).
 
-Both take rows (sequences, sampler rows) that a caller may split across threads: a
-ctypes call releases the GIL, so ``run_split`` runs the parts in a persistent pool."""
+Both are found and loaded the same way (``Library``), and both take rows (sequences,
+sampler rows) that a caller may split across threads: a ctypes call releases the GIL, so
+``run_split`` runs the parts in a persistent pool."""
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BUNDLE_LIB = HERE.parents[1] / ".gpu-bundle" / "lib"  # make gpu-bundle's copies (the GPU machine)
+
+
+class Library:
+    """One compiled library: where it is ($``env``, else the build of `make install` in this
+    folder, else the GPU bundle's copy), its ABI version checked and its functions typed,
+    loaded once per path. ``load`` returns None, after one line on ``log`` (``failure``,
+    formatted with the path and the error, naming `make install`), when it is missing or
+    does not load: the caller then runs its PyTorch reference."""
+
+    def __init__(self, filename: str, env: str, abi_version: int, abi_symbol: str,
+                 functions: dict[str, tuple[type, list]], log: logging.Logger, failure: str):
+        self.built, self.bundled, self.env = HERE / filename, BUNDLE_LIB / filename, env
+        self.abi_version, self.abi_symbol, self.functions = abi_version, abi_symbol, functions
+        self.log, self.failure = log, failure
+        self._loaded: dict[str, ctypes.CDLL | None] = {}
+
+    def path(self) -> Path:
+        if os.environ.get(self.env):
+            return Path(os.environ[self.env])
+        return self.bundled if not self.built.exists() and self.bundled.exists() else self.built
+
+    def load(self, path: str | Path | None = None) -> ctypes.CDLL | None:
+        key = str(path if path is not None else self.path())
+        if key not in self._loaded:
+            self._loaded[key] = self._open(key)
+        return self._loaded[key]
+
+    def _open(self, path: str) -> ctypes.CDLL | None:
+        try:
+            lib = ctypes.CDLL(path)
+            abi = getattr(lib, self.abi_symbol)
+            abi.restype, abi.argtypes = ctypes.c_int, []
+            if abi() != self.abi_version:
+                raise OSError(f"ABI version {abi()}, expected {self.abi_version}")
+            for name, (restype, argtypes) in self.functions.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+        except (OSError, AttributeError) as exc:
+            self.log.warning(self.failure, path, exc)
+            return None
+        return lib
 
 
 @cache

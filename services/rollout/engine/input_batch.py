@@ -367,7 +367,8 @@ class VerifyStats:
         old_slots, old_positions = self.per_pos.shape
         if slots <= old_slots and positions <= old_positions:
             return
-        slots, positions = max(slots, 2 * old_slots if slots > old_slots else old_slots), max(positions, old_positions)
+        slots = max(slots, 2 * old_slots) if slots > old_slots else old_slots
+        positions = max(positions, old_positions)
         counts = np.zeros((slots, 3), dtype=np.int64)
         per_pos = np.zeros((slots, positions), dtype=np.int64)
         longest = np.zeros(slots, dtype=np.int64)

@@ -7,15 +7,15 @@ from services.common.cost_curve import CostCurve
 
 def test_default_curve_reproduces_the_design_table_and_interpolates_linearly():
     cost = CostCurve.h100("7B")
-    assert cost.forward_ms(1) == 5.13 and cost.forward_ms(512) == 11.9
-    assert cost.forward_ms(384) == pytest.approx((6.62 + 11.9) / 2)
+    assert cost.forward_ms(1) == 6.00 and cost.forward_ms(512) == 11.92
+    assert cost.forward_ms(384) == pytest.approx((7.32 + 11.92) / 2)
     assert cost.forward_ms(0) == 0.0
 
 
 def test_beyond_the_last_point_the_last_slope_continues():
     cost = CostCurve.h100("0.5B")
-    slope = (1.12 - 0.93) / 256
-    assert cost.forward_ms(1024) == pytest.approx(1.12 + slope * 512)
+    slope = (1.46 - 1.16) / 256
+    assert cost.forward_ms(1024) == pytest.approx(1.46 + slope * 512)
 
 
 def test_from_measurements_takes_medians_and_forces_a_monotone_curve():

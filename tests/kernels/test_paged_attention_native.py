@@ -162,6 +162,10 @@ def _asan_runtime() -> str | None:
 
 @pytest.mark.slow  # the sanitized build, then the tests above in a subprocess
 @pytest.mark.skipif(_asan_runtime() is None, reason="no AddressSanitizer runtime for the C++ compiler")
+@pytest.mark.skipif(torch.version.cuda is not None,
+                    reason="the CUDA build of torch: the subprocess with ASan's runtime preloaded aborted at "
+                           "start with no output on the H100 image (torch 2.11+cu130, g++ 13, 2026-11-26); "
+                           "these passes are CPU code, checked where torch is the CPU build (make test, CI)")
 def test_sanitized_build_runs_these_tests_clean(tmp_path):
     """The passes built with -fsanitize=address,undefined (any finding aborts) run the
     reference comparison and the hostile arguments."""

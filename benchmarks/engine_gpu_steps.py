@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import math
 import time
+import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -94,10 +96,11 @@ def gpu_part(context_len: int, num_steps: int, shapes: dict[str, ModelConfig] | 
             _sync(device)
             step_ms = (time.perf_counter() - start) / num_steps * 1e3
             forward_ms = _graph_forward_ms(engine, batch, batch * (1 + draft), draft) if cuda else None
+            syncs = cuda_synchronisations(engine.step) if cuda else None
             tokens = batch * (1 + draft)
-            floor_ms = _weight_chain_ms(model, batch) if draft == 0 else None
+            floor_ms = _weight_chain_ms(config, batch, device) if draft == 0 else None
             rows.append(dict(part="gpu", model=name, batch=batch, draft=draft, tokens_per_forward=tokens,
-                             forward_ms=forward_ms, step_ms=step_ms, measured_floor_ms=floor_ms,
+                             forward_ms=forward_ms, step_ms=step_ms, measured_floor_ms=floor_ms, syncs=syncs,
                              design_ms=CostModel(H100_CURVES[name]).step_ms(tokens) if name in H100_CURVES else None,
                              floor_ms={"0.5B": 0.34, "1.5B": 1.06}.get(name), design_m1_ms=floor[1]))
             print(rows[-1], flush=True)
@@ -117,13 +120,42 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _weight_chain_ms(model: CausalLM, batch: int, repeats: int = 20) -> float:
-    """The measured floor of a decode step at this batch: every weight matrix of the model
-    (all layers' projections and the LM head) multiplied by a [batch, in_features] input,
-    one after another, captured as one CUDA graph (benchmarks/cost_probe.py); ms."""
-    from benchmarks.cost_probe import chain_ms
+def cuda_synchronisations(step: Callable[[], object]) -> int:
+    """How many times one call of ``step`` makes the host wait for the GPU, as
+    ``torch.cuda.set_sync_debug_mode("warn")`` reports them (each blocking copy, ``.item()``,
+    ``.tolist()``, explicit synchronize, ...)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
-    return chain_ms([m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)], batch, repeats)
+
+def floor_dims(config: ModelConfig) -> tuple[int, ...]:
+    """The shape's dimensions as ``cost_probe.weight_matrices`` takes them."""
+    return (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
+            config.num_key_value_heads, config.head_dim, config.vocab_size)
+
+
+def _weight_chain_ms(config: ModelConfig, batch: int, device: str, repeats: int = 20) -> float:
+    """The measured floor of a decode step at this batch: every weight matrix of one forward
+    of this shape (each layer's q, k, v, o, gate, up and down projections and the LM head:
+    ``cost_probe.weight_matrices``) multiplied by a [batch, in_features] input, one after
+    another, captured as one CUDA graph; ms. Taken from the shape, not from the model's
+    ``nn.Linear`` modules: the fused q/k/v and gate/up projections are not ``nn.Linear``,
+    and the LM head of tied embeddings reads the embedding table."""
+    from benchmarks.cost_probe import chain_ms, weight_matrices
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    weights = weight_matrices(floor_dims(config), device, dtype)
+    try:
+        return chain_ms(weights, batch, repeats)
+    finally:
+        del weights
 
 
 def _graph_forward_ms(engine: LLMEngine, batch: int, tokens: int, draft: int) -> float | None:

@@ -18,12 +18,14 @@ GPU_ONLY = {
     "decode_ms": "decode step time at batch 1/16/64/256 for the Qwen2.5-0.5B/1.5B shapes in bf16: needs a CUDA GPU",
     "floor_ms": "the CUDA-graphed chain of the same weight matrices: needs a CUDA GPU",
     "verify_over_decode_16x8": "verify 16 x 8 over decode 16, Qwen2.5 shapes in bf16: needs a CUDA GPU",
+    "syncs_per_step": "host waits for the GPU in one step (torch.cuda.set_sync_debug_mode): needs a CUDA GPU",
+    "host_share_b256": "1 - graph forward / engine step at batch 256, Qwen2.5 shapes in bf16: needs a CUDA GPU",
 }
 
 
 def summarize(device: str, rows: list[dict], grpo: dict, invariance: list[dict]) -> dict:
     """The issue's results format: the headline figures, null where this run cannot measure them."""
-    out = dict(decode_ms=None, floor_ms=None, verify_over_decode_16x8=None)
+    out = dict(decode_ms=None, floor_ms=None, verify_over_decode_16x8=None, syncs_per_step=None, host_share_b256=None)
     gpu = [r for r in rows if r["part"] == "gpu"]
     if gpu:
         key = lambda r: f"{r['model'].lower()}_b{r['batch']}"
@@ -35,6 +37,10 @@ def summarize(device: str, rows: list[dict], grpo: dict, invariance: list[dict])
                     if (m, 16, 8) in step and (m, 16, 0) in step}
         out["verify_over_decode_16x8"] = by_model.get("0.5b")
         out["verify_over_decode_16x8_by_model"] = by_model
+        syncs = [r["syncs"] for r in gpu if r.get("syncs") is not None]
+        out["syncs_per_step"] = max(syncs) if syncs else None
+        out["host_share_b256"] = {r["model"].lower(): 1 - r["forward_ms"] / r["step_ms"] for r in gpu
+                                  if r["batch"] == 256 and r["draft"] == 0 and r.get("forward_ms")} or None
     out.update({k: grpo.get(k) for k in ("speedup_vs_hf_b1", "speedup_vs_hf_grpo", "spec_speedup_grpo",
                                           "identical_share")})
     out["batch_invariant"] = all(c["invariant"] for c in invariance) if invariance else None
@@ -45,7 +51,7 @@ def summarize(device: str, rows: list[dict], grpo: dict, invariance: list[dict])
 
 
 # The issue's results format; a GPU run fills every one (per shape where it is a dict).
-HEADLINE = ("decode_ms", "floor_ms", "verify_over_decode_16x8", "speedup_vs_hf_b1", "speedup_vs_hf_grpo",
+HEADLINE = ("decode_ms", "floor_ms", "verify_over_decode_16x8", "syncs_per_step", "host_share_b256", "speedup_vs_hf_b1", "speedup_vs_hf_grpo",
             "spec_speedup_grpo", "identical_share", "batch_invariant")
 
 

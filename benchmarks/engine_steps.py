@@ -10,8 +10,9 @@ the measured floor (a CUDA-graphed chain of the same weight matrices), and what 
 decode over floor, verify over decode at the same batch, and the host's share of the step
 (1 - forward / step: laying out the batch, sampling, bookkeeping). Writes
 benchmarks/results/<device>/engine_steps.{md,json} after every row, so a run cut short
-keeps what it measured. The engine exposes no count of host-device synchronisations per
-step; that figure is null with the reason.
+keeps what it measured. Each case also counts the host's waits for the GPU in one more
+step (`torch.cuda.set_sync_debug_mode`: `syncs`; the top-level `syncs_per_step` is the most
+of any case; null on the CPU dry run, which has no device to wait for).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = [("model", "model", "{}"), ("batch", "batch", "{}"), ("draft", "draft", "{}"), ("step ms", "step_ms", "{}"),
            ("forward ms", "forward_ms", "{}"), ("floor ms", "measured_floor_ms", "{}"),
            ("step / floor", "step_over_floor", "{}"), ("verify / decode", "verify_over_decode", "{}"),
-           ("host share", "host_share", "{}")]
-SYNCS_REASON = "the engine exposes no count of host-device synchronisations per step"
+           ("host share", "host_share", "{}"), ("syncs", "syncs", "{}")]
+SYNCS_REASON = "a CPU dry run: no device to wait for"
 
 
 def derive(rows: list[dict]) -> list[dict]:
@@ -59,7 +60,10 @@ def markdown(result: dict) -> str:
              f"- setting: {result['setting']}"]
     if result["dry_run"]:
         lines.append("\n**A dry run (tiny shape, CPU): checks the part runs; not a measurement.**")
-    lines += ["", markdown_table(rows, COLUMNS), "", f"- syncs per step: not measured ({SYNCS_REASON})"]
+    syncs = (f"at most {result['syncs_per_step']} (torch.cuda.set_sync_debug_mode over one step of each case)"
+             if result["syncs_per_step"] is not None else f"not measured ({result['syncs_per_step_reason']})")
+    lines += ["", markdown_table(rows, COLUMNS), "", f"- syncs per step: {syncs}",
+              "- floor: every weight matrix of the shape (q, k, v, o, gate, up, down, the LM head) in one CUDA graph"]
     return "\n".join(lines) + "\n"
 
 
@@ -96,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     def on_row(row: dict) -> None:
         raw.append(row)
         result["rows"] = derive(raw)
+        counted = [r["syncs"] for r in raw if r.get("syncs") is not None]
+        if counted:
+            result.update(syncs_per_step=max(counted), syncs_per_step_reason=None)
         (out / "engine_steps.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "engine_steps.md").write_text(markdown(result))
 

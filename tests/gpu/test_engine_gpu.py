@@ -10,11 +10,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
-import warnings
 
 import pytest
 import torch
 
+from benchmarks.engine_gpu_steps import cuda_synchronisations
 from services.rollout.drafter import HistoDrafter
 from services.rollout.drafter.compiled import CompiledDrafter
 from services.rollout.engine import LLMEngine
@@ -158,15 +158,7 @@ def synchronisations(e: LLMEngine, device: str) -> int:
         with counting_host_reads(e) as reads:
             e.step()
         return len(reads.calls)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            e.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return cuda_synchronisations(e.step)
 
 
 def test_decode_and_verify_steps_synchronise_once(device):

@@ -187,12 +187,17 @@ class LLMEngine:
         num_draft_tokens = sum(len(s.draft_token_ids) for s in sampling)
         num_prompt_tokens, num_generated = batch.num_prompt_tokens(), 0
         commits = Commits()  # the drafter's, sent in one call (before a request stops)
+        num_outputs = len(outputs)
         for seq, verdict in zip(sampling, verdicts):
             num_generated += self._commit(seq, verdict, commits)               # 5. commit
             if seq.chunk_done:
                 self._send(commits)
                 outputs.append(self._finish(seq))                              # 6. finish
         self._send(commits)
+        steady = self.runner.steady  # a decode layout (every sequence sampled): its next step's state
+        if steady is not None and len(outputs) == num_outputs:
+            steady.advance(np.array([len(v.token_ids) for v in verdicts], dtype=np.int64),
+                           np.array([v.token_ids[-1] for v in verdicts], dtype=np.int64))
         self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
         if self.tree_drafts:
             self.metrics.on_tree_verdicts(verdicts, len(batch.seqs))
@@ -211,6 +216,7 @@ class LLMEngine:
         num_prompt_tokens = batch.num_prompt_tokens()
         bm = self.block_manager
         bs = bm.block_size
+        num_outputs = len(outputs)
         for seq, token, logprob in zip(sampling, tokens, logprobs):
             seq.busy_s += elapsed
             computed = seq.num_computed_tokens
@@ -225,6 +231,9 @@ class LLMEngine:
                 continue
             if now // bs != computed // bs:  # a block filled up: hash it (_commit_filled_block)
                 bm.commit(seq)
+        steady = runner.steady  # a decode layout (every sequence sampled): its next step's state
+        if steady is not None and len(outputs) == num_outputs:
+            steady.advance(1, np.array(tokens, dtype=np.int64))
         self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
         return outputs
 
@@ -248,6 +257,7 @@ class LLMEngine:
         bm = self.block_manager
         bs = bm.block_size
         num_generated = sent = 0  # sent: the sequences whose commits the drafter has
+        num_outputs = len(outputs)
         for i, (seq, lo, num_draft, a) in enumerate(zip(seqs, v.query_start.tolist(), v.num_draft.tolist(),
                                                         v.num_accepted.tolist())):
             seq.busy_s += elapsed
@@ -277,6 +287,10 @@ class LLMEngine:
             if seq.num_computed_tokens // bs != computed // bs:
                 bm.commit(seq)
         self._send_linear(v, seqs, sent, len(seqs))
+        steady = runner.steady  # the next step's state: each sequence's last committed token
+        if steady is not None and len(outputs) == num_outputs:
+            committed = v.num_accepted + 1
+            steady.advance(committed, v.tokens[v.query_start[:-1] + v.num_accepted])
         num_draft_tokens = len(tokens) - len(seqs)
         self.metrics.on_accepted(int(np.count_nonzero(v.num_draft)), num_draft_tokens, int(v.num_accepted.sum()),
                                  v.num_accepted)

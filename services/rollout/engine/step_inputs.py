@@ -27,6 +27,7 @@ aligned like a fresh allocation (Triton specialises kernels on pointer alignment
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -58,6 +59,47 @@ class StepInputs:
     num_tokens: int
     is_prefill: bool  # any sequence fed more than its last token
     sampling: StepSampling | None  # the sampler's rows; None when no sequence samples
+    # A decode layout's per-sequence state by batch position (None: not a decode layout)
+    steady: "SteadyBatch | None" = None
+
+
+@dataclass(slots=True)
+class SteadyBatch:
+    """One decode-layout step's sequences and the per-sequence state its layout read, as
+    arrays by batch position (vLLM's persistent ``InputBatch``, for what a decode feeds):
+    each sequence's block-table row, request slot and first fed position (its
+    ``num_computed_tokens``). The engine's commit advances it (``advance``: each
+    sequence's next position and last token, from the step's sampled arrays, when no
+    sequence's chunk ended). The next step, when its sequences are the same objects in
+    the same order (all decoding again) and no table row was taken or given back since
+    (``BlockTables.epoch``: no admission, finish, abort or preemption), is laid out from
+    these arrays and the drafts alone (``_steady_step``), without reading its sequences'
+    tokens and counts. A sequence's row and slot do not change while it holds its
+    blocks, and its position only grows, so a sequence that masked no stop token at this
+    step masks none at the next."""
+
+    seqs: list[Sequence]
+    rows: np.ndarray  # [num_seqs] int64: each sequence's BlockTables row
+    slots: np.ndarray  # [num_seqs] int64: each sequence's SlotParams slot
+    starts: np.ndarray  # [num_seqs] int64: the position of the token each sequence fed first
+    epoch: int  # BlockTables.epoch when laid out
+    next_starts: np.ndarray | None = None  # set by advance: the next step's starts
+    next_last: np.ndarray | None = None  # set by advance: each sequence's last token
+    # What a next step of the same shape (the same query lengths, table width) rewrites in
+    # place (``_restage_decode``), set where ``_stage_decode`` staged the step:
+    inputs: "StepInputs | None" = None
+    query_lens: np.ndarray | None = None  # [num_seqs] (None: one token each)
+    seq_of_token: np.ndarray | None = None  # [num_tokens] with drafts
+    offsets: np.ndarray | None = None  # [num_tokens] with drafts: each token's position past its start
+    width: int = 0  # the block tables' staged width
+    tables_version: int = -1  # BlockTables.version when the tables were gathered
+    generations: tuple[int, int] = (-1, -1)  # the staging buffers' generations after this step's stage
+
+    def advance(self, num_committed, last_tokens: np.ndarray) -> None:
+        """Every sequence committed ``num_committed`` tokens (an array, or one count for
+        all), the last of them ``last_tokens``; none ended its chunk."""
+        self.next_starts = self.starts + num_committed
+        self.next_last = last_tokens
 
 
 def new_staging(device: torch.device) -> tuple[Staging, Staging]:
@@ -66,15 +108,22 @@ def new_staging(device: torch.device) -> tuple[Staging, Staging]:
 
 
 def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vocab_size: int = 0,
-                 staging: tuple[Staging, Staging] | None = None, tables: BlockTables | None = None) -> StepInputs:
+                 staging: tuple[Staging, Staging] | None = None, tables: BlockTables | None = None,
+                 steady: SteadyBatch | None = None) -> StepInputs:
     """The step's inputs, through ``staging`` (a fresh pair when None); ``vocab_size``
     places the masked stop tokens (any value when no row masks one); ``tables``: the block
     manager's rows of the sequences' block tables (decode and verify steps gather from
-    them; None: every step is laid out sequence by sequence)."""
+    them; None: every step is laid out sequence by sequence); ``steady``: the last step's
+    state, advanced by its commit (``SteadyBatch``; never a step with draft trees)."""
     staging = staging or new_staging(device)
+    if steady is not None and tables is not None:
+        inputs = _steady_step(seqs, block_size, staging, tables, steady)
+        if inputs is not None:
+            return inputs
     decode = _decode_step(seqs, block_size, staging, tables)
     if decode is not None:
         return decode
+    rows_table = tables
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -90,6 +139,9 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
     tables: list[int] = []
     num_tokens, max_query_len = 0, 1  # every scheduled sequence feeds a token at least
     is_prefill = False
+    decode_only = rows_table is not None  # every sequence a decode with a row, no masked row: a SteadyBatch
+    rows_of: list[int] = []
+    starts_of: list[int] = []
     linear = len(seqs) >= LINEAR_MIN_SEQS  # still a decode layout (LINEAR_MIN_SEQS)
     trees: list[tuple[int, list[int]]] = []  # (first token's index, row masks) of each tree sequence
     for seq in seqs:
@@ -106,8 +158,16 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             num_rows = 1
             end = start + 1
             row_depths = None
+            if decode_only:
+                rows_of.append(seq.row)
+                starts_of.append(start)
         else:
-            linear = linear and n == 1 and start + 1 == length and seq.draft_parents is None
+            decoding = n == 1 and start + 1 == length and seq.draft_parents is None
+            linear = linear and decoding
+            if decode_only:
+                decode_only = decoding
+                rows_of.append(seq.row)
+                starts_of.append(start)
             end = start + n
             input_ids.extend(token_ids[start:end])
             num_rows = 0
@@ -138,7 +198,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             max_query_len = max(max_query_len, end - start)
             is_prefill |= n > 1
         if num_rows and length < seq.mask_stops_below:
-            linear = False
+            linear = decode_only = False
             _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, vocab_size, masked, row_depths)
         cu_q.append(num_tokens)
         seq_lens.append(end)
@@ -163,8 +223,12 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
         if linear:
             sampling.fed_host = np.array(input_ids, dtype=np.int64)
             sampling.query_start_host = np.array(cu_q, dtype=np.int64)
+    steady = None
+    if decode_only and min(rows_of) >= 0:
+        steady = SteadyBatch(seqs, np.array(rows_of, dtype=np.int64), np.array([s.slot for s in seqs], dtype=np.int64),
+                             np.array(starts_of, dtype=np.int64), rows_table.epoch)
     return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
-                      num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling)
+                      num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling, steady=steady)
 
 
 def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging],
@@ -172,8 +236,7 @@ def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
     """``prepare_step`` for the common step where every sequence decodes: it feeds its last
     token, then perhaps a linear draft, and masks no stop token. One pass over the
     sequences gathers what changes every step (last token, draft, position, rows); the
-    rest is numpy over those arrays: positions, KV slots (gathered from the block
-    tables' rows in ``tables``), sampler rows, lengths. None when a sequence is anything
+    rest is numpy over those arrays (``_stage_decode``). None when a sequence is anything
     else, or when no ``tables`` (the per-sequence path then lays the step out)."""
     if tables is None or len(seqs) < VECTOR_MIN_SEQS:
         return None
@@ -195,36 +258,135 @@ def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
         rows.append(seq.row)
         slots.append(seq.slot)
         num_drafts.append(len(draft))
+    n = len(seqs)
+    query_lens = None if len(ids) == n else np.array(num_drafts, dtype=np.int64) + 1
+    return _stage_decode(seqs, bs, staging, tables, np.array(rows, dtype=np.int64),
+                         np.array(starts, dtype=np.int64), np.array(slots, dtype=np.int64),
+                         np.array(ids, dtype=np.int64), query_lens)
+
+
+def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                 steady: SteadyBatch) -> StepInputs | None:
+    """``prepare_step`` for a steady batch (``SteadyBatch``): the last step's sequences
+    again, advanced by its commit, no row taken or given back since. Their positions and
+    last tokens are the advanced arrays; only the drafts are read from the sequences. A
+    step of the last one's shape is written into its staged buffers in place
+    (``_restage_decode``), another staged afresh (``_stage_decode``). None when the batch
+    is not steady."""
+    if steady.next_starts is None or steady.epoch != tables.epoch or seqs != steady.seqs:
+        return None
+    starts, last = steady.next_starts, steady.next_last
+    drafts = [seq.draft_token_ids for seq in seqs]
+    if not any(drafts):
+        fed, query_lens = last, None
+    else:
+        n = len(seqs)
+        query_lens = np.fromiter(map(len, drafts), dtype=np.int64, count=n) + 1
+        first = np.zeros(n, dtype=np.int64)
+        np.cumsum(query_lens[:-1], out=first[1:])
+        num_tokens = int(first[-1] + query_lens[-1])
+        fed = np.empty(num_tokens, dtype=np.int64)
+        is_draft = np.ones(num_tokens, dtype=np.bool_)
+        is_draft[first] = False
+        fed[first] = last
+        fed[is_draft] = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=num_tokens - n)
+    inputs = _restage_decode(steady, bs, staging, tables, fed, query_lens)
+    if inputs is not None:
+        return inputs
+    return _stage_decode(seqs, bs, staging, tables, steady.rows, starts, steady.slots, fed, query_lens)
+
+
+def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                    fed: np.ndarray, query_lens: np.ndarray | None) -> StepInputs | None:
+    """The steady step written into the last step's staged buffers in place: what a decode
+    step changes (tokens, positions, KV slots, the rows' positions, lengths, and the
+    block tables where one changed) over the parts that stay (sample rows, the rows'
+    slots, query starts), the last step's tensors and objects reused. None when the
+    shape changed (query lengths, table width) or the buffers were staged since."""
+    int64, int32 = staging
+    last = steady.inputs
+    if (last is None or (int64.generation, int32.generation) != steady.generations
+            or (query_lens is None) != (steady.query_lens is None)
+            or (query_lens is not None and not np.array_equal(query_lens, steady.query_lens))):
+        return None
     tables.sync()
-    n, num_tokens = len(seqs), len(ids)
-    row_of_seq = np.array(rows, dtype=np.int64)
-    start_of_seq = np.array(starts, dtype=np.int64)
-    slot_of_seq = np.array(slots, dtype=np.int64)
-    if num_tokens == n:  # no drafts: one token per sequence
+    rows, starts = steady.rows, steady.next_starts
+    retable = tables.version != steady.tables_version
+    if retable and int(tables.lengths[rows].max()) != steady.width:
+        return None
+    if query_lens is None:
+        positions, row_of_token = starts, rows
+    else:
+        positions, row_of_token = starts[steady.seq_of_token] + steady.offsets, rows[steady.seq_of_token]
+    host = int64.begin_rewrite()
+    a, b = int64.bounds(0)
+    host[a:b] = fed
+    a, b = int64.bounds(1)
+    host[a:b] = positions
+    a, b = int64.bounds(2)
+    host[a:b] = tables.array[row_of_token, positions // bs]
+    host[a:b] *= bs
+    host[a:b] += positions % bs
+    a, b = int64.bounds(5)
+    np.add(positions, 1, out=host[a:b])
+    int64.end_rewrite()
+    host = int32.begin_rewrite()
+    if retable:
+        a, b = int32.bounds(0)
+        host[a:b] = tables.array[rows, :steady.width].reshape(-1)
+    a, b = int32.bounds(1)
+    np.add(starts, query_lens if query_lens is not None else 1, out=host[a:b])
+    int32.end_rewrite()
+    if last.sampling.fed_host is not None:
+        last.sampling.fed_host = fed
+    steady.starts, steady.next_starts, steady.next_last = starts, None, None
+    steady.tables_version = tables.version
+    steady.generations = int64.generation, int32.generation
+    return last
+
+
+def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                  row_of_seq: np.ndarray, start_of_seq: np.ndarray, slot_of_seq: np.ndarray, fed: np.ndarray,
+                  query_lens: np.ndarray | None) -> StepInputs:
+    """A decode layout from arrays by batch position: each sequence's table row, first fed
+    position and request slot, the tokens fed (each sequence's last token, then its
+    draft) and, with drafts, each sequence's query length (None: one token each).
+    Positions, KV slots (gathered from the table rows), sampler rows and lengths are
+    numpy over them; the step carries its ``SteadyBatch``."""
+    tables.sync()
+    n, num_tokens = len(seqs), len(fed)
+    seq_of_token = offsets = None
+    if query_lens is None:  # no drafts: one token per sequence
         positions, row_of_token, slot_of_row = start_of_seq, row_of_seq, slot_of_seq
         cu, seq_lens, max_query_len = np.arange(n + 1), start_of_seq + 1, 1
     else:
-        query_lens = np.array(num_drafts, dtype=np.int64) + 1
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
         seq_of_token = np.repeat(np.arange(n), query_lens)
-        positions = start_of_seq[seq_of_token] + (np.arange(num_tokens) - cu[seq_of_token])
+        offsets = np.arange(num_tokens) - cu[seq_of_token]
+        positions = start_of_seq[seq_of_token] + offsets
         row_of_token, slot_of_row = row_of_seq[seq_of_token], slot_of_seq[seq_of_token]
         seq_lens, max_query_len = start_of_seq + query_lens, int(query_lens.max())
     table = tables.array
     kv_slots = table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
     width = int(tables.lengths[row_of_seq].max())
     int64, int32 = staging
-    fed = np.array(ids, dtype=np.int64)
     ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t = int64.stage_arrays(
         [fed, positions, kv_slots, np.arange(num_tokens), slot_of_row, positions + 1])
     tables_t, lens_t, cu_t = int32.stage_arrays([table[row_of_seq, :width], seq_lens, cu])
     md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t, seq_lens=lens_t,
                            query_start_loc=cu_t, max_query_len=max_query_len)
     sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=None,
-                            row_slots_host=int64.host_part(4), fed_host=fed, query_start_host=cu)
-    return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=n,
-                      num_tokens=num_tokens, is_prefill=False, sampling=sampling)
+                            row_slots_host=int64.host_part(4))
+    if n >= LINEAR_MIN_SEQS:
+        sampling.fed_host, sampling.query_start_host = fed, cu
+    steady = SteadyBatch(seqs, row_of_seq, slot_of_seq, start_of_seq, tables.epoch, query_lens=query_lens,
+                         seq_of_token=seq_of_token, offsets=offsets, width=width, tables_version=tables.version,
+                         generations=(int64.generation, int32.generation))
+    inputs = steady.inputs = StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t,
+                                        num_seqs=n, num_tokens=num_tokens, is_prefill=False, sampling=sampling,
+                                        steady=steady)
+    return inputs
 
 
 def _mask_stop_tokens(seq: Sequence, first_row: int, num_rows: int, vocab_size: int, masked: list[int],

@@ -12,6 +12,10 @@
   - engines on the array paths (``VECTOR_MIN_SEQS`` = 1, so even small batches take
     them): output equal to the reference and to plain decoding, with sampling slots and
     table rows reused after finishes, aborts and preemptions;
+  - the steady batch (``step_inputs.SteadyBatch``: a decode step's positions and last
+    tokens kept by batch position and advanced by the commit, the next step laid out
+    from them, in place where its shape is the last one's) against the per-sequence
+    layout through random lifecycles, and engines on it against the reference;
   - metric exports deferred behind the next forward, flushed when the engine goes idle.
 
 If these fail, a reused slot leaks its last request's state into a new one, or the fast
@@ -219,6 +223,170 @@ def test_the_decode_layout_refuses_what_it_does_not_lay_out(monkeypatch):
         assert (general.sampling.fed_host is not None) == linear, name
         setattr(seqs[0], name, saved)
         seqs[0].num_scheduled_tokens = 1
+
+
+# ---------------------------------------------------------------------- the steady batch
+
+
+def counting_steady_paths(monkeypatch) -> dict:
+    """Counts the steps ``_steady_step`` laid out, and those of them rewritten in place."""
+    calls = {"steady": 0, "in_place": 0}
+    steady, restage = step_inputs._steady_step, step_inputs._restage_decode
+
+    def counted_steady(*args, **kw):
+        out = steady(*args, **kw)
+        calls["steady"] += out is not None
+        return out
+
+    def counted_restage(*args, **kw):
+        out = restage(*args, **kw)
+        calls["in_place"] += out is not None
+        return out
+
+    monkeypatch.setattr(step_inputs, "_steady_step", counted_steady)
+    monkeypatch.setattr(step_inputs, "_restage_decode", counted_restage)
+    return calls
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_steady_layout_equals_the_per_sequence_layout_through_random_lifecycles(monkeypatch, seed):
+    """The engine's loop on the layout's side, with random lifecycles: a batch of decodes
+    with random linear drafts (often none, often every sequence the same length, so steps
+    keep their shape) is laid out with the last step's ``SteadyBatch``, then each sequence
+    commits a random number of its fed tokens (its accepted drafts and one more, as a
+    verify does: its drafts' blocks dropped) and the state is advanced from those
+    counts, unless a sequence's chunk "ended". Between steps, at random: admissions,
+    finishes, aborts and preemptions (rows taken and given back), a batch of other
+    sequences or in another order, a sequence left out, the staging buffers used by
+    another layout. Every step's tensors equal the per-sequence layout's (no tables,
+    no state) made from the sequences themselves; a steady layout reading a stale
+    position, token, row or block table, or rewriting buffers that another step staged
+    since, fails here."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)  # both layouts carry fed_host at any size
+    calls = counting_steady_paths(monkeypatch)
+    bs = 8
+    bm = BlockManager(num_blocks=1024, block_size=bs)
+    staging, general_staging = new_staging(CPU), new_staging(CPU)
+    running, slot_of, free_slots, next_id = [], {}, list(range(64)), 0
+    batch, steady, draft_len = [], None, 0
+
+    def admit(n):
+        nonlocal next_id
+        for _ in range(n):
+            seq = seq_of([rng.randrange(1, 50) for _ in range(rng.choice([1, 3, 4, 7, 30]))], f"r{next_id}")
+            next_id += 1
+            bm.admit(seq, bm.cached_prefix(seq))
+            slot_of[seq.request_id] = free_slots.pop()
+            seq.num_computed_tokens = seq.num_tokens - 1  # its prompt computed: it decodes
+            running.append(seq)
+
+    admit(rng.randrange(1, 10))
+    for step in range(160):
+        event = rng.random()
+        if event < 0.08 and running:  # finished, aborted or preempted: its row back
+            seq = rng.choice(running)
+            running.remove(seq)
+            bm.free(seq)
+            free_slots.append(slot_of.pop(seq.request_id))
+            if rng.random() < 0.5:  # preempted and taken back at once (a new row, recomputed)
+                bm.admit(seq, [])
+                slot_of[seq.request_id] = free_slots.pop()
+                seq.num_computed_tokens = seq.num_tokens - 1
+                running.append(seq)
+        elif event < 0.14:
+            admit(rng.randrange(1, 3))
+        if not running:
+            admit(1)
+        if event > 0.9 or not batch or any(s not in running for s in batch):
+            batch = rng.sample(running, rng.randrange(1, len(running) + 1))  # another batch
+        elif event > 0.85 and len(batch) > 1:
+            batch = batch[1:]  # one left out
+        elif event > 0.8:
+            prepare_step(batch, bs, CPU, 50, staging)  # another layout through the same buffers
+        batch = list(batch)  # a new list every step, as the scheduler's
+        same_len = rng.random() < 0.8
+        if rng.random() < 0.2:
+            draft_len = rng.choice([0, 0, 1, 3])
+        for seq in batch:
+            seq.num_scheduled_tokens = 1
+            n = draft_len if same_len else rng.choice([0, 0, 1, 2, 5])
+            seq.draft_token_ids = [rng.randrange(1, 50) for _ in range(n)]
+            assert bm.ensure_slots(seq, seq.num_tokens + n)
+            seq.slot = slot_of[seq.request_id]
+        fast = prepare_step(batch, bs, CPU, 50, staging, bm.tables, steady)
+        assert_same_layout(fast, prepare_step(batch, bs, CPU, 50, general_staging))
+        steady = fast.steady
+        assert steady is not None and steady.seqs == batch
+        committed = []
+        for seq in batch:  # a verify's commit: accepted drafts and one more token
+            k = rng.randrange(0, len(seq.draft_token_ids) + 1) + 1
+            seq.token_ids.extend(rng.randrange(1, 50) for _ in range(k))
+            seq.num_computed_tokens += k
+            seq.draft_token_ids = []
+            bm.truncate(seq, seq.num_tokens)
+            assert bm.ensure_slots(seq, seq.num_tokens)  # the scheduler's, for the last token's KV
+            committed.append(k)
+        if rng.random() < 0.9:  # else a chunk "ended": the engine advances nothing
+            steady.advance(np.array(committed), np.array([s.token_ids[-1] for s in batch]))
+    assert calls["steady"] > 20 and calls["in_place"] > 10, calls
+
+
+def test_a_steady_step_refuses_a_batch_that_changed():
+    """What ``_steady_step`` checks before it reads no sequence: the state advanced by the
+    commit, the same sequences in the same order, no table row taken or given back."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    seqs = [seq_of(prompt_of(6, i), f"r{i}") for i in range(3)]
+    for i, seq in enumerate(seqs):
+        bm.admit(seq, [])
+        seq.slot = i
+    decode_batch(random.Random(0), bm, seqs, {s.request_id: i for i, s in enumerate(seqs)})
+    staging = new_staging(CPU)
+    steady = prepare_step(seqs, 4, CPU, 50, staging, bm.tables).steady
+    assert step_inputs._steady_step(list(seqs), 4, staging, bm.tables, steady) is None  # not advanced
+    steady.advance(1, np.array([1, 2, 3]))
+    assert step_inputs._steady_step(seqs[::-1], 4, staging, bm.tables, steady) is None
+    assert step_inputs._steady_step(seqs[:2], 4, staging, bm.tables, steady) is None
+    other = seq_of(prompt_of(3, 9), "r9")
+    bm.admit(other, [])
+    assert step_inputs._steady_step(list(seqs), 4, staging, bm.tables, steady) is None  # a row taken
+    steady.epoch = bm.tables.epoch
+    for seq in seqs:
+        seq.token_ids.append(seq.num_tokens)
+        seq.num_computed_tokens += 1
+        seq.draft_token_ids = []
+    assert step_inputs._steady_step(list(seqs), 4, staging, bm.tables, steady) is not None
+
+
+def test_engines_lay_out_steady_batches_and_match_the_reference(model, monkeypatch):
+    """Engines at small batches (every sequence a decode most steps) take the steady
+    layout, in place and afresh, through late joins, finishes, an abort and a KV cache
+    small enough to preempt: with and without speculation, every output equals the
+    reference's (or the plain run's)."""
+    calls = counting_steady_paths(monkeypatch)
+    reqs = mixed_requests()
+    refs = {r.request_id: reference_generate(model, r) for r in reqs}
+    engine = _engine_with(model, reqs[:3], max_num_batched_tokens=16, speculative=False, num_kv_blocks=24)
+    assert_same(run_to_end(engine, late={3: reqs[3:5], 9: reqs[5:]}), refs)
+    assert engine.metrics.counters.num_preemptions > 0
+    assert calls["in_place"] > 10 and calls["steady"] > calls["in_place"] > 0, calls
+    reqs = [make_request(i, prompt_of(5 + 3 * i, i), temperature=[0.0, 1.0][i % 2], max_tokens=40,
+                         max_new_tokens=40) for i in range(5)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    calls.update(steady=0, in_place=0)
+    drafter = OracleDrafter({rid: out.token_ids for rid, out in plain.items()}, wrong_every=3)
+    engine = _engine_with(model, reqs, drafter=drafter)
+    for _ in range(4):
+        engine.step()
+    assert engine.abort("r3")
+    spec = run_to_end(engine)
+    assert spec["r3"].finish_reason == "abort"
+    assert calls["steady"] > 5 and calls["in_place"] > 0, calls
+    for rid, out in plain.items():
+        if rid != "r3":
+            assert spec[rid].token_ids == out.token_ids and spec[rid].finish_reason == out.finish_reason, rid
+            assert torch.allclose(torch.tensor(spec[rid].logprobs), torch.tensor(out.logprobs), atol=1e-5)
+    assert spec["r3"].token_ids == plain["r3"].token_ids[:len(spec["r3"].token_ids)]
 
 
 # ---------------------------------------------------------------------- acceptance by arrays

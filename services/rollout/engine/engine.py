@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from itertools import chain
 
 import numpy as np
 import torch
@@ -376,13 +377,16 @@ class LLMEngine:
                 trees = self._drafter.propose_trees(request_ids, max_lens, stop_token_ids=stops, budget=budget,
                                                     max_nodes=self.max_draft_len)
             else:
-                trees = [(d, None) for d in self._drafter.propose(request_ids, max_lens, stop_token_ids=stops,
-                                                                  budget=budget)]
+                drafts = self._drafter.propose(request_ids, max_lens, stop_token_ids=stops, budget=budget)
         except Exception:  # noqa: BLE001 - not one request's fault: this step goes undrafted
             log.exception("drafter.propose failed; decoding this step without drafts")
             self.metrics.on_drafter_error()
             return
         vocab = self.model.config.vocab_size
+        if not self.tree_drafts:
+            if self._take_linear_drafts(decodes, drafts, max_lens, budget, vocab):
+                return
+            trees = [(d, None) for d in drafts]
         bm = self.block_manager
         bs = bm.block_size
         for seq, (draft, parents), max_len in zip(decodes, trees, max_lens):
@@ -403,6 +407,43 @@ class LLMEngine:
                 self.metrics.on_draft_miss()
             elif parents is not None:
                 self.metrics.on_tree(*shape(parents))
+
+    def _take_linear_drafts(self, decodes: list[Sequence], drafts, max_lens: list[int], budget: int,
+                            vocab: int) -> bool:
+        """``_propose_drafts``' checks for the common step, over the whole step at once:
+        linear drafts that, each cut to its ``max_lens``, fit the budget together (so no
+        draft is cut by the budget), every token an integer in the vocabulary (checked as
+        one array); each sequence then checks only its KV room, as the per-sequence loop
+        does. False, with nothing set, where that does not hold: the per-sequence checks
+        then decide (a bad draft dropped alone, the budget cut in order)."""
+        cut = [draft[:n] for draft, n in zip(drafts, max_lens)]
+        lens = list(map(len, cut))
+        total = sum(lens)
+        if total > budget:
+            return False
+        ints: list[int] = []
+        if total:
+            try:
+                flat = np.array(list(chain.from_iterable(cut)), dtype=np.int64)
+            except (TypeError, ValueError, OverflowError):
+                return False
+            if flat.shape != (total,) or flat.min() < 0 or flat.max() >= vocab:
+                return False
+            ints = flat.tolist()
+        bm = self.block_manager
+        bs = bm.block_size
+        at = misses = 0
+        for seq, k in zip(decodes, lens):
+            draft = ints[at:at + k]
+            at += k
+            if k and len(seq.token_ids) + k > len(seq.block_table) * bs and not bm.ensure_slots(seq, seq.num_tokens + k):
+                draft = []  # no free KV for the draft: decode plainly this step
+            seq.draft_token_ids = draft
+            seq.draft_parents = None
+            misses += not draft
+        for _ in range(misses):
+            self.metrics.on_draft_miss()
+        return True
 
     def _checked_tree(self, tokens, parents, max_depth: int, budget: int) -> tuple[list[int], list[int] | None]:
         """A drafter's tree, checked (a bad one is no draft: a drafter bug must not crash

@@ -16,6 +16,8 @@
     tokens kept by batch position and advanced by the commit, the next step laid out
     from them, in place where its shape is the last one's) against the per-sequence
     layout through random lifecycles, and engines on it against the reference;
+  - a step's linear drafts checked at once (``LLMEngine._take_linear_drafts``) against
+    the per-sequence checks, with junk drafts, a tight budget and a small cache;
   - metric exports deferred behind the next forward, flushed when the engine goes idle.
 
 If these fail, a reused slot leaks its last request's state into a new one, or the fast
@@ -387,6 +389,72 @@ def test_engines_lay_out_steady_batches_and_match_the_reference(model, monkeypat
             assert spec[rid].token_ids == out.token_ids and spec[rid].finish_reason == out.finish_reason, rid
             assert torch.allclose(torch.tensor(spec[rid].logprobs), torch.tensor(out.logprobs), atol=1e-5)
     assert spec["r3"].token_ids == plain["r3"].token_ids[:len(spec["r3"].token_ids)]
+
+
+# ---------------------------------------------------------------------- the step's drafts at once
+
+
+class JunkDrafter(OracleDrafter):
+    """The oracle's drafts, some (at random, seeded) with a token outside the vocabulary,
+    as numpy integers, or as floats: a drafter's bugs, which the engine's checks drop."""
+
+    def __init__(self, continuations, seed: int):
+        super().__init__(continuations, wrong_every=4)
+        self.rng = random.Random(seed)
+
+    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
+        drafts = super().propose(request_ids, max_lens, stop_token_ids, budget)
+        for i, draft in enumerate(drafts):
+            kind = self.rng.random()
+            if draft and kind < 0.1:
+                draft[self.rng.randrange(len(draft))] = 10**6  # outside the vocabulary
+            elif kind < 0.2:
+                drafts[i] = np.array(draft, dtype=np.int64)
+            elif kind < 0.25:
+                drafts[i] = [float(t) for t in draft]
+        return drafts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_steps_drafts_checked_at_once_decide_as_the_per_sequence_checks(model, monkeypatch, seed):
+    """``LLMEngine._take_linear_drafts`` (the step's drafts checked as one array) against
+    the per-sequence checks it stands for: with drafts that carry junk tokens, come as
+    numpy arrays or floats, exceed the token budget together (a small batch budget) or
+    find no free KV (a small cache), two engines, one with it and one without, give the
+    same tokens, logprobs, per-request draft counts, draft misses and preemptions; where
+    it takes a step, every draft it set is a list of Python ints."""
+    reqs = [make_request(i, prompt_of(4 + 5 * i, i), temperature=[0.0, 1.0][i % 2], max_tokens=30,
+                         max_new_tokens=30) for i in range(6)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    continuations = {rid: out.token_ids for rid, out in plain.items()}
+    real = engine_module.LLMEngine._take_linear_drafts
+    taken = {True: 0, False: 0}
+
+    def counted(self, decodes, *args):
+        took = real(self, decodes, *args)
+        taken[took] += 1
+        if took:
+            assert all(type(t) is int for s in decodes for t in s.draft_token_ids)
+        return took
+
+    def run(fast: bool):
+        monkeypatch.setattr(engine_module.LLMEngine, "_take_linear_drafts",
+                            counted if fast else lambda self, *args: False)
+        engine = _engine_with(model, reqs, drafter=JunkDrafter(continuations, seed), max_num_batched_tokens=24,
+                              num_kv_blocks=30)
+        return run_to_end(engine), engine.metrics.counters
+
+    fast, fast_counters = run(True)
+    walk, walk_counters = run(False)
+    assert taken[True] > 5 and taken[False] > 0, taken
+    fields = ("token_ids", "logprobs", "finish_reason", "num_verify_steps", "num_draft_tokens",
+              "num_accepted_tokens", "accepted_per_pos")
+    for rid, out in walk.items():
+        assert [getattr(fast[rid], f) for f in fields] == [getattr(out, f) for f in fields], rid
+        assert out.token_ids == plain[rid].token_ids
+    for name in ("num_draft_misses", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_preemptions"):
+        assert getattr(fast_counters, name) == getattr(walk_counters, name), name
+    assert walk_counters.num_draft_misses > 0 and walk_counters.num_preemptions > 0
 
 
 # ---------------------------------------------------------------------- acceptance by arrays

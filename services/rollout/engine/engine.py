@@ -41,6 +41,11 @@ from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_row
 
 log = logging.getLogger(__name__)
 
+# From this many drafting sequences a step's linear drafts are checked as one array
+# (``LLMEngine._take_linear_drafts``); below, the per-sequence checks cost less than the
+# few numpy calls (benchmarks/engine_host.py at batch 1).
+ARRAY_DRAFT_CHECKS_MIN = 8
+
 
 class LLMEngine:
     def __init__(self, model, *, device="auto", max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
@@ -384,7 +389,8 @@ class LLMEngine:
             return
         vocab = self.model.config.vocab_size
         if not self.tree_drafts:
-            if self._take_linear_drafts(decodes, drafts, max_lens, budget, vocab):
+            if len(decodes) >= ARRAY_DRAFT_CHECKS_MIN and self._take_linear_drafts(decodes, drafts, max_lens,
+                                                                                   budget, vocab):
                 return
             trees = [(d, None) for d in drafts]
         bm = self.block_manager

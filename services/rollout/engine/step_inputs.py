@@ -47,6 +47,9 @@ VECTOR_MIN_SEQS = 128
 # linear draft, no masked row) carries ``fed_host`` / ``query_start_host`` whichever path
 # laid it out, so the verifier accepts its drafts by array operations (verify_linear).
 LINEAR_MIN_SEQS = 8
+# Up to this many sequences a steady step rewrites its staged entries one by one
+# (``_restage_scalars``), past it by numpy over the batch (``_restage_arrays``).
+SCALAR_RESTAGE_MAX = 8
 
 
 @dataclass
@@ -88,8 +91,9 @@ class SteadyBatch:
     # What a next step of the same shape (the same query lengths, table width) rewrites in
     # place (``_restage_decode``), set where ``_stage_decode`` staged the step:
     inputs: "StepInputs | None" = None
-    query_lens: np.ndarray | None = None  # [num_seqs] (None: one token each)
-    seq_of_token: np.ndarray | None = None  # [num_tokens] with drafts
+    draft_lens: list[int] | None = None  # each sequence's draft length (None: no drafts)
+    query_lens: np.ndarray | None = None  # [num_seqs] with drafts: 1 + draft length (made when first needed)
+    seq_of_token: np.ndarray | None = None  # [num_tokens] with drafts (made when first needed)
     offsets: np.ndarray | None = None  # [num_tokens] with drafts: each token's position past its start
     width: int = 0  # the block tables' staged width
     tables_version: int = -1  # BlockTables.version when the tables were gathered
@@ -142,6 +146,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
     decode_only = rows_table is not None  # every sequence a decode with a row, no masked row: a SteadyBatch
     rows_of: list[int] = []
     starts_of: list[int] = []
+    draft_lens: list[int] = []
     linear = len(seqs) >= LINEAR_MIN_SEQS  # still a decode layout (LINEAR_MIN_SEQS)
     trees: list[tuple[int, list[int]]] = []  # (first token's index, row masks) of each tree sequence
     for seq in seqs:
@@ -161,6 +166,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             if decode_only:
                 rows_of.append(seq.row)
                 starts_of.append(start)
+                draft_lens.append(0)
         else:
             decoding = n == 1 and start + 1 == length and seq.draft_parents is None
             linear = linear and decoding
@@ -168,6 +174,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
                 decode_only = decoding
                 rows_of.append(seq.row)
                 starts_of.append(start)
+                draft_lens.append(len(seq.draft_token_ids))
             end = start + n
             input_ids.extend(token_ids[start:end])
             num_rows = 0
@@ -223,12 +230,16 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
         if linear:
             sampling.fed_host = np.array(input_ids, dtype=np.int64)
             sampling.query_start_host = np.array(cu_q, dtype=np.int64)
-    steady = None
-    if decode_only and min(rows_of) >= 0:
-        steady = SteadyBatch(seqs, np.array(rows_of, dtype=np.int64), np.array([s.slot for s in seqs], dtype=np.int64),
-                             np.array(starts_of, dtype=np.int64), rows_table.epoch)
-    return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
-                      num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling, steady=steady)
+    inputs = StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
+                        num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling)
+    if decode_only and min(rows_of) >= 0:  # its parts lie as _stage_decode's do: restageable
+        inputs.steady = SteadyBatch(seqs, np.array(rows_of, dtype=np.int64),
+                                    np.array([s.slot for s in seqs], dtype=np.int64),
+                                    np.array(starts_of, dtype=np.int64), rows_table.epoch, inputs=inputs,
+                                    draft_lens=draft_lens if num_tokens > len(seqs) else None, width=width,
+                                    tables_version=rows_table.version,
+                                    generations=(int64.generation, int32.generation))
+    return inputs
 
 
 def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging],
@@ -258,11 +269,9 @@ def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
         rows.append(seq.row)
         slots.append(seq.slot)
         num_drafts.append(len(draft))
-    n = len(seqs)
-    query_lens = None if len(ids) == n else np.array(num_drafts, dtype=np.int64) + 1
     return _stage_decode(seqs, bs, staging, tables, np.array(rows, dtype=np.int64),
                          np.array(starts, dtype=np.int64), np.array(slots, dtype=np.int64),
-                         np.array(ids, dtype=np.int64), query_lens)
+                         np.array(ids, dtype=np.int64), None if len(ids) == len(seqs) else num_drafts)
 
 
 def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
@@ -271,17 +280,26 @@ def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
     again, advanced by its commit, no row taken or given back since. Their positions and
     last tokens are the advanced arrays; only the drafts are read from the sequences. A
     step of the last one's shape is written into its staged buffers in place
-    (``_restage_decode``), another staged afresh (``_stage_decode``). None when the batch
-    is not steady."""
+    (``_restage_decode``), another staged afresh (``_stage_decode``; below
+    ``VECTOR_MIN_SEQS`` sequences the per-sequence path does that faster). None when the
+    batch is not steady, or a small one changed shape."""
     if steady.next_starts is None or steady.epoch != tables.epoch or seqs != steady.seqs:
         return None
     starts, last = steady.next_starts, steady.next_last
     drafts = [seq.draft_token_ids for seq in seqs]
+    n = len(seqs)
     if not any(drafts):
-        fed, query_lens = last, None
+        fed, draft_lens = last, None
+    elif n < VECTOR_MIN_SEQS:  # a few sequences: the interleaving in Python
+        draft_lens = list(map(len, drafts))
+        ids: list[int] = []
+        for token, draft in zip(last.tolist(), drafts):
+            ids.append(token)
+            ids.extend(draft)
+        fed = np.array(ids, dtype=np.int64)
     else:
-        n = len(seqs)
-        query_lens = np.fromiter(map(len, drafts), dtype=np.int64, count=n) + 1
+        draft_lens = list(map(len, drafts))
+        query_lens = np.array(draft_lens, dtype=np.int64) + 1
         first = np.zeros(n, dtype=np.int64)
         np.cumsum(query_lens[:-1], out=first[1:])
         num_tokens = int(first[-1] + query_lens[-1])
@@ -290,14 +308,14 @@ def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
         is_draft[first] = False
         fed[first] = last
         fed[is_draft] = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=num_tokens - n)
-    inputs = _restage_decode(steady, bs, staging, tables, fed, query_lens)
-    if inputs is not None:
+    inputs = _restage_decode(steady, bs, staging, tables, fed, draft_lens)
+    if inputs is not None or n < VECTOR_MIN_SEQS:
         return inputs
-    return _stage_decode(seqs, bs, staging, tables, steady.rows, starts, steady.slots, fed, query_lens)
+    return _stage_decode(seqs, bs, staging, tables, steady.rows, starts, steady.slots, fed, draft_lens)
 
 
 def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
-                    fed: np.ndarray, query_lens: np.ndarray | None) -> StepInputs | None:
+                    fed: np.ndarray, draft_lens: list[int] | None) -> StepInputs | None:
     """The steady step written into the last step's staged buffers in place: what a decode
     step changes (tokens, positions, KV slots, the rows' positions, lengths, and the
     block tables where one changed) over the parts that stay (sample rows, the rows'
@@ -306,17 +324,37 @@ def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
     int64, int32 = staging
     last = steady.inputs
     if (last is None or (int64.generation, int32.generation) != steady.generations
-            or (query_lens is None) != (steady.query_lens is None)
-            or (query_lens is not None and not np.array_equal(query_lens, steady.query_lens))):
+            or draft_lens != steady.draft_lens):
         return None
     tables.sync()
     rows, starts = steady.rows, steady.next_starts
     retable = tables.version != steady.tables_version
     if retable and int(tables.lengths[rows].max()) != steady.width:
         return None
-    if query_lens is None:
+    if len(rows) <= SCALAR_RESTAGE_MAX:
+        _restage_scalars(steady, bs, staging, tables, fed, draft_lens, retable)
+    else:
+        _restage_arrays(steady, bs, staging, tables, fed, draft_lens, retable)
+    if last.sampling.fed_host is not None:
+        last.sampling.fed_host = fed
+    steady.starts, steady.next_starts, steady.next_last = starts, None, None
+    steady.tables_version = tables.version
+    steady.generations = int64.generation, int32.generation
+    return last
+
+
+def _restage_arrays(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                    fed: np.ndarray, draft_lens: list[int] | None, retable: bool) -> None:
+    """``_restage_decode``'s writes, by numpy over the batch."""
+    int64, int32 = staging
+    rows, starts = steady.rows, steady.next_starts
+    if draft_lens is None:
         positions, row_of_token = starts, rows
     else:
+        if steady.seq_of_token is None:  # (a step the per-sequence path laid out)
+            steady.query_lens = query_lens = np.array(draft_lens, dtype=np.int64) + 1
+            steady.seq_of_token = np.repeat(np.arange(len(rows)), query_lens)
+            steady.offsets = np.arange(len(fed)) - (np.cumsum(query_lens) - query_lens)[steady.seq_of_token]
         positions, row_of_token = starts[steady.seq_of_token] + steady.offsets, rows[steady.seq_of_token]
     host = int64.begin_rewrite()
     a, b = int64.bounds(0)
@@ -335,31 +373,57 @@ def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
         a, b = int32.bounds(0)
         host[a:b] = tables.array[rows, :steady.width].reshape(-1)
     a, b = int32.bounds(1)
-    np.add(starts, query_lens if query_lens is not None else 1, out=host[a:b])
+    np.add(starts, 1 if draft_lens is None else steady.query_lens, out=host[a:b])
     int32.end_rewrite()
-    if last.sampling.fed_host is not None:
-        last.sampling.fed_host = fed
-    steady.starts, steady.next_starts, steady.next_last = starts, None, None
-    steady.tables_version = tables.version
-    steady.generations = int64.generation, int32.generation
-    return last
+
+
+def _restage_scalars(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                     fed: np.ndarray, draft_lens: list[int] | None, retable: bool) -> None:
+    """``_restage_decode``'s writes for a few sequences, entry by entry: a handful of
+    numpy scalar writes cost less than the numpy calls over arrays of one or two."""
+    int64, int32 = staging
+    table = tables.array
+    host = int64.begin_rewrite()
+    ids_at, pos_at, kv_at, row_pos_at = (int64.bounds(i)[0] for i in (0, 1, 2, 5))
+    tokens = fed.tolist()
+    lens = draft_lens or [0] * len(tokens)
+    t = 0
+    ends = []
+    for start, row, k in zip(steady.next_starts.tolist(), steady.rows.tolist(), lens):
+        for p in range(start, start + k + 1):
+            host[ids_at + t] = tokens[t]
+            host[pos_at + t] = p
+            host[kv_at + t] = int(table[row, p // bs]) * bs + p % bs
+            host[row_pos_at + t] = p + 1
+            t += 1
+        ends.append(start + k + 1)
+    int64.end_rewrite()
+    host = int32.begin_rewrite()
+    if retable:
+        a, b = int32.bounds(0)
+        host[a:b] = table[steady.rows, :steady.width].reshape(-1)
+    lens_at = int32.bounds(1)[0]
+    for i, end in enumerate(ends):
+        host[lens_at + i] = end
+    int32.end_rewrite()
 
 
 def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
                   row_of_seq: np.ndarray, start_of_seq: np.ndarray, slot_of_seq: np.ndarray, fed: np.ndarray,
-                  query_lens: np.ndarray | None) -> StepInputs:
+                  draft_lens: list[int] | None) -> StepInputs:
     """A decode layout from arrays by batch position: each sequence's table row, first fed
     position and request slot, the tokens fed (each sequence's last token, then its
-    draft) and, with drafts, each sequence's query length (None: one token each).
+    draft) and, with drafts, each sequence's draft length (None: no drafts).
     Positions, KV slots (gathered from the table rows), sampler rows and lengths are
     numpy over them; the step carries its ``SteadyBatch``."""
     tables.sync()
     n, num_tokens = len(seqs), len(fed)
     seq_of_token = offsets = None
-    if query_lens is None:  # no drafts: one token per sequence
+    if draft_lens is None:  # no drafts: one token per sequence
         positions, row_of_token, slot_of_row = start_of_seq, row_of_seq, slot_of_seq
         cu, seq_lens, max_query_len = np.arange(n + 1), start_of_seq + 1, 1
     else:
+        query_lens = np.array(draft_lens, dtype=np.int64) + 1
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
         seq_of_token = np.repeat(np.arange(n), query_lens)
@@ -380,8 +444,9 @@ def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging
                             row_slots_host=int64.host_part(4))
     if n >= LINEAR_MIN_SEQS:
         sampling.fed_host, sampling.query_start_host = fed, cu
-    steady = SteadyBatch(seqs, row_of_seq, slot_of_seq, start_of_seq, tables.epoch, query_lens=query_lens,
-                         seq_of_token=seq_of_token, offsets=offsets, width=width, tables_version=tables.version,
+    steady = SteadyBatch(seqs, row_of_seq, slot_of_seq, start_of_seq, tables.epoch, draft_lens=draft_lens,
+                         query_lens=None if draft_lens is None else query_lens, seq_of_token=seq_of_token,
+                         offsets=offsets, width=width, tables_version=tables.version,
                          generations=(int64.generation, int32.generation))
     inputs = steady.inputs = StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t,
                                         num_seqs=n, num_tokens=num_tokens, is_prefill=False, sampling=sampling,

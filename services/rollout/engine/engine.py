@@ -442,7 +442,8 @@ class LLMEngine:
         for seq, k in zip(decodes, lens):
             draft = ints[at:at + k]
             at += k
-            if k and len(seq.token_ids) + k > len(seq.block_table) * bs and not bm.ensure_slots(seq, seq.num_tokens + k):
+            if (k and len(seq.token_ids) + k > len(seq.block_table) * bs
+                    and not bm.ensure_slots(seq, seq.num_tokens + k)):
                 draft = []  # no free KV for the draft: decode plainly this step
             seq.draft_token_ids = draft
             seq.draft_parents = None

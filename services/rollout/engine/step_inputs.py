@@ -63,7 +63,7 @@ class StepInputs:
     is_prefill: bool  # any sequence fed more than its last token
     sampling: StepSampling | None  # the sampler's rows; None when no sequence samples
     # A decode layout's per-sequence state by batch position (None: not a decode layout)
-    steady: "SteadyBatch | None" = None
+    steady: SteadyBatch | None = None
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ class SteadyBatch:
     next_last: np.ndarray | None = None  # set by advance: each sequence's last token
     # What a next step of the same shape (the same query lengths, table width) rewrites in
     # place (``_restage_decode``), set where ``_stage_decode`` staged the step:
-    inputs: "StepInputs | None" = None
+    inputs: StepInputs | None = None
     draft_lens: list[int] | None = None  # each sequence's draft length (None: no drafts)
     query_lens: np.ndarray | None = None  # [num_seqs] with drafts: 1 + draft length (made when first needed)
     seq_of_token: np.ndarray | None = None  # [num_tokens] with drafts (made when first needed)

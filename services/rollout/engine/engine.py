@@ -167,6 +167,7 @@ class LLMEngine:
         outputs = self._step()
         if not self.scheduler.has_work():
             self.metrics.flush()  # idle: no next forward to export behind
+            self.runner.steady = None  # (its finished sequences need not be kept)
         return outputs
 
     def _step(self) -> list[RequestOutput]:

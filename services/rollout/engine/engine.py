@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from itertools import chain
 
 import numpy as np
 import torch
@@ -39,6 +40,11 @@ from services.rollout.engine.input_batch import VerifyStats
 from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_rows, verify, verify_linear
 
 log = logging.getLogger(__name__)
+
+# From this many drafting sequences a step's linear drafts are checked as one array
+# (``LLMEngine._take_linear_drafts``); below, the per-sequence checks cost less than the
+# few numpy calls (benchmarks/engine_host.py at batch 1).
+ARRAY_DRAFT_CHECKS_MIN = 8
 
 
 class LLMEngine:
@@ -161,6 +167,7 @@ class LLMEngine:
         outputs = self._step()
         if not self.scheduler.has_work():
             self.metrics.flush()  # idle: no next forward to export behind
+            self.runner.steady = None  # (its finished sequences need not be kept)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -187,12 +194,17 @@ class LLMEngine:
         num_draft_tokens = sum(len(s.draft_token_ids) for s in sampling)
         num_prompt_tokens, num_generated = batch.num_prompt_tokens(), 0
         commits = Commits()  # the drafter's, sent in one call (before a request stops)
+        num_outputs = len(outputs)
         for seq, verdict in zip(sampling, verdicts):
             num_generated += self._commit(seq, verdict, commits)               # 5. commit
             if seq.chunk_done:
                 self._send(commits)
                 outputs.append(self._finish(seq))                              # 6. finish
         self._send(commits)
+        steady = self.runner.steady  # a decode layout (every sequence sampled): its next step's state
+        if steady is not None and len(outputs) == num_outputs:
+            steady.advance(np.array([len(v.token_ids) for v in verdicts], dtype=np.int64),
+                           np.array([v.token_ids[-1] for v in verdicts], dtype=np.int64))
         self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
         if self.tree_drafts:
             self.metrics.on_tree_verdicts(verdicts, len(batch.seqs))
@@ -211,6 +223,7 @@ class LLMEngine:
         num_prompt_tokens = batch.num_prompt_tokens()
         bm = self.block_manager
         bs = bm.block_size
+        num_outputs = len(outputs)
         for seq, token, logprob in zip(sampling, tokens, logprobs):
             seq.busy_s += elapsed
             computed = seq.num_computed_tokens
@@ -225,6 +238,9 @@ class LLMEngine:
                 continue
             if now // bs != computed // bs:  # a block filled up: hash it (_commit_filled_block)
                 bm.commit(seq)
+        steady = runner.steady  # a decode layout (every sequence sampled): its next step's state
+        if steady is not None and len(outputs) == num_outputs:
+            steady.advance(1, np.array(tokens, dtype=np.int64))
         self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
         return outputs
 
@@ -248,6 +264,7 @@ class LLMEngine:
         bm = self.block_manager
         bs = bm.block_size
         num_generated = sent = 0  # sent: the sequences whose commits the drafter has
+        num_outputs = len(outputs)
         for i, (seq, lo, num_draft, a) in enumerate(zip(seqs, v.query_start.tolist(), v.num_draft.tolist(),
                                                         v.num_accepted.tolist())):
             seq.busy_s += elapsed
@@ -277,6 +294,10 @@ class LLMEngine:
             if seq.num_computed_tokens // bs != computed // bs:
                 bm.commit(seq)
         self._send_linear(v, seqs, sent, len(seqs))
+        steady = runner.steady  # the next step's state: each sequence's last committed token
+        if steady is not None and len(outputs) == num_outputs:
+            committed = v.num_accepted + 1
+            steady.advance(committed, v.tokens[v.query_start[:-1] + v.num_accepted])
         num_draft_tokens = len(tokens) - len(seqs)
         self.metrics.on_accepted(int(np.count_nonzero(v.num_draft)), num_draft_tokens, int(v.num_accepted.sum()),
                                  v.num_accepted)
@@ -362,13 +383,17 @@ class LLMEngine:
                 trees = self._drafter.propose_trees(request_ids, max_lens, stop_token_ids=stops, budget=budget,
                                                     max_nodes=self.max_draft_len)
             else:
-                trees = [(d, None) for d in self._drafter.propose(request_ids, max_lens, stop_token_ids=stops,
-                                                                  budget=budget)]
+                drafts = self._drafter.propose(request_ids, max_lens, stop_token_ids=stops, budget=budget)
         except Exception:  # noqa: BLE001 - not one request's fault: this step goes undrafted
             log.exception("drafter.propose failed; decoding this step without drafts")
             self.metrics.on_drafter_error()
             return
         vocab = self.model.config.vocab_size
+        if not self.tree_drafts:
+            if len(decodes) >= ARRAY_DRAFT_CHECKS_MIN and self._take_linear_drafts(decodes, drafts, max_lens,
+                                                                                   budget, vocab):
+                return
+            trees = [(d, None) for d in drafts]
         bm = self.block_manager
         bs = bm.block_size
         for seq, (draft, parents), max_len in zip(decodes, trees, max_lens):
@@ -389,6 +414,44 @@ class LLMEngine:
                 self.metrics.on_draft_miss()
             elif parents is not None:
                 self.metrics.on_tree(*shape(parents))
+
+    def _take_linear_drafts(self, decodes: list[Sequence], drafts, max_lens: list[int], budget: int,
+                            vocab: int) -> bool:
+        """``_propose_drafts``' checks for the common step, over the whole step at once:
+        linear drafts that, each cut to its ``max_lens``, fit the budget together (so no
+        draft is cut by the budget), every token an integer in the vocabulary (checked as
+        one array); each sequence then checks only its KV room, as the per-sequence loop
+        does. False, with nothing set, where that does not hold: the per-sequence checks
+        then decide (a bad draft dropped alone, the budget cut in order)."""
+        cut = [draft[:n] for draft, n in zip(drafts, max_lens)]
+        lens = list(map(len, cut))
+        total = sum(lens)
+        if total > budget:
+            return False
+        ints: list[int] = []
+        if total:
+            try:
+                flat = np.array(list(chain.from_iterable(cut)), dtype=np.int64)
+            except (TypeError, ValueError, OverflowError):
+                return False
+            if flat.shape != (total,) or flat.min() < 0 or flat.max() >= vocab:
+                return False
+            ints = flat.tolist()
+        bm = self.block_manager
+        bs = bm.block_size
+        at = misses = 0
+        for seq, k in zip(decodes, lens):
+            draft = ints[at:at + k]
+            at += k
+            if (k and len(seq.token_ids) + k > len(seq.block_table) * bs
+                    and not bm.ensure_slots(seq, seq.num_tokens + k)):
+                draft = []  # no free KV for the draft: decode plainly this step
+            seq.draft_token_ids = draft
+            seq.draft_parents = None
+            misses += not draft
+        for _ in range(misses):
+            self.metrics.on_draft_miss()
+        return True
 
     def _checked_tree(self, tokens, parents, max_depth: int, budget: int) -> tuple[list[int], list[int] | None]:
         """A drafter's tree, checked (a bad one is no draft: a drafter bug must not crash

@@ -57,6 +57,8 @@ class Staging:
         self.np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._bounds: list[tuple[int, int]] = []
+        self._end = 0  # the last stage's extent
+        self.generation = 0  # stages so far: a rewrite needs the last stage to be the one it rewrites
         self._views: dict[tuple, tuple[list[torch.Tensor], list[tuple[int, int]]]] = {}
         self._alloc(capacity)
 
@@ -97,7 +99,28 @@ class Staging:
             host[a:a + part.size] = part.reshape(-1)
         return self._finish(tuple(layout), end)
 
+    def begin_rewrite(self) -> np.ndarray:
+        """The host side, for writing new values into the last ``stage``'s parts in place
+        (the same layout: its device tensors stay valid, with the new values once
+        ``end_rewrite`` has copied them over). Parts not written keep their values."""
+        if self._event is not None:
+            self._event.synchronize()  # the previous step's copy has read the host side
+        return self.host_np
+
+    def end_rewrite(self) -> None:
+        """Sends what ``begin_rewrite``'s caller wrote: the last stage's extent, in one
+        non-blocking copy (nothing to send on the CPU: host and device are one buffer)."""
+        if self._event is not None:
+            self.dev[:self._end].copy_(self.host[:self._end], non_blocking=True)
+            self._event.record()
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Where the last stage's i-th part lies in the buffer."""
+        return self._bounds[i]
+
     def _begin(self, end: int) -> None:
+        self.generation += 1
+        self._end = end
         if self._event is not None:
             self._event.synchronize()  # the previous step's copy has read the host side (done long ago)
         if end > self.capacity:
@@ -262,11 +285,17 @@ class BlockTables:
     def __init__(self, rows: int = 16, cols: int = 16):
         self.array = np.zeros((rows, cols), dtype=np.int32)
         self.lengths = np.zeros(rows, dtype=np.int64)
+        # Bumped whenever a row is taken or given back (an admission, a finish, an abort, a
+        # preemption): a step laid out from the last step's state (step_inputs.SteadyBatch)
+        # needs every sequence still in the row it had, and no other change.
+        self.epoch = 0
+        self.version = 0  # bumped by every change of a table (a step that gathered none can reuse its gather)
         self._free = list(range(rows - 1, -1, -1))  # lowest row first
         self._entries: dict[tuple[int, int], int] = {}  # changes not yet synced: (row, column) -> block
         self._lengths: dict[int, int] = {}  # row -> its table's length, not yet synced
 
     def assign(self) -> int:
+        self.epoch += 1
         if not self._free:
             rows = self.array.shape[0]
             self._resize(2 * rows, self.array.shape[1])
@@ -275,6 +304,7 @@ class BlockTables:
 
     def extend(self, row: int, first: int, blocks: list[int]) -> None:
         """The row's table, ``first`` blocks long, had ``blocks`` appended."""
+        self.version += 1
         entries = self._entries
         for col, block in enumerate(blocks, first):
             entries[row, col] = block
@@ -284,6 +314,7 @@ class BlockTables:
 
     def truncate(self, row: int, num_blocks: int, old_length: int) -> None:
         """The row's table, ``old_length`` blocks long, was cut to ``num_blocks``."""
+        self.version += 1
         entries = self._entries
         for col in range(num_blocks, old_length):
             entries[row, col] = 0
@@ -295,6 +326,7 @@ class BlockTables:
         """The row's sequence, its table ``old_length`` blocks long, gave its blocks back."""
         self.truncate(row, 0, old_length)
         self._free.append(row)
+        self.epoch += 1
 
     def sync(self) -> None:
         """Writes the held changes into ``array`` and ``lengths``."""

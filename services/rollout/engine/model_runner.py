@@ -27,7 +27,7 @@ import torch
 from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedAttention
 from services.rollout.engine.input_batch import BlockTables, HostReader, SlotParams, StepSampling
 from services.rollout.engine.sequence import Sequence
-from services.rollout.engine.step_inputs import StepInputs, new_staging, prepare_step
+from services.rollout.engine.step_inputs import StepInputs, SteadyBatch, new_staging, prepare_step
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,11 @@ class ModelRunner:
         self.reader = HostReader()
         self.tables: BlockTables | None = None  # the block manager's table rows (the engine sets them)
         self.sampling: StepSampling | None = None  # the last run's sampler rows
+        # The last run's decode layout by batch position, which the engine's commit advances
+        # so that a steady batch's next step is laid out from it (step_inputs.SteadyBatch).
+        # Not with draft trees (a tree's rows are laid out sequence by sequence).
+        self.steady: SteadyBatch | None = None
+        self._keeps_steady = not tree_drafts
         self.last_graphed = False  # whether the last run replayed a CUDA graph (else eager)
         self.graphs: CUDAGraphs | None = None
         if use_cuda_graphs and device.type == "cuda":
@@ -65,8 +70,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ 1. layout
     def prepare(self, seqs: list[Sequence]) -> StepInputs:
-        return prepare_step(seqs, self.block_size, self.device, self.model.config.vocab_size, self.staging,
-                            self.tables)
+        inputs = prepare_step(seqs, self.block_size, self.device, self.model.config.vocab_size, self.staging,
+                              self.tables, self.steady)
+        self.steady = inputs.steady if self._keeps_steady else None
+        return inputs
 
     def graph_token_room(self, num_tokens: int) -> int | None:
         """Draft tokens a step of ``num_tokens`` can take and still replay a CUDA graph

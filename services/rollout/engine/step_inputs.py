@@ -27,6 +27,7 @@ aligned like a fresh allocation (Triton specialises kernels on pointer alignment
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ VECTOR_MIN_SEQS = 128
 # linear draft, no masked row) carries ``fed_host`` / ``query_start_host`` whichever path
 # laid it out, so the verifier accepts its drafts by array operations (verify_linear).
 LINEAR_MIN_SEQS = 8
+# Up to this many sequences a steady step rewrites its staged entries one by one
+# (``_restage_scalars``), past it by numpy over the batch (``_restage_arrays``).
+SCALAR_RESTAGE_MAX = 8
 
 
 @dataclass
@@ -58,6 +62,48 @@ class StepInputs:
     num_tokens: int
     is_prefill: bool  # any sequence fed more than its last token
     sampling: StepSampling | None  # the sampler's rows; None when no sequence samples
+    # A decode layout's per-sequence state by batch position (None: not a decode layout)
+    steady: SteadyBatch | None = None
+
+
+@dataclass(slots=True)
+class SteadyBatch:
+    """One decode-layout step's sequences and the per-sequence state its layout read, as
+    arrays by batch position (vLLM's persistent ``InputBatch``, for what a decode feeds):
+    each sequence's block-table row, request slot and first fed position (its
+    ``num_computed_tokens``). The engine's commit advances it (``advance``: each
+    sequence's next position and last token, from the step's sampled arrays, when no
+    sequence's chunk ended). The next step, when its sequences are the same objects in
+    the same order (all decoding again) and no table row was taken or given back since
+    (``BlockTables.epoch``: no admission, finish, abort or preemption), is laid out from
+    these arrays and the drafts alone (``_steady_step``), without reading its sequences'
+    tokens and counts. A sequence's row and slot do not change while it holds its
+    blocks, and its position only grows, so a sequence that masked no stop token at this
+    step masks none at the next."""
+
+    seqs: list[Sequence]
+    rows: np.ndarray  # [num_seqs] int64: each sequence's BlockTables row
+    slots: np.ndarray  # [num_seqs] int64: each sequence's SlotParams slot
+    starts: np.ndarray  # [num_seqs] int64: the position of the token each sequence fed first
+    epoch: int  # BlockTables.epoch when laid out
+    next_starts: np.ndarray | None = None  # set by advance: the next step's starts
+    next_last: np.ndarray | None = None  # set by advance: each sequence's last token
+    # What a next step of the same shape (the same query lengths, table width) rewrites in
+    # place (``_restage_decode``), set where ``_stage_decode`` staged the step:
+    inputs: StepInputs | None = None
+    draft_lens: list[int] | None = None  # each sequence's draft length (None: no drafts)
+    query_lens: np.ndarray | None = None  # [num_seqs] with drafts: 1 + draft length (made when first needed)
+    seq_of_token: np.ndarray | None = None  # [num_tokens] with drafts (made when first needed)
+    offsets: np.ndarray | None = None  # [num_tokens] with drafts: each token's position past its start
+    width: int = 0  # the block tables' staged width
+    tables_version: int = -1  # BlockTables.version when the tables were gathered
+    generations: tuple[int, int] = (-1, -1)  # the staging buffers' generations after this step's stage
+
+    def advance(self, num_committed, last_tokens: np.ndarray) -> None:
+        """Every sequence committed ``num_committed`` tokens (an array, or one count for
+        all), the last of them ``last_tokens``; none ended its chunk."""
+        self.next_starts = self.starts + num_committed
+        self.next_last = last_tokens
 
 
 def new_staging(device: torch.device) -> tuple[Staging, Staging]:
@@ -66,15 +112,22 @@ def new_staging(device: torch.device) -> tuple[Staging, Staging]:
 
 
 def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vocab_size: int = 0,
-                 staging: tuple[Staging, Staging] | None = None, tables: BlockTables | None = None) -> StepInputs:
+                 staging: tuple[Staging, Staging] | None = None, tables: BlockTables | None = None,
+                 steady: SteadyBatch | None = None) -> StepInputs:
     """The step's inputs, through ``staging`` (a fresh pair when None); ``vocab_size``
     places the masked stop tokens (any value when no row masks one); ``tables``: the block
     manager's rows of the sequences' block tables (decode and verify steps gather from
-    them; None: every step is laid out sequence by sequence)."""
+    them; None: every step is laid out sequence by sequence); ``steady``: the last step's
+    state, advanced by its commit (``SteadyBatch``; never a step with draft trees)."""
     staging = staging or new_staging(device)
+    if steady is not None and tables is not None:
+        inputs = _steady_step(seqs, block_size, staging, tables, steady)
+        if inputs is not None:
+            return inputs
     decode = _decode_step(seqs, block_size, staging, tables)
     if decode is not None:
         return decode
+    rows_table = tables
     bs = block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -90,6 +143,10 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
     tables: list[int] = []
     num_tokens, max_query_len = 0, 1  # every scheduled sequence feeds a token at least
     is_prefill = False
+    decode_only = rows_table is not None  # every sequence a decode with a row, no masked row: a SteadyBatch
+    rows_of: list[int] = []
+    starts_of: list[int] = []
+    draft_lens: list[int] = []
     linear = len(seqs) >= LINEAR_MIN_SEQS  # still a decode layout (LINEAR_MIN_SEQS)
     trees: list[tuple[int, list[int]]] = []  # (first token's index, row masks) of each tree sequence
     for seq in seqs:
@@ -106,8 +163,18 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             num_rows = 1
             end = start + 1
             row_depths = None
+            if decode_only:
+                rows_of.append(seq.row)
+                starts_of.append(start)
+                draft_lens.append(0)
         else:
-            linear = linear and n == 1 and start + 1 == length and seq.draft_parents is None
+            decoding = n == 1 and start + 1 == length and seq.draft_parents is None
+            linear = linear and decoding
+            if decode_only:
+                decode_only = decoding
+                rows_of.append(seq.row)
+                starts_of.append(start)
+                draft_lens.append(len(seq.draft_token_ids))
             end = start + n
             input_ids.extend(token_ids[start:end])
             num_rows = 0
@@ -138,7 +205,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             max_query_len = max(max_query_len, end - start)
             is_prefill |= n > 1
         if num_rows and length < seq.mask_stops_below:
-            linear = False
+            linear = decode_only = False
             _mask_stop_tokens(seq, len(row_slots) - num_rows, num_rows, vocab_size, masked, row_depths)
         cu_q.append(num_tokens)
         seq_lens.append(end)
@@ -163,8 +230,16 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
         if linear:
             sampling.fed_host = np.array(input_ids, dtype=np.int64)
             sampling.query_start_host = np.array(cu_q, dtype=np.int64)
-    return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
-                      num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling)
+    inputs = StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=len(seqs),
+                        num_tokens=num_tokens, is_prefill=is_prefill, sampling=sampling)
+    if decode_only and min(rows_of) >= 0:  # its parts lie as _stage_decode's do: restageable
+        inputs.steady = SteadyBatch(seqs, np.array(rows_of, dtype=np.int64),
+                                    np.array([s.slot for s in seqs], dtype=np.int64),
+                                    np.array(starts_of, dtype=np.int64), rows_table.epoch, inputs=inputs,
+                                    draft_lens=draft_lens if num_tokens > len(seqs) else None, width=width,
+                                    tables_version=rows_table.version,
+                                    generations=(int64.generation, int32.generation))
+    return inputs
 
 
 def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging],
@@ -172,8 +247,7 @@ def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
     """``prepare_step`` for the common step where every sequence decodes: it feeds its last
     token, then perhaps a linear draft, and masks no stop token. One pass over the
     sequences gathers what changes every step (last token, draft, position, rows); the
-    rest is numpy over those arrays: positions, KV slots (gathered from the block
-    tables' rows in ``tables``), sampler rows, lengths. None when a sequence is anything
+    rest is numpy over those arrays (``_stage_decode``). None when a sequence is anything
     else, or when no ``tables`` (the per-sequence path then lays the step out)."""
     if tables is None or len(seqs) < VECTOR_MIN_SEQS:
         return None
@@ -195,36 +269,189 @@ def _decode_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
         rows.append(seq.row)
         slots.append(seq.slot)
         num_drafts.append(len(draft))
+    return _stage_decode(seqs, bs, staging, tables, np.array(rows, dtype=np.int64),
+                         np.array(starts, dtype=np.int64), np.array(slots, dtype=np.int64),
+                         np.array(ids, dtype=np.int64), None if len(ids) == len(seqs) else num_drafts)
+
+
+def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                 steady: SteadyBatch) -> StepInputs | None:
+    """``prepare_step`` for a steady batch (``SteadyBatch``): the last step's sequences
+    again, advanced by its commit, no row taken or given back since. Their positions and
+    last tokens are the advanced arrays; only the drafts are read from the sequences. A
+    step of the last one's shape is written into its staged buffers in place
+    (``_restage_decode``), another staged afresh (``_stage_decode``; below
+    ``VECTOR_MIN_SEQS`` sequences the per-sequence path does that faster). None when the
+    batch is not steady, or a small one changed shape."""
+    if steady.next_starts is None or steady.epoch != tables.epoch or seqs != steady.seqs:
+        return None
+    starts, last = steady.next_starts, steady.next_last
+    drafts = [seq.draft_token_ids for seq in seqs]
+    n = len(seqs)
+    if not any(drafts):
+        fed, draft_lens = last, None
+    elif n < VECTOR_MIN_SEQS:  # a few sequences: the interleaving in Python
+        draft_lens = list(map(len, drafts))
+        ids: list[int] = []
+        for token, draft in zip(last.tolist(), drafts):
+            ids.append(token)
+            ids.extend(draft)
+        fed = np.array(ids, dtype=np.int64)
+    else:
+        draft_lens = list(map(len, drafts))
+        query_lens = np.array(draft_lens, dtype=np.int64) + 1
+        first = np.zeros(n, dtype=np.int64)
+        np.cumsum(query_lens[:-1], out=first[1:])
+        num_tokens = int(first[-1] + query_lens[-1])
+        fed = np.empty(num_tokens, dtype=np.int64)
+        is_draft = np.ones(num_tokens, dtype=np.bool_)
+        is_draft[first] = False
+        fed[first] = last
+        fed[is_draft] = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=num_tokens - n)
+    inputs = _restage_decode(steady, bs, staging, tables, fed, draft_lens)
+    if inputs is not None or n < VECTOR_MIN_SEQS:
+        return inputs
+    return _stage_decode(seqs, bs, staging, tables, steady.rows, starts, steady.slots, fed, draft_lens)
+
+
+def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                    fed: np.ndarray, draft_lens: list[int] | None) -> StepInputs | None:
+    """The steady step written into the last step's staged buffers in place: what a decode
+    step changes (tokens, positions, KV slots, the rows' positions, lengths, and the
+    block tables where one changed) over the parts that stay (sample rows, the rows'
+    slots, query starts), the last step's tensors and objects reused. None when the
+    shape changed (query lengths, table width) or the buffers were staged since."""
+    int64, int32 = staging
+    last = steady.inputs
+    if (last is None or (int64.generation, int32.generation) != steady.generations
+            or draft_lens != steady.draft_lens):
+        return None
     tables.sync()
-    n, num_tokens = len(seqs), len(ids)
-    row_of_seq = np.array(rows, dtype=np.int64)
-    start_of_seq = np.array(starts, dtype=np.int64)
-    slot_of_seq = np.array(slots, dtype=np.int64)
-    if num_tokens == n:  # no drafts: one token per sequence
+    rows, starts = steady.rows, steady.next_starts
+    retable = tables.version != steady.tables_version
+    if retable and int(tables.lengths[rows].max()) != steady.width:
+        return None
+    if len(rows) <= SCALAR_RESTAGE_MAX:
+        _restage_scalars(steady, bs, staging, tables, fed, draft_lens, retable)
+    else:
+        _restage_arrays(steady, bs, staging, tables, fed, draft_lens, retable)
+    if last.sampling.fed_host is not None:
+        last.sampling.fed_host = fed
+    steady.starts, steady.next_starts, steady.next_last = starts, None, None
+    steady.tables_version = tables.version
+    steady.generations = int64.generation, int32.generation
+    return last
+
+
+def _restage_arrays(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                    fed: np.ndarray, draft_lens: list[int] | None, retable: bool) -> None:
+    """``_restage_decode``'s writes, by numpy over the batch."""
+    int64, int32 = staging
+    rows, starts = steady.rows, steady.next_starts
+    if draft_lens is None:
+        positions, row_of_token = starts, rows
+    else:
+        if steady.seq_of_token is None:  # (a step the per-sequence path laid out)
+            steady.query_lens = query_lens = np.array(draft_lens, dtype=np.int64) + 1
+            steady.seq_of_token = np.repeat(np.arange(len(rows)), query_lens)
+            steady.offsets = np.arange(len(fed)) - (np.cumsum(query_lens) - query_lens)[steady.seq_of_token]
+        positions, row_of_token = starts[steady.seq_of_token] + steady.offsets, rows[steady.seq_of_token]
+    host = int64.begin_rewrite()
+    a, b = int64.bounds(0)
+    host[a:b] = fed
+    a, b = int64.bounds(1)
+    host[a:b] = positions
+    a, b = int64.bounds(2)
+    host[a:b] = tables.array[row_of_token, positions // bs]
+    host[a:b] *= bs
+    host[a:b] += positions % bs
+    a, b = int64.bounds(5)
+    np.add(positions, 1, out=host[a:b])
+    int64.end_rewrite()
+    host = int32.begin_rewrite()
+    if retable:
+        a, b = int32.bounds(0)
+        host[a:b] = tables.array[rows, :steady.width].reshape(-1)
+    a, b = int32.bounds(1)
+    np.add(starts, 1 if draft_lens is None else steady.query_lens, out=host[a:b])
+    int32.end_rewrite()
+
+
+def _restage_scalars(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                     fed: np.ndarray, draft_lens: list[int] | None, retable: bool) -> None:
+    """``_restage_decode``'s writes for a few sequences, entry by entry: a handful of
+    numpy scalar writes cost less than the numpy calls over arrays of one or two."""
+    int64, int32 = staging
+    table = tables.array
+    host = int64.begin_rewrite()
+    ids_at, pos_at, kv_at, row_pos_at = (int64.bounds(i)[0] for i in (0, 1, 2, 5))
+    tokens = fed.tolist()
+    lens = draft_lens or [0] * len(tokens)
+    t = 0
+    ends = []
+    for start, row, k in zip(steady.next_starts.tolist(), steady.rows.tolist(), lens):
+        for p in range(start, start + k + 1):
+            host[ids_at + t] = tokens[t]
+            host[pos_at + t] = p
+            host[kv_at + t] = int(table[row, p // bs]) * bs + p % bs
+            host[row_pos_at + t] = p + 1
+            t += 1
+        ends.append(start + k + 1)
+    int64.end_rewrite()
+    host = int32.begin_rewrite()
+    if retable:
+        a, b = int32.bounds(0)
+        host[a:b] = table[steady.rows, :steady.width].reshape(-1)
+    lens_at = int32.bounds(1)[0]
+    for i, end in enumerate(ends):
+        host[lens_at + i] = end
+    int32.end_rewrite()
+
+
+def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
+                  row_of_seq: np.ndarray, start_of_seq: np.ndarray, slot_of_seq: np.ndarray, fed: np.ndarray,
+                  draft_lens: list[int] | None) -> StepInputs:
+    """A decode layout from arrays by batch position: each sequence's table row, first fed
+    position and request slot, the tokens fed (each sequence's last token, then its
+    draft) and, with drafts, each sequence's draft length (None: no drafts).
+    Positions, KV slots (gathered from the table rows), sampler rows and lengths are
+    numpy over them; the step carries its ``SteadyBatch``."""
+    tables.sync()
+    n, num_tokens = len(seqs), len(fed)
+    seq_of_token = offsets = None
+    if draft_lens is None:  # no drafts: one token per sequence
         positions, row_of_token, slot_of_row = start_of_seq, row_of_seq, slot_of_seq
         cu, seq_lens, max_query_len = np.arange(n + 1), start_of_seq + 1, 1
     else:
-        query_lens = np.array(num_drafts, dtype=np.int64) + 1
+        query_lens = np.array(draft_lens, dtype=np.int64) + 1
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(query_lens, out=cu[1:])
         seq_of_token = np.repeat(np.arange(n), query_lens)
-        positions = start_of_seq[seq_of_token] + (np.arange(num_tokens) - cu[seq_of_token])
+        offsets = np.arange(num_tokens) - cu[seq_of_token]
+        positions = start_of_seq[seq_of_token] + offsets
         row_of_token, slot_of_row = row_of_seq[seq_of_token], slot_of_seq[seq_of_token]
         seq_lens, max_query_len = start_of_seq + query_lens, int(query_lens.max())
     table = tables.array
     kv_slots = table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
     width = int(tables.lengths[row_of_seq].max())
     int64, int32 = staging
-    fed = np.array(ids, dtype=np.int64)
     ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t = int64.stage_arrays(
         [fed, positions, kv_slots, np.arange(num_tokens), slot_of_row, positions + 1])
     tables_t, lens_t, cu_t = int32.stage_arrays([table[row_of_seq, :width], seq_lens, cu])
     md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t, seq_lens=lens_t,
                            query_start_loc=cu_t, max_query_len=max_query_len)
     sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=None,
-                            row_slots_host=int64.host_part(4), fed_host=fed, query_start_host=cu)
-    return StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t, num_seqs=n,
-                      num_tokens=num_tokens, is_prefill=False, sampling=sampling)
+                            row_slots_host=int64.host_part(4))
+    if n >= LINEAR_MIN_SEQS:
+        sampling.fed_host, sampling.query_start_host = fed, cu
+    steady = SteadyBatch(seqs, row_of_seq, slot_of_seq, start_of_seq, tables.epoch, draft_lens=draft_lens,
+                         query_lens=None if draft_lens is None else query_lens, seq_of_token=seq_of_token,
+                         offsets=offsets, width=width, tables_version=tables.version,
+                         generations=(int64.generation, int32.generation))
+    inputs = steady.inputs = StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t,
+                                        num_seqs=n, num_tokens=num_tokens, is_prefill=False, sampling=sampling,
+                                        steady=steady)
+    return inputs
 
 
 def _mask_stop_tokens(seq: Sequence, first_row: int, num_rows: int, vocab_size: int, masked: list[int],

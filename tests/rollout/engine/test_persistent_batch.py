@@ -12,6 +12,12 @@
   - engines on the array paths (``VECTOR_MIN_SEQS`` = 1, so even small batches take
     them): output equal to the reference and to plain decoding, with sampling slots and
     table rows reused after finishes, aborts and preemptions;
+  - the steady batch (``step_inputs.SteadyBatch``: a decode step's positions and last
+    tokens kept by batch position and advanced by the commit, the next step laid out
+    from them, in place where its shape is the last one's) against the per-sequence
+    layout through random lifecycles, and engines on it against the reference;
+  - a step's linear drafts checked at once (``LLMEngine._take_linear_drafts``) against
+    the per-sequence checks, with junk drafts, a tight budget and a small cache;
   - metric exports deferred behind the next forward, flushed when the engine goes idle.
 
 If these fail, a reused slot leaks its last request's state into a new one, or the fast
@@ -219,6 +225,246 @@ def test_the_decode_layout_refuses_what_it_does_not_lay_out(monkeypatch):
         assert (general.sampling.fed_host is not None) == linear, name
         setattr(seqs[0], name, saved)
         seqs[0].num_scheduled_tokens = 1
+
+
+# ---------------------------------------------------------------------- the steady batch
+
+
+def counting_steady_paths(monkeypatch) -> dict:
+    """Counts the steps ``_steady_step`` laid out, and those of them rewritten in place."""
+    calls = {"steady": 0, "in_place": 0}
+    steady, restage = step_inputs._steady_step, step_inputs._restage_decode
+
+    def counted_steady(*args, **kw):
+        out = steady(*args, **kw)
+        calls["steady"] += out is not None
+        return out
+
+    def counted_restage(*args, **kw):
+        out = restage(*args, **kw)
+        calls["in_place"] += out is not None
+        return out
+
+    monkeypatch.setattr(step_inputs, "_steady_step", counted_steady)
+    monkeypatch.setattr(step_inputs, "_restage_decode", counted_restage)
+    return calls
+
+
+@pytest.mark.parametrize("seed, vector_min, scalar_max", [(0, 1, 0), (1, 1, 8), (2, 128, 8), (3, 128, 0)])
+def test_the_steady_layout_equals_the_per_sequence_layout_through_random_lifecycles(monkeypatch, seed,
+                                                                                    vector_min, scalar_max):
+    """The engine's loop on the layout's side, with random lifecycles: a batch of decodes
+    with random linear drafts (often none, often every sequence the same length, so steps
+    keep their shape) is laid out with the last step's ``SteadyBatch``, then each sequence
+    commits a random number of its fed tokens (its accepted drafts and one more, as a
+    verify does: its drafts' blocks dropped) and the state is advanced from those
+    counts, unless a sequence's chunk "ended". Between steps, at random: admissions,
+    finishes, aborts and preemptions (rows taken and given back), a batch of other
+    sequences or in another order, a sequence left out, the staging buffers used by
+    another layout. Every step's tensors equal the per-sequence layout's (no tables,
+    no state) made from the sequences themselves; a steady layout reading a stale
+    position, token, row or block table, or rewriting buffers that another step staged
+    since, fails here. ``vector_min`` (VECTOR_MIN_SEQS) 1: a steady step of another shape
+    is staged afresh by numpy; 128: by the per-sequence path, its record rewritten in place
+    by the next step. ``scalar_max`` (SCALAR_RESTAGE_MAX) 0: every rewrite by numpy; 8:
+    the small batches' entry by entry."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)  # both layouts carry fed_host at any size
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", vector_min)
+    monkeypatch.setattr(step_inputs, "SCALAR_RESTAGE_MAX", scalar_max)
+    calls = counting_steady_paths(monkeypatch)
+    bs = 8
+    bm = BlockManager(num_blocks=1024, block_size=bs)
+    staging, general_staging = new_staging(CPU), new_staging(CPU)
+    running, slot_of, free_slots, next_id = [], {}, list(range(64)), 0
+    batch, steady, draft_len = [], None, 0
+
+    def admit(n):
+        nonlocal next_id
+        for _ in range(n):
+            seq = seq_of([rng.randrange(1, 50) for _ in range(rng.choice([1, 3, 4, 7, 30]))], f"r{next_id}")
+            next_id += 1
+            bm.admit(seq, bm.cached_prefix(seq))
+            slot_of[seq.request_id] = free_slots.pop()
+            seq.num_computed_tokens = seq.num_tokens - 1  # its prompt computed: it decodes
+            running.append(seq)
+
+    admit(rng.randrange(1, 10))
+    for step in range(160):
+        event = rng.random()
+        if event < 0.08 and running:  # finished, aborted or preempted: its row back
+            seq = rng.choice(running)
+            running.remove(seq)
+            bm.free(seq)
+            free_slots.append(slot_of.pop(seq.request_id))
+            if rng.random() < 0.5:  # preempted and taken back at once (a new row, recomputed)
+                bm.admit(seq, [])
+                slot_of[seq.request_id] = free_slots.pop()
+                seq.num_computed_tokens = seq.num_tokens - 1
+                running.append(seq)
+        elif event < 0.14:
+            admit(rng.randrange(1, 3))
+        if not running:
+            admit(1)
+        if event > 0.9 or not batch or any(s not in running for s in batch):
+            batch = rng.sample(running, rng.randrange(1, len(running) + 1))  # another batch
+        elif event > 0.85 and len(batch) > 1:
+            batch = batch[1:]  # one left out
+        elif event > 0.8:
+            prepare_step(batch, bs, CPU, 50, staging)  # another layout through the same buffers
+        batch = list(batch)  # a new list every step, as the scheduler's
+        same_len = rng.random() < 0.8
+        if rng.random() < 0.2:
+            draft_len = rng.choice([0, 0, 1, 3])
+        for seq in batch:
+            seq.num_scheduled_tokens = 1
+            n = draft_len if same_len else rng.choice([0, 0, 1, 2, 5])
+            seq.draft_token_ids = [rng.randrange(1, 50) for _ in range(n)]
+            assert bm.ensure_slots(seq, seq.num_tokens + n)
+            seq.slot = slot_of[seq.request_id]
+        fast = prepare_step(batch, bs, CPU, 50, staging, bm.tables, steady)
+        assert_same_layout(fast, prepare_step(batch, bs, CPU, 50, general_staging))
+        steady = fast.steady
+        assert steady is not None and steady.seqs == batch
+        committed = []
+        for seq in batch:  # a verify's commit: accepted drafts and one more token
+            k = rng.randrange(0, len(seq.draft_token_ids) + 1) + 1
+            seq.token_ids.extend(rng.randrange(1, 50) for _ in range(k))
+            seq.num_computed_tokens += k
+            seq.draft_token_ids = []
+            bm.truncate(seq, seq.num_tokens)
+            assert bm.ensure_slots(seq, seq.num_tokens)  # the scheduler's, for the last token's KV
+            committed.append(k)
+        if rng.random() < 0.9:  # else a chunk "ended": the engine advances nothing
+            steady.advance(np.array(committed), np.array([s.token_ids[-1] for s in batch]))
+    assert calls["steady"] > 20 and calls["in_place"] > 10, calls
+
+
+def test_a_steady_step_refuses_a_batch_that_changed(monkeypatch):
+    """What ``_steady_step`` checks before it reads no sequence: the state advanced by the
+    commit, the same sequences in the same order, no table row taken or given back; and
+    a small batch whose shape changed goes the per-sequence way."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    seqs = [seq_of(prompt_of(6, i), f"r{i}") for i in range(3)]
+    for i, seq in enumerate(seqs):
+        bm.admit(seq, [])
+        seq.slot = i
+    decode_batch(random.Random(0), bm, seqs, {s.request_id: i for i, s in enumerate(seqs)})
+    staging = new_staging(CPU)
+    steady = prepare_step(seqs, 4, CPU, 50, staging, bm.tables).steady
+    assert step_inputs._steady_step(list(seqs), 4, staging, bm.tables, steady) is None  # not advanced
+    steady.advance(1, np.array([1, 2, 3]))
+    assert step_inputs._steady_step(seqs[::-1], 4, staging, bm.tables, steady) is None
+    assert step_inputs._steady_step(seqs[:2], 4, staging, bm.tables, steady) is None
+    other = seq_of(prompt_of(3, 9), "r9")
+    bm.admit(other, [])
+    assert step_inputs._steady_step(list(seqs), 4, staging, bm.tables, steady) is None  # a row taken
+    steady.epoch = bm.tables.epoch
+    for seq in seqs:
+        seq.token_ids.append(seq.num_tokens)
+        seq.num_computed_tokens += 1
+        seq.draft_token_ids = []
+    assert step_inputs._steady_step(list(seqs), 4, staging, bm.tables, steady) is None  # no drafts now
+    monkeypatch.setattr(step_inputs, "VECTOR_MIN_SEQS", 1)  # a large batch's: staged afresh
+    assert step_inputs._steady_step(list(seqs), 4, staging, bm.tables, steady) is not None
+
+
+def test_engines_lay_out_steady_batches_and_match_the_reference(model, monkeypatch):
+    """Engines at small batches (every sequence a decode most steps) take the steady
+    layout, in place and afresh, through late joins, finishes, an abort and a KV cache
+    small enough to preempt: with and without speculation, every output equals the
+    reference's (or the plain run's)."""
+    calls = counting_steady_paths(monkeypatch)
+    reqs = mixed_requests()
+    refs = {r.request_id: reference_generate(model, r) for r in reqs}
+    engine = _engine_with(model, reqs[:3], max_num_batched_tokens=16, speculative=False, num_kv_blocks=24)
+    assert_same(run_to_end(engine, late={3: reqs[3:5], 9: reqs[5:]}), refs)
+    assert engine.metrics.counters.num_preemptions > 0
+    assert calls["steady"] >= calls["in_place"] > 10, calls
+    reqs = [make_request(i, prompt_of(5 + 3 * i, i), temperature=[0.0, 1.0][i % 2], max_tokens=40,
+                         max_new_tokens=40) for i in range(5)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    calls.update(steady=0, in_place=0)
+    drafter = OracleDrafter({rid: out.token_ids for rid, out in plain.items()}, wrong_every=3)
+    engine = _engine_with(model, reqs, drafter=drafter, block_size=16)  # (tables widen less often)
+    for _ in range(4):
+        engine.step()
+    assert engine.abort("r3")
+    spec = run_to_end(engine)
+    assert spec["r3"].finish_reason == "abort"
+    assert calls["steady"] > 5 and calls["in_place"] > 0, calls
+    for rid, out in plain.items():
+        if rid != "r3":
+            assert spec[rid].token_ids == out.token_ids and spec[rid].finish_reason == out.finish_reason, rid
+            assert torch.allclose(torch.tensor(spec[rid].logprobs), torch.tensor(out.logprobs), atol=1e-5)
+    assert spec["r3"].token_ids == plain["r3"].token_ids[:len(spec["r3"].token_ids)]
+
+
+# ---------------------------------------------------------------------- the step's drafts at once
+
+
+class JunkDrafter(OracleDrafter):
+    """The oracle's drafts, some (at random, seeded) with a token outside the vocabulary,
+    as numpy integers, or as floats: a drafter's bugs, which the engine's checks drop."""
+
+    def __init__(self, continuations, seed: int):
+        super().__init__(continuations, wrong_every=4)
+        self.rng = random.Random(seed)
+
+    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None):
+        drafts = super().propose(request_ids, max_lens, stop_token_ids, budget)
+        for i, draft in enumerate(drafts):
+            kind = self.rng.random()
+            if draft and kind < 0.1:
+                draft[self.rng.randrange(len(draft))] = 10**6  # outside the vocabulary
+            elif kind < 0.2:
+                drafts[i] = np.array(draft, dtype=np.int64)
+            elif kind < 0.25:
+                drafts[i] = [float(t) for t in draft]
+        return drafts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_steps_drafts_checked_at_once_decide_as_the_per_sequence_checks(model, monkeypatch, seed):
+    """``LLMEngine._take_linear_drafts`` (the step's drafts checked as one array) against
+    the per-sequence checks it stands for: with drafts that carry junk tokens, come as
+    numpy arrays or floats, exceed the token budget together (a small batch budget) or
+    find no free KV (a small cache), two engines, one with it and one without, give the
+    same tokens, logprobs, per-request draft counts, draft misses and preemptions; where
+    it takes a step, every draft it set is a list of Python ints."""
+    reqs = [make_request(i, prompt_of(4 + 5 * i, i), temperature=[0.0, 1.0][i % 2], max_tokens=30,
+                         max_new_tokens=30) for i in range(6)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    continuations = {rid: out.token_ids for rid, out in plain.items()}
+    monkeypatch.setattr(engine_module, "ARRAY_DRAFT_CHECKS_MIN", 1)  # (6 requests)
+    real = engine_module.LLMEngine._take_linear_drafts
+    taken = {True: 0, False: 0}
+
+    def counted(self, decodes, *args):
+        took = real(self, decodes, *args)
+        taken[took] += 1
+        if took:
+            assert all(type(t) is int for s in decodes for t in s.draft_token_ids)
+        return took
+
+    def run(fast: bool):
+        monkeypatch.setattr(engine_module.LLMEngine, "_take_linear_drafts",
+                            counted if fast else lambda self, *args: False)
+        engine = _engine_with(model, reqs, drafter=JunkDrafter(continuations, seed), max_num_batched_tokens=24,
+                              num_kv_blocks=30)
+        return run_to_end(engine), engine.metrics.counters
+
+    fast, fast_counters = run(True)
+    walk, walk_counters = run(False)
+    assert taken[True] > 5 and taken[False] > 0, taken
+    fields = ("token_ids", "logprobs", "finish_reason", "num_verify_steps", "num_draft_tokens",
+              "num_accepted_tokens", "accepted_per_pos")
+    for rid, out in walk.items():
+        assert [getattr(fast[rid], f) for f in fields] == [getattr(out, f) for f in fields], rid
+        assert out.token_ids == plain[rid].token_ids
+    for name in ("num_draft_misses", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_preemptions"):
+        assert getattr(fast_counters, name) == getattr(walk_counters, name), name
+    assert walk_counters.num_draft_misses > 0 and walk_counters.num_preemptions > 0
 
 
 # ---------------------------------------------------------------------- acceptance by arrays

@@ -29,7 +29,7 @@ def test_recorded_calls_replay_with_the_same_drafts():
     drafted = sum(len(draft) for name, _, _, out in recorder.log if name == "propose" for draft in out)
     assert drafted > 0  # the replay compares something
     for backend in ("python", "compiled"):
-        steps, per_method, mismatches = S.replay(recorder.log, backend)
+        steps, per_method, mismatches, pauses = S.replay(recorder.log, backend)
         assert mismatches == 0, backend
         assert len(steps) == 20 and all(n == len(ids) for n, _, _ in steps)
         assert set(per_method) == set(S._CALLS)

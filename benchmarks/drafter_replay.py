@@ -44,8 +44,8 @@ MAX_TREE_NODES = 16  # a draft tree's nodes per sequence and step (the engine's 
 
 
 class CollectorPauses:
-    """The garbage collector's pauses (thread CPU time, counted by `gc.callbacks` while
-    entered), so that a timed span can be measured net of them. A collection scans the
+    """The garbage collector's pauses so far (thread CPU time, read in a `gc.callbacks`
+    callback), so that a timed span can be measured net of them. A collection scans the
     young objects of the whole process, and it starts inside whichever call allocates the
     object that crosses its threshold: in these replays, mostly inside `propose` (its
     result lists are the step's largest burst of allocations), whoever kept the objects
@@ -271,6 +271,7 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
                 trees = None
             gross_propose = time.thread_time_ns() - start
             elapsed = gross_propose - (PAUSES.ns - paused)
+            gc_count, gc_ns = gc_count + PAUSES.count - collections, gc_ns + PAUSES.ns - paused
             if drafts_log is not None:
                 drafts_log.append(drafts)
             propose_ns.append(elapsed / len(active))
@@ -317,7 +318,7 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
                     still.append(rid)
                 else:
                     finished.append((rid, seq))
-            paused_before_commit = PAUSES.ns
+            paused, collections = PAUSES.ns, PAUSES.count
             start = time.thread_time_ns()
             for rid, parents, path in tree_commits:  # (a tree's acceptance and the request's tokens commute)
                 drafter.record_tree_acceptance(rid, parents, path)
@@ -325,9 +326,8 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
             if flush is not None:
                 flush()
             gross_commit = time.thread_time_ns() - start
-            add_time = gross_commit - (PAUSES.ns - paused_before_commit)
-            gc_count += PAUSES.count - collections
-            gc_ns += PAUSES.ns - paused
+            add_time = gross_commit - (PAUSES.ns - paused)
+            gc_count, gc_ns = gc_count + PAUSES.count - collections, gc_ns + PAUSES.ns - paused
             for rid, seq in finished:
                 drafter.stop_request(rid)
                 if add_global is not None:

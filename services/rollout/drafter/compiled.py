@@ -57,7 +57,7 @@ from services.rollout.drafter.request_state import DrafterStats
 LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
 BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_TOKEN = 2**31 - 1  # token ids the core takes: [0, MAX_TOKEN] (an int32's)
 _INT31 = 2**31 - 1
 _STATS = 6  # RHD_STAT_COUNT
@@ -76,6 +76,8 @@ _SIGNATURES = {
     "rhd_stop": (ctypes.c_int, [_P, _I32]),
     "rhd_set_stops": (ctypes.c_int, [_P, _I32, _P, _I32]),
     "rhd_commit": (ctypes.c_int, [_P, _I32, _P, _P, _P, _P, _P, _I64]),
+    "rhd_bind_commit": (ctypes.c_int, [_P, _P]),
+    "rhd_commit_bound": (ctypes.c_int, [_P]),
     "rhd_propose": (ctypes.c_int, [_P, _I32, _P, _P, _I64, _D, _P, _P, _P]),
     "rhd_memory_tokens": (ctypes.c_int64, [_P, _I64]),
     "rhd_memory_bytes": (ctypes.c_int64, [_P, _I64]),
@@ -91,6 +93,7 @@ _SIGNATURES = {
 }
 _NO_BUDGET = -2**63  # rhd_step's "no limit"
 _HEADER = 4  # rhd_step's params: n, budget, min_gain, num_seqs, then the slots and the max_lens
+_COMMIT = Struct("=7q")  # rhd_commit_bound's block: n, the five columns' addresses, the token count
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
@@ -247,7 +250,10 @@ class CompiledDrafter:
         self._curve_of: tuple[object, int] | None = None  # (cost model, its version) the core has
         self._tree_rows = self._tree_nodes = 0  # the tree buffers bound (rhd_bind_trees), made at first use
         self._step = partial(lib.rhd_step, h)
-        self._commit_call = partial(lib.rhd_commit, h)
+        # rhd_commit's arguments go through a block bound once (one argument to convert, not eight)
+        self._commit_block = np.zeros(7, dtype=np.int64)
+        self._check(lib.rhd_bind_commit(h, self._commit_block.ctypes.data))
+        self._commit_bound = partial(lib.rhd_commit_bound, h)
 
     def _create(self, config: DrafterConfig):
         ci = (ctypes.c_int64 * 11)(
@@ -452,8 +458,7 @@ class CompiledDrafter:
             ca.extend(num_accepted)
             cn.extend(num_tokens)
             toks.extend(token_ids)
-            rc = self._commit_call(n, cs.buffer_info()[0], cd.buffer_info()[0], ca.buffer_info()[0],
-                                   cn.buffer_info()[0], toks.buffer_info()[0], len(toks))
+            rc = self._commit(n)
         except (TypeError, OverflowError) as exc:  # a value no int32 column holds
             raise ValueError(f"commit_step: {exc} (counts in [-1, 2^31), token ids in [0, {MAX_TOKEN}])") from None
         finally:
@@ -468,11 +473,17 @@ class CompiledDrafter:
             return
         cd, ca, cn, toks = self._c_drafts, self._c_accepted, self._c_counts, self._toks
         try:
-            rc = self._commit_call(len(cs), cs.buffer_info()[0], cd.buffer_info()[0], ca.buffer_info()[0],
-                                   cn.buffer_info()[0], toks.buffer_info()[0], len(toks))
+            rc = self._commit(len(cs))
         finally:
             del cs[:], cd[:], ca[:], cn[:], toks[:]
         self._check(rc)
+
+    def _commit(self, n: int) -> int:
+        """rhd_commit of the first `n` staged rows and all the staged tokens, through the bound block."""
+        _COMMIT.pack_into(self._commit_block, 0, n, self._c_slots.buffer_info()[0], self._c_drafts.buffer_info()[0],
+                          self._c_accepted.buffer_info()[0], self._c_counts.buffer_info()[0],
+                          self._toks.buffer_info()[0], len(self._toks))
+        return self._commit_bound()
 
     def stop_request(self, request_id: str) -> None:
         """As HistoDrafter.stop_request (staged commits are applied first)."""

@@ -1379,6 +1379,7 @@ struct Drafter {
     return true;
   }
 
+  const int64_t *commit_block = nullptr;  // rhd_bind_commit's
   // rhd_bind's buffers and rhd_set_curve's curve.
   int64_t *bound_params = nullptr;
   int32_t bound_capacity = 0;
@@ -1760,6 +1761,23 @@ RHD_EXPORT int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64
   });
 }
 
+RHD_EXPORT int rhd_bind_commit(void *h, const int64_t *block) {
+  return guarded(h, [&](Drafter &d) {
+    if (block == nullptr) invalid("null commit block");
+    d.commit_block = block;
+    return 0;
+  });
+}
+RHD_EXPORT int rhd_commit_bound(void *h) {
+  return guarded(h, [&](Drafter &d) {
+    const int64_t *b = d.commit_block;
+    if (b == nullptr) invalid("no commit block bound (rhd_bind_commit)");
+    if (b[0] < 0 || b[0] > INT32_MAX) invalid("%lld commit rows out of range", b[0]);
+    auto at = [](int64_t address) { return reinterpret_cast<const int32_t *>((intptr_t)address); };
+    d.commit((int32_t)b[0], at(b[1]), at(b[2]), at(b[3]), at(b[4]), at(b[5]), b[6]);
+    return 0;
+  });
+}
 RHD_EXPORT int rhd_bind(void *h, int64_t *params, int32_t capacity, int32_t *out_tokens, double *out_gains,
                         int32_t *out_offsets) {
   return guarded(h, [&](Drafter &d) {

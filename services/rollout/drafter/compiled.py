@@ -247,7 +247,7 @@ class CompiledDrafter:
         # per batch size: the step's packer (made ahead for small batches: the tail's steps
         # are short, so making one there would cost more than the step's drafting)
         self._packs: dict[int, Struct] = {n: Struct(f"=qqdq{n}q{n}q") for n in range(min(max_slots, 64) + 1)}
-        self._curve_of: tuple[object, int] | None = None  # (cost model, its version) the core has
+        self._curve_model, self._curve_version = None, None  # the cost model (and its version) the core has
         self._tree_rows = self._tree_nodes = 0  # the tree buffers bound (rhd_bind_trees), made at first use
         self._step = partial(lib.rhd_step, h)
         # rhd_commit's arguments go through a block bound once (one argument to convert, not eight)
@@ -563,19 +563,27 @@ class CompiledDrafter:
         if n > self.max_slots:
             raise ValueError(f"{n} requests in one propose, more than the {self.max_slots} slots")
         try:
-            ids = list(map(self._slots.__getitem__, request_ids))
+            ids = [self._slots[request_ids[0]]] if n == 1 else list(map(self._slots.__getitem__, request_ids))
         except KeyError as exc:
             raise UnknownRequestError(exc.args[0]) from None
-        self.flush()
+        if self._c_slots:
+            self.flush()
         cached = self._slot_stops
-        if stop_token_ids is None:
-            stop_token_ids = repeat(_NO_STOPS, n)
-        if any(map(is_not, map(cached.__getitem__, ids), stop_token_ids)):  # the stop sets changed
-            for slot, stops in zip(ids, stop_token_ids if not isinstance(stop_token_ids, repeat)
-                                   else repeat(_NO_STOPS, n)):
-                if cached[slot] is not stops:
-                    self._set_stops(slot, stops)
-        self._sync_curve()
+        if n == 1:  # the tail's steps: no iterators to make
+            stops = _NO_STOPS if stop_token_ids is None else stop_token_ids[0]
+            if cached[ids[0]] is not stops:
+                self._set_stops(ids[0], stops)
+        else:
+            if stop_token_ids is None:
+                stop_token_ids = repeat(_NO_STOPS, n)
+            if any(map(is_not, map(cached.__getitem__, ids), stop_token_ids)):  # the stop sets changed
+                for slot, stops in zip(ids, stop_token_ids if not isinstance(stop_token_ids, repeat)
+                                       else repeat(_NO_STOPS, n)):
+                    if cached[slot] is not stops:
+                        self._set_stops(slot, stops)
+        model = self._config.cost_model  # (_sync_curve, without its call)
+        if model is not self._curve_model or (model is not None and model.version != self._curve_version):
+            self._set_curve(model)
         pack = self._packs.get(n) or self._packs.setdefault(n, Struct(f"=qqdq{n}q{n}q"))
         try:
             pack.pack_into(self._params, 0, n, _NO_BUDGET if budget is None else budget, min_gain,
@@ -605,20 +613,20 @@ class CompiledDrafter:
         """Hands the config's cost model's curve to the core when the core's is not its
         current one (a new model, or `CostModel.version` moved; none: no cost threshold)."""
         model = self._config.cost_model
-        if (None if model is None else (model, model.version)) != self._curve_of:
+        if model is not self._curve_model or (model is not None and model.version != self._curve_version):
             self._set_curve(model)
 
     def _set_curve(self, model) -> None:
         """Hands the cost model's current curve to the core (None: no cost threshold)."""
         if model is None:
             self._check(self._lib.rhd_set_curve(self._handle, 0, 0, 0))
-            self._curve_of = None
+            self._curve_model, self._curve_version = None, None
             return
         curve = model.curve()
         xs = np.asarray(curve.num_tokens, dtype=np.float64)
         ys = np.asarray(curve.ms, dtype=np.float64)
         self._check(self._lib.rhd_set_curve(self._handle, xs.ctypes.data, ys.ctypes.data, xs.size))
-        self._curve_of = (model, model.version)
+        self._curve_model, self._curve_version = model, model.version
 
     def _set_stops(self, slot: int, stops) -> None:
         values = np.fromiter((t for t in stops if 0 <= t <= MAX_TOKEN), dtype=np.int32)

@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
         "command": command,
         "wall_s": time.time() - started,
         "load_average_1min": [load_before, os.getloadavg()[0]],
-        "timing_clock": "time.thread_time_ns (CPU time of the replay thread)",
+        "timing_clock": "time.thread_time_ns (CPU time of the replay thread), the drafter's spans net of the "
+                        "garbage collector's pauses inside them (with them: drafter_step_us's with_gc)",
     }
     text = "\n\n".join(_section(s) for s in trace_sets)
     print(text)
@@ -391,7 +392,8 @@ def _section(s: dict) -> str:
             f"{fmt(s['oracle_vs_peer_mean_accepted'])}x (any context), "
             f"{fmt(s['oracle_longest_context_vs_peer_mean_accepted'])}x (longest context only).\n\n{markdown_table(s['rows'], COLUMNS)}\n\n"
             f"Modeled rollout speedup at a steady batch (engine cost curve):\n\n{speed}\n\n"
-            f"The drafter's host time per engine step (thread CPU time; µs per sequence per step over the "
+            f"The drafter's host time per engine step (thread CPU time net of the garbage collector's pauses "
+            f"inside the spans, `with_gc` in the JSON has them; µs per sequence per step over the "
             f"steps with >= 16 sequences, the whole step's ms with >= 100): the compiled core and the Python "
             f"reference (identical drafts: {fmt(100 * same if same is not None else None)}% of "
             f"{s['compiled_vs_python_num_drafts']}) beside vLLM's suffix tree, in this one run:\n\n{steps}")

@@ -12,7 +12,7 @@ row (the worker's configuration), and prints a digest of its drafts (so two buil
 checked to draft the same). Under callgrind (instruction counts and a simulated cache:
 the machine's load does not move them) `--report` then prints, per output file, the
 inclusive instructions (Ir) and last-level misses (ILmr + DLmr + DLmw) of `rhd_step`
-(propose) and `rhd_commit` (a step's commits), read with callgrind_annotate. The
+(propose) and `rhd_commit` (a step's commits: rhd_commit and rhd_commit_bound), read with callgrind_annotate. The
 simulated last level is set to 1 MiB, 16-way (callgrind would otherwise take this
 machine's, hundreds of MiB, where an index of 184k tokens never misses).
 $RHYMERL_DRAFTER_LIBRARY picks another build of the library (an A/B against another commit).
@@ -30,6 +30,9 @@ from pathlib import Path
 
 NATIVE = Path(__file__).resolve().parents[1] / "services" / "rollout" / "drafter" / "native"
 ENTRY_POINTS = ("rhd_step", "rhd_commit")
+# the C functions each entry point's figures sum: a step's commits come through rhd_commit
+# or, since ABI 5, rhd_commit_bound (its arguments in a bound block; the same work)
+FUNCTIONS = {"rhd_step": ("rhd_step",), "rhd_commit": ("rhd_commit", "rhd_commit_bound")}
 
 
 def run(traces_path: str, epochs: int) -> str:
@@ -66,7 +69,7 @@ def report(path: str) -> dict[str, dict[str, int]]:
     out = {name: {"Ir": 0, "LLmiss": 0} for name in ENTRY_POINTS}
     for line in text.splitlines():  # one line per (source file, function): summed per function
         for name in ENTRY_POINTS:
-            if not re.search(rf"guarded<{name}::|[:\s]{name}\b", line):
+            if not any(re.search(rf"guarded<{fn}::|[:\s]{fn}\b", line) for fn in FUNCTIONS[name]):
                 continue
             # the event columns before the "file:function" (a count, its share in parentheses, or ".": none)
             columns = re.split(r"\s{2,}(?=[/?.\w<][^\s(]*:)", line.strip(), maxsplit=1)[0]

@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks import engine_grpo as g
-from benchmarks.drafter_replay import step_summary
+from benchmarks.drafter_replay import PAUSES, step_summary
 from benchmarks.engine_run import run_engine
 from benchmarks.peers.suffix_decoding import (
     MAX_CACHED_REQUESTS,
@@ -142,17 +142,24 @@ def record(path: Path, model_dir: str, num_prompts: int, samples: int, max_token
     print(f"recorded {len(recorder.log)} calls in {seconds:.0f} s -> {path}")
 
 
-def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[tuple[int, int, int]], dict, int]:
-    """(sequences, propose ns, commit ns) per engine step (thread CPU time; commit =
+def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[tuple[int, int, int]], dict, int, dict]:
+    """(sequences, propose ns, commit ns) per engine step (thread CPU time net of the
+    garbage collector's pauses inside the spans: drafter_replay.CollectorPauses; commit =
     commit_step, or record_acceptance + add_tokens and the compiled drafter's flush of
-    them), ns per method, and the number of drafts that differ from the recorded ones."""
+    them), ns per method, the number of drafts that differ from the recorded ones, and the
+    collections inside the spans: {"gross": the steps with their pauses, "count", "ns"}."""
     drafter = _drafter(_history()[1], backend, peer)
     flush = getattr(drafter, "flush", None)
     if hasattr(drafter, "commit_step"):
         log = batched(log)
+        # every commit is then a commit_step, applied in its own call: nothing is staged,
+        # and an engine makes no flush call (timing an empty one cost a clock read a step)
+        flush = None
     steps: list[tuple[int, int, int]] = []
     per_method = dict.fromkeys(_CALLS, 0)
     mismatches, batch, propose_ns, commit_ns = 0, 0, 0, 0
+    gross: list[tuple[int, int, int]] = []
+    gross_propose = gross_commit = gc_count = gc_ns = 0
     clock = time.thread_time_ns
     gc.collect()
     for name, args, kwargs, expected in log:
@@ -160,25 +167,37 @@ def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[t
         method = getattr(drafter, name) if name != "commit_step" else partial(commit_step, drafter)
         if name == "propose":
             if flush is not None:  # the previous step's staged commits, applied in one call
+                paused, collections = PAUSES.ns, PAUSES.count
                 t0 = clock()
                 flush()
-                commit_ns += clock() - t0
+                elapsed = clock() - t0
+                commit_ns += elapsed - (PAUSES.ns - paused)
+                gross_commit += elapsed
+                gc_count, gc_ns = gc_count + PAUSES.count - collections, gc_ns + PAUSES.ns - paused
             if batch:
                 steps.append((batch, propose_ns, commit_ns))
-            batch, propose_ns, commit_ns = len(args[0]), 0, 0
+                gross.append((batch, gross_propose, gross_commit))
+            batch, propose_ns, commit_ns, gross_propose, gross_commit = len(args[0]), 0, 0, 0, 0
+        paused, collections = PAUSES.ns, PAUSES.count
         t0 = clock()
         out = method(*args, **kwargs)
         elapsed = clock() - t0
-        per_method[name] += elapsed
+        pause = PAUSES.ns - paused
+        per_method[name] += elapsed - pause
         if name == "propose":
-            propose_ns += elapsed
+            propose_ns += elapsed - pause
+            gross_propose += elapsed
             if backend != "peer":
                 mismatches += sum(a != b for a, b in zip(out, expected)) + abs(len(out) - len(expected))
         elif name in _COMMITS:
-            commit_ns += elapsed
+            commit_ns += elapsed - pause
+            gross_commit += elapsed
+        if name == "propose" or name in _COMMITS:
+            gc_count, gc_ns = gc_count + PAUSES.count - collections, gc_ns + pause
     if batch:
         steps.append((batch, propose_ns, commit_ns))
-    return steps, per_method, mismatches
+        gross.append((batch, gross_propose, gross_commit))
+    return steps, per_method, mismatches, {"gross": gross, "count": gc_count, "ns": gc_ns}
 
 
 def main() -> None:
@@ -209,14 +228,14 @@ def main() -> None:
             continue
         best = None
         for _ in range(args.rounds):
-            steps, per_method, mismatches = replay(log, backend, peer)
+            steps, per_method, mismatches, pauses = replay(log, backend, peer)
             total = sum(p + c for _, p, c in steps)
             if best is None or total < best[0]:
-                best = (total, steps, per_method, mismatches)
-        total, steps, per_method, mismatches = best
+                best = (total, steps, per_method, mismatches, pauses)
+        total, steps, per_method, mismatches, pauses = best
         num_seq_steps = sum(n for n, _, _ in steps)
         results[backend] = {
-            **step_summary(steps),
+            **step_summary(steps, pauses["gross"], pauses["count"], pauses["ns"]),
             "num_steps": len(steps),
             "num_sequence_steps": num_seq_steps,
             "total_ms": total / 1e6,
@@ -235,7 +254,8 @@ def main() -> None:
         "drafter_step_us": results,
         "log": str(path), "prompts": args.prompts, "samples": args.samples, "max_tokens": args.max_tokens,
         "rounds": args.rounds, "peer_note": peer_note,
-        "timing_clock": "time.thread_time_ns (CPU time of the replay thread); the fastest of --rounds replays",
+        "timing_clock": "time.thread_time_ns (CPU time of the replay thread), net of the garbage collector's pauses "
+                        "inside the spans (with them: with_gc); the fastest of --rounds replays",
         "device": "cpu", "cpu": cpu_name(), "python": platform.python_version(),
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "git_commit": git_commit("services/rollout/drafter", "benchmarks/drafter_steps.py"),

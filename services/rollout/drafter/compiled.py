@@ -57,7 +57,7 @@ from services.rollout.drafter.request_state import DrafterStats
 LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
 BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_TOKEN = 2**31 - 1  # token ids the core takes: [0, MAX_TOKEN] (an int32's)
 _INT31 = 2**31 - 1
 _STATS = 6  # RHD_STAT_COUNT
@@ -76,6 +76,8 @@ _SIGNATURES = {
     "rhd_stop": (ctypes.c_int, [_P, _I32]),
     "rhd_set_stops": (ctypes.c_int, [_P, _I32, _P, _I32]),
     "rhd_commit": (ctypes.c_int, [_P, _I32, _P, _P, _P, _P, _P, _I64]),
+    "rhd_bind_commit": (ctypes.c_int, [_P, _P]),
+    "rhd_commit_bound": (ctypes.c_int, [_P]),
     "rhd_propose": (ctypes.c_int, [_P, _I32, _P, _P, _I64, _D, _P, _P, _P]),
     "rhd_memory_tokens": (ctypes.c_int64, [_P, _I64]),
     "rhd_memory_bytes": (ctypes.c_int64, [_P, _I64]),
@@ -91,6 +93,7 @@ _SIGNATURES = {
 }
 _NO_BUDGET = -2**63  # rhd_step's "no limit"
 _HEADER = 4  # rhd_step's params: n, budget, min_gain, num_seqs, then the slots and the max_lens
+_COMMIT = Struct("=7q")  # rhd_commit_bound's block: n, the five columns' addresses, the token count
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
@@ -244,10 +247,13 @@ class CompiledDrafter:
         # per batch size: the step's packer (made ahead for small batches: the tail's steps
         # are short, so making one there would cost more than the step's drafting)
         self._packs: dict[int, Struct] = {n: Struct(f"=qqdq{n}q{n}q") for n in range(min(max_slots, 64) + 1)}
-        self._curve_of: tuple[object, int] | None = None  # (cost model, its version) the core has
+        self._curve_model, self._curve_version = None, None  # the cost model (and its version) the core has
         self._tree_rows = self._tree_nodes = 0  # the tree buffers bound (rhd_bind_trees), made at first use
         self._step = partial(lib.rhd_step, h)
-        self._commit_call = partial(lib.rhd_commit, h)
+        # rhd_commit's arguments go through a block bound once (one argument to convert, not eight)
+        self._commit_block = np.zeros(7, dtype=np.int64)
+        self._check(lib.rhd_bind_commit(h, self._commit_block.ctypes.data))
+        self._commit_bound = partial(lib.rhd_commit_bound, h)
 
     def _create(self, config: DrafterConfig):
         ci = (ctypes.c_int64 * 11)(
@@ -452,8 +458,7 @@ class CompiledDrafter:
             ca.extend(num_accepted)
             cn.extend(num_tokens)
             toks.extend(token_ids)
-            rc = self._commit_call(n, cs.buffer_info()[0], cd.buffer_info()[0], ca.buffer_info()[0],
-                                   cn.buffer_info()[0], toks.buffer_info()[0], len(toks))
+            rc = self._commit(n)
         except (TypeError, OverflowError) as exc:  # a value no int32 column holds
             raise ValueError(f"commit_step: {exc} (counts in [-1, 2^31), token ids in [0, {MAX_TOKEN}])") from None
         finally:
@@ -468,11 +473,17 @@ class CompiledDrafter:
             return
         cd, ca, cn, toks = self._c_drafts, self._c_accepted, self._c_counts, self._toks
         try:
-            rc = self._commit_call(len(cs), cs.buffer_info()[0], cd.buffer_info()[0], ca.buffer_info()[0],
-                                   cn.buffer_info()[0], toks.buffer_info()[0], len(toks))
+            rc = self._commit(len(cs))
         finally:
             del cs[:], cd[:], ca[:], cn[:], toks[:]
         self._check(rc)
+
+    def _commit(self, n: int) -> int:
+        """rhd_commit of the first `n` staged rows and all the staged tokens, through the bound block."""
+        _COMMIT.pack_into(self._commit_block, 0, n, self._c_slots.buffer_info()[0], self._c_drafts.buffer_info()[0],
+                          self._c_accepted.buffer_info()[0], self._c_counts.buffer_info()[0],
+                          self._toks.buffer_info()[0], len(self._toks))
+        return self._commit_bound()
 
     def stop_request(self, request_id: str) -> None:
         """As HistoDrafter.stop_request (staged commits are applied first)."""
@@ -552,19 +563,27 @@ class CompiledDrafter:
         if n > self.max_slots:
             raise ValueError(f"{n} requests in one propose, more than the {self.max_slots} slots")
         try:
-            ids = list(map(self._slots.__getitem__, request_ids))
+            ids = [self._slots[request_ids[0]]] if n == 1 else list(map(self._slots.__getitem__, request_ids))
         except KeyError as exc:
             raise UnknownRequestError(exc.args[0]) from None
-        self.flush()
+        if self._c_slots:
+            self.flush()
         cached = self._slot_stops
-        if stop_token_ids is None:
-            stop_token_ids = repeat(_NO_STOPS, n)
-        if any(map(is_not, map(cached.__getitem__, ids), stop_token_ids)):  # the stop sets changed
-            for slot, stops in zip(ids, stop_token_ids if not isinstance(stop_token_ids, repeat)
-                                   else repeat(_NO_STOPS, n)):
-                if cached[slot] is not stops:
-                    self._set_stops(slot, stops)
-        self._sync_curve()
+        if n == 1:  # the tail's steps: no iterators to make
+            stops = _NO_STOPS if stop_token_ids is None else stop_token_ids[0]
+            if cached[ids[0]] is not stops:
+                self._set_stops(ids[0], stops)
+        else:
+            if stop_token_ids is None:
+                stop_token_ids = repeat(_NO_STOPS, n)
+            if any(map(is_not, map(cached.__getitem__, ids), stop_token_ids)):  # the stop sets changed
+                for slot, stops in zip(ids, stop_token_ids if not isinstance(stop_token_ids, repeat)
+                                       else repeat(_NO_STOPS, n)):
+                    if cached[slot] is not stops:
+                        self._set_stops(slot, stops)
+        model = self._config.cost_model  # (_sync_curve, without its call)
+        if model is not self._curve_model or (model is not None and model.version != self._curve_version):
+            self._set_curve(model)
         pack = self._packs.get(n) or self._packs.setdefault(n, Struct(f"=qqdq{n}q{n}q"))
         try:
             pack.pack_into(self._params, 0, n, _NO_BUDGET if budget is None else budget, min_gain,
@@ -594,20 +613,20 @@ class CompiledDrafter:
         """Hands the config's cost model's curve to the core when the core's is not its
         current one (a new model, or `CostModel.version` moved; none: no cost threshold)."""
         model = self._config.cost_model
-        if (None if model is None else (model, model.version)) != self._curve_of:
+        if model is not self._curve_model or (model is not None and model.version != self._curve_version):
             self._set_curve(model)
 
     def _set_curve(self, model) -> None:
         """Hands the cost model's current curve to the core (None: no cost threshold)."""
         if model is None:
             self._check(self._lib.rhd_set_curve(self._handle, 0, 0, 0))
-            self._curve_of = None
+            self._curve_model, self._curve_version = None, None
             return
         curve = model.curve()
         xs = np.asarray(curve.num_tokens, dtype=np.float64)
         ys = np.asarray(curve.ms, dtype=np.float64)
         self._check(self._lib.rhd_set_curve(self._handle, xs.ctypes.data, ys.ctypes.data, xs.size))
-        self._curve_of = (model, model.version)
+        self._curve_model, self._curve_version = model, model.version
 
     def _set_stops(self, slot: int, stops) -> None:
         values = np.fromiter((t for t in stops if 0 <= t <= MAX_TOKEN), dtype=np.int32)

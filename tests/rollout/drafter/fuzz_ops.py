@@ -64,6 +64,11 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
     assert lib.rhd_bind(h, _ptr(params), SLOTS + 1, _ptr(step_tokens), _ptr(step_gains), _ptr(step_offsets)) \
         == RC_INVAL  # a capacity past the drafter's slots
     assert lib.rhd_bind(h, _ptr(params), SLOTS, _ptr(step_tokens), _ptr(step_gains), _ptr(step_offsets)) == RC_OK
+    # the commits' block (rhd_bind_commit): n, the five columns' addresses, the token count
+    commit_block = np.zeros(7, dtype=np.int64)
+    assert lib.rhd_commit_bound(h) == RC_INVAL  # nothing bound yet
+    assert lib.rhd_bind_commit(h, None) == RC_INVAL
+    assert lib.rhd_bind_commit(h, _ptr(commit_block)) == RC_OK
     # the tree step's buffers (rhd_bind_trees): SLOTS trees of TREE_NODES nodes
     tree_tokens = np.zeros(SLOTS * TREE_NODES, dtype=np.int32)
     tree_gains = np.zeros(SLOTS * TREE_NODES, dtype=np.float64)
@@ -132,7 +137,12 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             cols = [_i32([r[c] for r in rows] or [0]) for c in range(4)]
             t = _i32(toks or [0])
             n = len(rows) if not hostile else rng.choice([len(rows), -1, len(rows)])
-            rc = lib.rhd_commit(h, n, *map(_ptr, cols), _ptr(t), len(toks))
+            if rng.random() < 0.5:
+                rc = lib.rhd_commit(h, n, *map(_ptr, cols), _ptr(t), len(toks))
+            else:  # the same through the bound block (an n past int32 too)
+                n = n if not hostile or rng.random() < 0.8 else rng.choice([2**31, 2**40, -2**63])
+                commit_block[:] = [n, *map(_ptr, cols), _ptr(t), len(toks)]
+                rc = lib.rhd_commit_bound(h)
         elif op == 3:  # propose
             n = rng.randint(0, 2 * SLOTS if hostile else len(running))
             ids = _i32([slot(hostile and rng.random() < 0.3) for _ in range(n)] or [0])

@@ -262,6 +262,18 @@ def test_a_missing_library_names_make_install(tmp_path):
         load_library(tmp_path / "broken.so")
 
 
+def test_a_library_of_another_abi_version_is_refused(tmp_path, monkeypatch):
+    """A build of an older histo.cpp (e.g. ABI 4, before rhd_commit_bound) is refused by
+    the loader with a line naming `make install`, not called with the wrong arguments."""
+    import services.rollout.drafter.compiled as compiled
+
+    copy = tmp_path / "libhisto_other.so"  # (another path: load_library caches per path)
+    shutil.copyfile(compiled.LIBRARY, copy)
+    monkeypatch.setattr(compiled, "ABI_VERSION", compiled.ABI_VERSION + 1)
+    with pytest.raises(DrafterLibraryError, match="another version.*make install"):
+        load_library(copy)
+
+
 # -- the build --------------------------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")

@@ -160,3 +160,39 @@ def test_oracle_drafts_nothing_a_source_never_saw():
     oracle.add_global_responses([[7, 8, 9, 5]])  # another prompt's response, seen before "s" starts
     oracle.start_request("s", "q", [3])
     assert oracle.propose(["s"], [16]) == [[7, 8, 9]]  # anchored at the response's start, not past it
+
+
+class _Collecting(HistoDrafter):
+    """The reference drafter, with a full garbage collection inside every propose and
+    every commit_step (over enough live objects that each pause is far above the clock's
+    resolution)."""
+
+    garbage = [[i] for i in range(100_000)]
+
+    def propose(self, *args, **kwargs):
+        import gc
+
+        gc.collect()
+        return super().propose(*args, **kwargs)
+
+    def commit_step(self, *args, **kwargs):
+        import gc
+
+        gc.collect()
+        return super().commit_step(*args, **kwargs)
+
+
+def test_step_timings_are_net_of_collections_inside_the_spans():
+    """A collection that starts inside a drafter call scans the whole process's young (or
+    all) objects: the replay counts those pauses and times the drafter net of them, the
+    figures with them beside (`with_gc`). If this fails, a collection set off by the
+    replay's own bookkeeping is billed to the drafter again (it set the one-sequence p99
+    and moved the >= 100-sequence step's mean by 2x from run to run), or the pauses are
+    no longer reported."""
+    traces = [R.Trace("p", 0, 0, [1, 2, 3], [5, 6, 7, 8, 9, 10], 1.0)]  # one sequence: every step a one-sequence step
+    row = R.replay(traces, lambda: _Collecting(DrafterConfig()), None, "collecting")
+    steps = row["drafter_step_us"]
+    assert steps["num_one_seq_steps"] == row["num_verify_steps"] > 0
+    assert steps["gc_collections_in_spans"] >= 2 * steps["num_one_seq_steps"]  # a propose's and a commit's
+    assert steps["gc_ms_in_spans"] > 0
+    assert steps["one_seq_p99"] < steps["with_gc"]["one_seq_p99"]

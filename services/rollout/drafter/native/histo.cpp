@@ -18,6 +18,7 @@
 #include <memory>
 #include <new>
 #include <queue>
+#include <cstdint>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -161,34 +162,70 @@ struct PySet {
 
 typedef std::pair<int32_t, int32_t> Item;  // (token, target)
 
+// An edge list's token -> position map past LINEAR_EDGES: open addressing in one array of
+// (token, position) pairs (linear probing, Fibonacci hashing, a power of two at most half
+// full; its size follows from the list's length: table_size). A lookup reads one or two
+// cache lines, where std::unordered_map read its bucket array and then a node of its own
+// allocation (its find was a sixth of the core's samples in a perf profile of the replay).
+constexpr int32_t NO_TOKEN = INT32_MIN;  // an empty slot (tokens are START = -1 and up)
+
+inline uint32_t table_size(size_t n) {  // slots for an edge list of n > LINEAR_EDGES items
+  uint32_t want = (uint32_t)(2 * n - 1);
+  return std::max<uint32_t>(32, 1u << (32 - __builtin_clz(want)));
+}
+
+inline uint32_t table_slot(int32_t tok, uint32_t size) {  // the top log2(size) bits of tok * 2^32/phi
+  return (uint32_t)((uint64_t)((uint32_t)tok * 2654435769u) * size >> 32);
+}
+
 struct Edges {  // a dict's edges: insertion order kept, values updated in place
-  typedef std::unordered_map<int32_t, int32_t> Positions;
   std::vector<Item> items;
-  std::unique_ptr<Positions> pos;  // token -> position, past LINEAR_EDGES (none before: 32 bytes)
+  std::unique_ptr<Item[]> table;  // token -> position, past LINEAR_EDGES (none before: 32 bytes)
   Edges() = default;
   Edges(Edges &&) = default;
   Edges &operator=(Edges &&) = default;
-  Edges(const Edges &o) : items(o.items), pos(o.pos ? new Positions(*o.pos) : nullptr) {}
+  Edges(const Edges &o) : items(o.items) {
+    if (o.table) {
+      size_t size = table_size(items.size());
+      table.reset(new Item[size]);
+      std::copy(o.table.get(), o.table.get() + size, table.get());
+    }
+  }
+  int find_in_table(int32_t tok) const {  // items.size() > LINEAR_EDGES
+    const uint32_t size = table_size(items.size()), mask = size - 1;
+    for (uint32_t k = table_slot(tok, size);; k = (k + 1) & mask) {
+      const Item &slot = table[k];
+      if (slot.first == tok) return slot.second;
+      if (slot.first == NO_TOKEN) return -1;
+    }
+  }
   int find(int32_t tok) const {
     if (items.size() <= LINEAR_EDGES) {
       for (size_t i = 0; i < items.size(); ++i)
         if (items[i].first == tok) return (int)i;
       return -1;
     }
-    auto it = pos->find(tok);
-    return it == pos->end() ? -1 : it->second;
+    return find_in_table(tok);
   }
-  void add(int32_t tok, int32_t nxt) {
+  void place(Item *slots, uint32_t size, int32_t tok, int32_t position) {
+    uint32_t k = table_slot(tok, size);
+    while (slots[k].first != NO_TOKEN) k = (k + 1) & (size - 1);
+    slots[k] = Item(tok, position);
+  }
+  void add(int32_t tok, int32_t nxt) {  // tok must not be in the list
     items.emplace_back(tok, nxt);
-    if (items.size() > LINEAR_EDGES) {
-      if (!pos) {
-        pos.reset(new Positions());
-        for (size_t i = 0; i < items.size(); ++i) pos->emplace(items[i].first, (int32_t)i);
-      } else {
-        pos->emplace(tok, (int32_t)items.size() - 1);
-      }
+    const size_t n = items.size();
+    if (n <= LINEAR_EDGES) return;
+    const uint32_t size = table_size(n);
+    if (table && size == table_size(n - 1)) {
+      place(table.get(), size, tok, (int32_t)n - 1);
+      return;
     }
+    table.reset(new Item[size]);  // made, or grown: every item placed again
+    std::fill(table.get(), table.get() + size, Item(NO_TOKEN, 0));
+    for (size_t i = 0; i < n; ++i) place(table.get(), size, items[i].first, (int32_t)i);
   }
+  int64_t table_bytes() const { return table ? (int64_t)table_size(items.size()) * (int64_t)sizeof(Item) : 0; }
 };
 
 // One state of the automaton, everything a walk reads of it in 32 bytes (one cache line
@@ -220,9 +257,8 @@ struct SuffixIndex {
         if (s.items[i].first == tok) return s.items[i].second;
       return 0;
     }
-    const Edges &e = list(s);
-    auto it = e.pos->find(tok);
-    return it == e.pos->end() ? 0 : e.items[(size_t)it->second].second;
+    int i = list(s).find_in_table(tok);
+    return i < 0 ? 0 : s.items[i].second;
   }
   int32_t get(int32_t s, int32_t tok) const { return get(st[(size_t)s], tok); }
   void sync(int32_t s) {  // a state's copy of its edge list's length and items
@@ -353,7 +389,7 @@ struct SuffixIndex {
     int64_t total = (int64_t)st.capacity() * (int64_t)sizeof(State) + (int64_t)edges.capacity() * (int64_t)sizeof(Edges);
     for (const Edges &e : edges) {
       total += (int64_t)e.items.capacity() * 8;
-      if (e.pos) total += (int64_t)sizeof(Edges::Positions) + (int64_t)e.pos->bucket_count() * 8 + (int64_t)e.pos->size() * 24;
+      total += e.table_bytes();
     }
     return total;
   }
@@ -1343,6 +1379,7 @@ struct Drafter {
     return true;
   }
 
+  const int64_t *commit_block = nullptr;  // rhd_bind_commit's
   // rhd_bind's buffers and rhd_set_curve's curve.
   int64_t *bound_params = nullptr;
   int32_t bound_capacity = 0;
@@ -1724,6 +1761,23 @@ RHD_EXPORT int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64
   });
 }
 
+RHD_EXPORT int rhd_bind_commit(void *h, const int64_t *block) {
+  return guarded(h, [&](Drafter &d) {
+    if (block == nullptr) invalid("null commit block");
+    d.commit_block = block;
+    return 0;
+  });
+}
+RHD_EXPORT int rhd_commit_bound(void *h) {
+  return guarded(h, [&](Drafter &d) {
+    const int64_t *b = d.commit_block;
+    if (b == nullptr) invalid("no commit block bound (rhd_bind_commit)");
+    if (b[0] < 0 || b[0] > INT32_MAX) invalid("%lld commit rows out of range", b[0]);
+    auto at = [](int64_t address) { return reinterpret_cast<const int32_t *>((intptr_t)address); };
+    d.commit((int32_t)b[0], at(b[1]), at(b[2]), at(b[3]), at(b[4]), at(b[5]), b[6]);
+    return 0;
+  });
+}
 RHD_EXPORT int rhd_bind(void *h, int64_t *params, int32_t capacity, int32_t *out_tokens, double *out_gains,
                         int32_t *out_offsets) {
   return guarded(h, [&](Drafter &d) {

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define RHD_ABI_VERSION 4
+#define RHD_ABI_VERSION 5
 #define RHD_EINVAL (-1)
 #define RHD_ENOMEM (-2)
 #define RHD_EINTERNAL (-3)
@@ -65,6 +65,11 @@ int rhd_set_stops(void *h, int32_t slot, const int32_t *stops, int32_t num);
  * entries of `tokens` (back to back); -1: no add_tokens. */
 int rhd_commit(void *h, int32_t n, const int32_t *slots, const int32_t *drafts, const int32_t *accepted,
                const int32_t *counts, const int32_t *tokens, int64_t num_tokens);
+/* rhd_commit with its arguments read from a block bound once (int64 words: n, the addresses
+ * of slots, drafts, accepted, counts and tokens, num_tokens), so that the call converts one
+ * argument instead of eight (ctypes: about 0.7 µs a call). */
+int rhd_bind_commit(void *h, const int64_t *block);
+int rhd_commit_bound(void *h);
 /* Drafts for `n` slots: out_tokens gets the drafts back to back (capacity n * max_draft_len),
  * out_gains their gains, out_lens each draft's length. budget < 0: no limit. */
 int rhd_propose(void *h, int32_t n, const int32_t *slots, const int64_t *max_lens, int64_t budget, double min_gain,

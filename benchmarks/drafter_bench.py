@@ -59,7 +59,8 @@ RHYMERL_TREE = "rhymerl/tree"  # draft trees at the tail (the compiled core, Dra
 RHYMERL_TREE_PYTHON = "rhymerl/tree-python"  # the same trees from the Python reference: its speed
 PEER, PEER_PER_PROMPT = "vllm-suffix", "vllm-suffix/per-prompt"
 ORACLE, ORACLE_LONGEST = "oracle/any-context", "oracle/longest-context"
-COMMITTED = ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz"]
+COMMITTED = ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz",
+             "benchmarks/data/smollm2_grpo.npz"]
 
 
 def _ours(backend: str = "compiled", **kw):

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 CPU = [
-    ["benchmarks.trace_similarity", "benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_cpu.npz"],
+    ["benchmarks.trace_similarity", "benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_cpu.npz",
+     "benchmarks/data/tiny_grpo_service_t07.npz", "benchmarks/data/smollm2_grpo.npz"],
     # vLLM's suffix method, built from the arctic-inference sdist into ~/.cache (not committed).
     ["benchmarks.peers.build_suffix_decoding"],
     ["benchmarks.drafter_bench", "--traces", "benchmarks/data/tiny_grpo_service.npz",
-     "benchmarks/data/tiny_grpo_service_t07.npz"],
+     "benchmarks/data/tiny_grpo_service_t07.npz", "benchmarks/data/smollm2_grpo.npz"],
     ["benchmarks.drafter_live"],
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],

@@ -65,6 +65,14 @@ class CollectorPauses:
             self.ns += time.thread_time_ns() - self._start
             self.count += 1
 
+    def mark(self) -> tuple[int, int]:
+        """The pauses so far, read before a span (outside its clock reads) for ``since``."""
+        return self.ns, self.count
+
+    def since(self, mark: tuple[int, int]) -> tuple[int, int]:
+        """(pause ns, collections) since ``mark``: what a span's clock reads included."""
+        return self.ns - mark[0], self.count - mark[1]
+
     @classmethod
     def installed(cls) -> "CollectorPauses":
         pauses = cls()
@@ -260,7 +268,7 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
         active = [rid for rid in truth if truth[rid]]
         while active:
             max_lens = [MAX_TOKENS - pos[r] - 1 for r in active]
-            paused, collections = PAUSES.ns, PAUSES.count
+            mark = PAUSES.mark()
             start = time.thread_time_ns()
             if trees_on:
                 trees = drafter.propose_trees(active, max_lens, [stops] * len(active), max_nodes=MAX_TREE_NODES,
@@ -270,8 +278,9 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
                 drafts = drafter.propose(active, max_lens, [stops] * len(active), **at_batch)
                 trees = None
             gross_propose = time.thread_time_ns() - start
-            elapsed = gross_propose - (PAUSES.ns - paused)
-            gc_count, gc_ns = gc_count + PAUSES.count - collections, gc_ns + PAUSES.ns - paused
+            pause, collections = PAUSES.since(mark)
+            elapsed = gross_propose - pause
+            gc_count, gc_ns = gc_count + collections, gc_ns + pause
             if drafts_log is not None:
                 drafts_log.append(drafts)
             propose_ns.append(elapsed / len(active))
@@ -318,7 +327,7 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
                     still.append(rid)
                 else:
                     finished.append((rid, seq))
-            paused, collections = PAUSES.ns, PAUSES.count
+            mark = PAUSES.mark()
             start = time.thread_time_ns()
             for rid, parents, path in tree_commits:  # (a tree's acceptance and the request's tokens commute)
                 drafter.record_tree_acceptance(rid, parents, path)
@@ -326,8 +335,9 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
             if flush is not None:
                 flush()
             gross_commit = time.thread_time_ns() - start
-            add_time = gross_commit - (PAUSES.ns - paused)
-            gc_count, gc_ns = gc_count + PAUSES.count - collections, gc_ns + PAUSES.ns - paused
+            pause, collections = PAUSES.since(mark)
+            add_time = gross_commit - pause
+            gc_count, gc_ns = gc_count + collections, gc_ns + pause
             for rid, seq in finished:
                 drafter.stop_request(rid)
                 if add_global is not None:

@@ -167,22 +167,23 @@ def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[t
         method = getattr(drafter, name) if name != "commit_step" else partial(commit_step, drafter)
         if name == "propose":
             if flush is not None:  # the previous step's staged commits, applied in one call
-                paused, collections = PAUSES.ns, PAUSES.count
+                mark = PAUSES.mark()
                 t0 = clock()
                 flush()
                 elapsed = clock() - t0
-                commit_ns += elapsed - (PAUSES.ns - paused)
+                pause, collections = PAUSES.since(mark)
+                commit_ns += elapsed - pause
                 gross_commit += elapsed
-                gc_count, gc_ns = gc_count + PAUSES.count - collections, gc_ns + PAUSES.ns - paused
+                gc_count, gc_ns = gc_count + collections, gc_ns + pause
             if batch:
                 steps.append((batch, propose_ns, commit_ns))
                 gross.append((batch, gross_propose, gross_commit))
             batch, propose_ns, commit_ns, gross_propose, gross_commit = len(args[0]), 0, 0, 0, 0
-        paused, collections = PAUSES.ns, PAUSES.count
+        mark = PAUSES.mark()
         t0 = clock()
         out = method(*args, **kwargs)
         elapsed = clock() - t0
-        pause = PAUSES.ns - paused
+        pause, collections = PAUSES.since(mark)
         per_method[name] += elapsed - pause
         if name == "propose":
             propose_ns += elapsed - pause
@@ -193,7 +194,7 @@ def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[t
             commit_ns += elapsed - pause
             gross_commit += elapsed
         if name == "propose" or name in _COMMITS:
-            gc_count, gc_ns = gc_count + PAUSES.count - collections, gc_ns + pause
+            gc_count, gc_ns = gc_count + collections, gc_ns + pause
     if batch:
         steps.append((batch, propose_ns, commit_ns))
         gross.append((batch, gross_propose, gross_commit))

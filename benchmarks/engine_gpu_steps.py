@@ -151,11 +151,7 @@ def _weight_chain_ms(config: ModelConfig, batch: int, device: str, repeats: int 
     from benchmarks.cost_probe import chain_ms, weight_matrices
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    weights = weight_matrices(floor_dims(config), device, dtype)
-    try:
-        return chain_ms(weights, batch, repeats)
-    finally:
-        del weights
+    return chain_ms(weight_matrices(floor_dims(config), device, dtype), batch, repeats)
 
 
 def _graph_forward_ms(engine: LLMEngine, batch: int, tokens: int, draft: int) -> float | None:

@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "timing_clock": "time.thread_time_ns (CPU time of the replay thread), the drafter's spans net of the "
                         "garbage collector's pauses inside them (with them: drafter_step_us's with_gc)",
+        "garbage_collector": R.gc_policy(),
     }
     text = "\n\n".join(_section(s) for s in trace_sets)
     print(text)
@@ -408,6 +409,7 @@ CPU: {summary['cpu']}, Python {summary['python']}, wall {summary['wall_s']:.0f} 
 1-min load average {summary['load_average_1min'][0]:.1f} -> {summary['load_average_1min'][1]:.1f}
 on {os.cpu_count()} cores shared with other work (times are thread CPU time; a loaded
 machine still inflates them). Peer: {summary['peer']['name']}, {summary['peer']['note']}.
+Garbage collector: {summary['garbage_collector']['policy']}.
 
 Replay (one function for every drafter, `benchmarks/drafter_replay.py`): every epoch in
 order, all samples of an epoch advance together one verify step at a time (siblings see
@@ -436,4 +438,5 @@ accepted per verify, T = services/rollout/engine/cost_model.py's 0.5B H100 curve
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    R.worker_gc()
     main()

@@ -81,6 +81,34 @@ class CollectorPauses:
 
 
 PAUSES = CollectorPauses.installed()  # (only collections run it: nothing on the timed path)
+STEP_COLLECTOR = None  # the worker's collector, run where a step's forward runs (worker_gc)
+
+
+def worker_gc() -> None:
+    """Runs this process's garbage collector as a worker's runs (services.rollout.server's
+    tune_worker_gc at the worker's thresholds): start-up objects frozen, automatic
+    collections deferred, and the replays run the due collections where the engine does,
+    while the step's forward runs: after `propose`, before the step's commits (outside
+    the timed spans). A benchmark's command line calls it; tests leave it off."""
+    global STEP_COLLECTOR
+    from services.common.gc_tuning import StepCollector
+    from services.rollout.settings import WorkerSettings
+
+    thresholds = WorkerSettings().gc_threshold_values()
+    if thresholds is None:  # RHYMERL_WORKER_GC_THRESHOLDS empty: CPython's collector, as that worker
+        return
+    STEP_COLLECTOR = StepCollector(thresholds)
+    STEP_COLLECTOR.install()
+
+
+def gc_policy() -> dict:
+    """How this process's garbage collector ran (for the results)."""
+    if STEP_COLLECTOR is None:
+        return {"policy": "CPython's defaults: collections wherever Python allocates"}
+    c = STEP_COLLECTOR
+    return {"policy": "the worker's: start-up objects frozen, collections where the step's forward runs "
+                      "(between propose and the commits), automatic ones deferred",
+            "thresholds": [c.young, c.middle, c.old], "collections_behind_forward": list(c.collections)}
 
 
 @dataclass
@@ -281,6 +309,8 @@ def replay(traces: list[Trace], make_drafter: Callable[[], object], stop: int | 
             pause, collections = PAUSES.since(mark)
             elapsed = gross_propose - pause
             gc_count, gc_ns = gc_count + collections, gc_ns + pause
+            if STEP_COLLECTOR is not None:  # the worker's collections, while the step's forward runs
+                STEP_COLLECTOR()
             if drafts_log is not None:
                 drafts_log.append(drafts)
             propose_ns.append(elapsed / len(active))

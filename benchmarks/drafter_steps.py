@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks import engine_grpo as g
+from benchmarks import drafter_replay as R
 from benchmarks.drafter_replay import PAUSES, step_summary
 from benchmarks.engine_run import run_engine
 from benchmarks.peers.suffix_decoding import (
@@ -190,6 +191,8 @@ def replay(log: list[tuple], backend: str = "python", peer=None) -> tuple[list[t
             gross_propose += elapsed
             if backend != "peer":
                 mismatches += sum(a != b for a, b in zip(out, expected)) + abs(len(out) - len(expected))
+            if R.STEP_COLLECTOR is not None:  # the worker's collections, while the step's forward runs
+                R.STEP_COLLECTOR()
         elif name in _COMMITS:
             commit_ns += elapsed - pause
             gross_commit += elapsed
@@ -257,6 +260,7 @@ def main() -> None:
         "rounds": args.rounds, "peer_note": peer_note,
         "timing_clock": "time.thread_time_ns (CPU time of the replay thread), net of the garbage collector's pauses "
                         "inside the spans (with them: with_gc); the fastest of --rounds replays",
+        "garbage_collector": R.gc_policy(),
         "device": "cpu", "cpu": cpu_name(), "python": platform.python_version(),
         "load_average_1min": [load_before, os.getloadavg()[0]],
         "git_commit": git_commit("services/rollout/drafter", "benchmarks/drafter_steps.py"),
@@ -268,4 +272,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    R.worker_gc()
     main()

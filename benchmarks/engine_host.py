@@ -25,7 +25,12 @@ the engine):
   deferred  EngineMetrics.flush, where the measured tree has it: the last step's metric
             exports, run after this step's forward is launched (on a GPU they overlap the
             forward: the host does them while the device computes); a tree without it
-            exports inside commit
+            exports inside commit. With ``--gc worker`` (the default), also the garbage
+            collections a worker's engine runs at the same point (its StepCollector,
+            services/common/gc_tuning.py, where the measured tree has one: this process's
+            collector is then set up as a worker's, start-up objects frozen and automatic
+            collections deferred; a tree without it collects wherever Python allocates, as
+            its worker did). ``--gc cpython`` leaves CPython's collector as it is.
 "host" is schedule + draft + prepare + verify + commit (what the device waits for);
 "host + deferred" adds the deferred exports back; "without draft" leaves out the
 drafter's share (a dictionary lookup here, a real drafter's cost elsewhere). Only full-batch decode/verify
@@ -48,6 +53,7 @@ Writes benchmarks/results/engine_host.md and .json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import subprocess
@@ -66,6 +72,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 _clock = time.thread_time
 PHASES = ("schedule", "draft", "prepare", "forward", "verify", "sample", "commit", "deferred")
 HOST = ("schedule", "draft", "prepare", "verify", "commit")
+WORKER_COLLECTOR = None  # this process's garbage collector as a worker's (--gc worker, worker_gc)
+
+
+def worker_gc() -> None:
+    """Sets this process's garbage collector up as a worker's (services/rollout/server.py
+    tune_worker_gc); a tree from before the worker's collector existed keeps CPython's."""
+    global WORKER_COLLECTOR
+    try:
+        from services.common.gc_tuning import StepCollector
+        from services.rollout.settings import WorkerSettings
+    except ImportError:
+        return
+    thresholds = WorkerSettings().gc_threshold_values()
+    if thresholds is not None:
+        WORKER_COLLECTOR = StepCollector(thresholds)
+        WORKER_COLLECTOR.install()
 
 
 def tiny_model():
@@ -138,9 +160,14 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
     verifier_module.sample = timed("sample", verifier_module.sample)
     if hasattr(engine.metrics, "flush"):
         engine.metrics.flush = timed("deferred", engine.metrics.flush)
+    if WORKER_COLLECTOR is not None and hasattr(engine, "collector"):
+        engine.collector = timed("deferred", WORKER_COLLECTOR)
     try:
         for r in requests(batch, new_tokens):
             engine.add_request(r)
+        # Each run's steps start from a collected heap, as a worker's do long after start-up
+        # (the new engine's own objects are no young garbage to its first steps' collections).
+        gc.collect()
         outputs = {}
         while engine.has_unfinished():
             step_times.clear()
@@ -228,9 +255,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before", help="a commit to measure first, shown beside this tree's figures")
     ap.add_argument("--json-only", help=argparse.SUPPRESS)  # run_before's child: rows to this file
+    ap.add_argument("--gc", choices=("worker", "cpython"), default="worker",
+                    help="the garbage collector as a worker runs it (where the tree has that), or CPython's")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    common = ["--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens),
+    if args.gc == "worker":
+        worker_gc()
+    common = ["--gc", args.gc, "--batches", *map(str, args.batches), "--new-tokens", str(args.new_tokens),
               "--draft-len", str(args.draft_len), "--repeats", str(args.repeats)]
     if args.json_only:
         Path(args.json_only).write_text(json.dumps(measure_all(args.batches, args.new_tokens, args.draft_len,
@@ -262,13 +293,14 @@ def main() -> None:
                                                              ("host + deferred ms", "host_deferred", "{:.3f}")]
     meta = dict(device=f"cpu ({cpu_name()}, 1 torch thread)", commit=commit,
                 command="python -m benchmarks.engine_host " + " ".join(sys.argv[1:]),
-                torch=torch.__version__, before_commit=before_commit)
+                torch=torch.__version__, before_commit=before_commit, garbage_collector=args.gc)
     text = [f"# Engine host time per step\n\ndevice: {meta['device']}; commit {commit}; torch {torch.__version__}",
             f"command: `{meta['command']}`",
             "accepted: the share of draft tokens accepted. Model: random, 1 layer, hidden 64 (the forward is negligible); ms per full-batch decode/verify "
             "step, mean over the steps of the fastest run. host = schedule + draft + prepare + verify + commit "
             "(verify without the sampler, `sample`); deferred: the metric exports the engine runs after "
-            "launching the next forward (overlapped on a GPU; a tree without them exports inside commit). "
+            "launching the next forward (overlapped on a GPU; a tree without them exports inside commit), and "
+            f"with --gc worker the garbage collections a worker's engine runs there (this run: --gc {args.gc}). "
             "See the docstring of benchmarks/engine_host.py.",
             f"## This tree ({commit})\n\n" + markdown_table(rows, columns)]
     if before:

@@ -18,6 +18,7 @@ from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics, packed
 from services.common.errors import InvalidArgument, grpc_errors
+from services.common.gc_tuning import StepCollector, tune_gc
 from services.common.grpc_server import Server, run_until_signal
 from services.rollout import weight_receiver
 from services.rollout.drafter_history import DrafterHistory
@@ -327,7 +328,25 @@ async def start_worker(settings: WorkerSettings, engine=None):
     return server, port, stop
 
 
+def tune_worker_gc(settings: WorkerSettings, engine) -> StepCollector | None:
+    """The worker's garbage collector (RHYMERL_WORKER_GC_THRESHOLDS), set once it runs:
+    start-up objects frozen; rhymerl's engine collects behind each step's forward (its
+    StepCollector, returned), vLLM's at the thresholds, automatically. Empty: nothing."""
+    thresholds = settings.gc_threshold_values()
+    if thresholds is None:
+        return None
+    if not hasattr(engine, "collector"):  # vLLM's engine: its step is not ours to split
+        tune_gc(thresholds)
+        return None
+    collector = StepCollector(thresholds)
+    collector.install()
+    engine.collector = collector
+    log.info("garbage collector: collections behind each step's forward at thresholds %s", thresholds)
+    return collector
+
+
 async def serve(settings: WorkerSettings) -> None:
     metrics.serve_metrics(settings.metrics_port)
-    _, _, stop = await start_worker(settings)
+    server, _, stop = await start_worker(settings)
+    tune_worker_gc(settings, server.servicer.loop.engine)
     await run_until_signal(stop)

@@ -6,6 +6,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.gc_tuning import parse_thresholds
 from services.common.security import TLSSettings
 
 
@@ -70,6 +71,25 @@ class WorkerSettings(TLSSettings):
     global_recent_tokens: int = Field(131072, description="At most this many tokens of those responses.")
     drain_timeout_s: float = Field(60.0, description="On SIGTERM, seconds to finish running work before exiting.")
     initial_version: int = Field(0, description="Policy version of the checkpoint at model_path.")
+    gc_thresholds: str = Field(
+        "700,10,100", description="The worker process's garbage collector: once started, every object is frozen "
+                                  "(gc.freeze: the model, imports, servers are never scanned again); rhymerl's engine "
+                                  "collects behind each step's forward once gen0 objects were allocated (gen1, gen2 "
+                                  "as gc.set_threshold), automatic collections waiting for 50x gen0; with "
+                                  "--engine vllm, collections run at these thresholds. Empty: CPython's defaults "
+                                  "(700,10,10), nothing frozen, collections wherever Python allocates "
+                                  "(docs/architecture.md).")
+
+    @field_validator("gc_thresholds")
+    @classmethod
+    def _three_thresholds(cls, value: str) -> str:
+        thresholds = parse_thresholds(value, "gc_thresholds")
+        if thresholds is not None and min(thresholds) < 1:
+            raise ValueError(f"gc_thresholds: each threshold must be at least 1, not {value!r}")
+        return value
+
+    def gc_threshold_values(self) -> tuple[int, int, int] | None:
+        return parse_thresholds(self.gc_thresholds, "gc_thresholds")
 
     @field_validator("vllm_multiprocessing")
     @classmethod

@@ -10,13 +10,13 @@ process on ``health_port`` (``services/common/health_process.py``), which the pr
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 
 from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
 from services.common.errors import NotFound, grpc_errors
+from services.common.gc_tuning import tune_gc
 from services.common.grpc_server import Server, raw_responses, run_until_signal
 from services.common.health_process import HealthProcess
 from services.common.security import BearerTokenAuth, parse_tokens
@@ -228,19 +228,6 @@ def _auth(settings: SchedulerSettings) -> list[BearerTokenAuth]:
         log.warning("RolloutService accepts calls without a token (RHYMERL_SCHEDULER_AUTH_TOKENS is empty)")
         return []
     return [BearerTokenAuth(tokens, [ROLLOUT_SERVICE])]
-
-
-def tune_gc(thresholds: tuple[int, int, int] | None) -> None:
-    """Freezes what start-up allocated (the collector never scans it again) and sets the
-    collector's thresholds; None leaves CPython's defaults. Measured in
-    docs/architecture.md: a step's samples and chunks are many long-lived objects, and
-    with the default gen-2 threshold full collections rescan them again and again."""
-    if thresholds is None:
-        return
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*thresholds)
-    log.info("garbage collector: %d start-up objects frozen, thresholds %s", gc.get_freeze_count(), thresholds)
 
 
 async def serve(settings: SchedulerSettings) -> None:

@@ -5,6 +5,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.gc_tuning import parse_thresholds
 from services.common.security import TLSSettings
 from services.scheduler.policies import POLICIES
 
@@ -120,14 +121,11 @@ class SchedulerSettings(TLSSettings):
     @field_validator("gc_thresholds")
     @classmethod
     def _three_thresholds(cls, value: str) -> str:
-        if value.strip():
-            parts = value.split(",")
-            if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-                raise ValueError(f"gc_thresholds: three non-negative integers gen0,gen1,gen2 or empty, not {value!r}")
+        parse_thresholds(value, "gc_thresholds")
         return value
 
     def gc_threshold_values(self) -> tuple[int, int, int] | None:
-        return tuple(int(p) for p in self.gc_thresholds.split(",")) if self.gc_thresholds.strip() else None
+        return parse_thresholds(self.gc_thresholds, "gc_thresholds")
 
     def static_workers(self) -> list[str]:
         return [w.strip() for w in self.workers.split(",") if w.strip()]

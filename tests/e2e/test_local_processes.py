@@ -51,6 +51,10 @@ def test_processes_serve_a_step_export_metrics_and_drain(tmp_path):
             third = client.rollout("s3", ps, n=2, sampling=params)
             assert {s.key: s.token_ids for s in third.samples} == {s.key: s.token_ids for s in first.samples}
             assert [w.worker_id for w in client.stats().workers] == ["worker-0"]
+    # each worker process runs its collections behind its steps' forwards (RHYMERL_WORKER_GC_THRESHOLDS)
+    for w in ("worker-0", "worker-1"):
+        assert "collections behind each step's forward at thresholds (700, 10, 100)" in \
+            (tmp_path / "logs" / f"{w}.log").read_text()
 
 
 def test_scheduler_kill_9_mid_step_loses_nothing_and_regenerates_only_the_missing(tmp_path):

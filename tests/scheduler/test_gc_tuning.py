@@ -8,7 +8,7 @@ import gc
 import pytest
 from pydantic import ValidationError
 
-from services.scheduler.server import tune_gc
+from services.common.gc_tuning import tune_gc
 from services.scheduler.settings import SchedulerSettings
 
 

@@ -97,6 +97,9 @@ class LLMEngine:
         self.batch_invariant = batch_invariant
         # The series' exports wait for the next forward's launch (EngineMetrics.flush in step())
         self.metrics = EngineMetrics(worker_id, deferred=True)
+        # The garbage collector, run behind each step's forward (services/common/gc_tuning.py
+        # StepCollector; the worker installs one); None: CPython collects where it allocates.
+        self.collector = None
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._verify_stats = VerifyStats(max_num_seqs, max(self.max_draft_len, 1))  # linear steps' counts by slot
@@ -179,8 +182,11 @@ class LLMEngine:
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
         # The last step's metric exports, while the device computes this step's forward
-        # (on a GPU, nothing above has waited for it; the sampler's read below does).
+        # (on a GPU, nothing above has waited for it; the sampler's read below does), and
+        # the garbage collector's due collection.
         self.metrics.flush()
+        if self.collector is not None:
+            self.collector()
         sampling = batch.sampling_seqs()
         if not self.speculative:
             return self._plain_step(batch, sampling, logits, outputs, start, cost_start)  # 4-6 no drafts

@@ -174,10 +174,69 @@ def compare(seed: int, make_compiled, num_ops: int = 60) -> None:
         assert g == e, f"seed {seed}, answer {i}: {g} != {e}"
 
 
+def _hub_text(rng: random.Random, hubs: list[int], vocab: int, n: int) -> list[int]:
+    """Text where each hub token is followed by one of many tokens: the contexts ending in
+    a hub have tens of continuations (the core keeps such states' scans: ScanCache)."""
+    out: list[int] = []
+    while len(out) < n:
+        out += [rng.choice(hubs), rng.randrange(len(hubs), vocab)]
+        if rng.random() < 0.3:
+            out.append(rng.randrange(len(hubs), vocab))
+    return out[:n]
+
+
+def run_wide(drafter, seed: int, num_steps: int = 14) -> list:
+    """Siblings of one prompt drafting together, step after step, from histories, a prompt
+    and a global index whose hub contexts have many continuations; each step's commits
+    (some tokens accepted, hubs among the new ones) change those continuations' weights
+    before the next. Returns what the drafter answered."""
+    rng = random.Random(seed)
+    hubs = [0, 1, 2][:rng.randint(1, 3)]
+    vocab = rng.choice([60, 300, 2000])
+    text = lambda n: _hub_text(rng, hubs, vocab, n)  # noqa: E731
+    for p in ("p0", "p1"):
+        responses = [text(rng.randint(4, 40)) for _ in range(rng.randint(10, 40))]
+        drafter.load_history(p, responses, epoch_ages=[rng.randint(0, 2) for _ in responses],
+                             rewards=[rng.choice([0.0, 0.5, 1.0]) for _ in responses])
+    drafter.add_global_responses([text(rng.randint(4, 40)) for _ in range(rng.randint(0, 40))])
+    running = {}
+    for i in range(rng.randint(2, 8)):
+        rid = f"r{i}"
+        drafter.start_request(rid, rng.choice(["p0", "p1"]), text(rng.randint(0, 10)),
+                              text(rng.randint(0, 6)) + [rng.choice(hubs)])
+        running[rid] = []
+    trace: list = []
+    for _ in range(num_steps):
+        rids = sorted(running)
+        drafts = drafter.propose(rids, [16] * len(rids), budget=rng.choice([None, None, 4, 12]),
+                                 num_seqs=rng.choice([None, 64]))
+        trace.append(drafts)
+        num_accepted, tokens, counts = [], [], []
+        for draft in drafts:
+            accepted = rng.randint(0, len(draft))
+            committed = draft[:accepted] + [rng.choice(hubs) if rng.random() < 0.5 else rng.randrange(vocab)]
+            num_accepted.append(accepted)
+            tokens += committed
+            counts.append(len(committed))
+        drafter.commit_step(rids, [len(d) for d in drafts], num_accepted, tokens, counts)
+    trace.append(("end", drafter.stats()))
+    return trace
+
+
+def compare_wide(seed: int, make_compiled) -> None:
+    """run_wide on the reference and on the compiled drafter: the same answers."""
+    config = DrafterConfig(min_match_len=1, cost_model=CostModel())
+    expected = run_wide(HistoDrafter(config), seed)
+    got = run_wide(make_compiled(config), seed)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"seed {seed}, step {i}: {g} != {e}"
+
+
 if __name__ == "__main__":
     from services.rollout.drafter.compiled import CompiledDrafter
 
     lo, hi = int(sys.argv[1]), int(sys.argv[2])
     for s in range(lo, hi):
         compare(s, lambda c: CompiledDrafter(c, max_slots=64))
+        compare_wide(s, lambda c: CompiledDrafter(c, max_slots=64))
     print(f"parity ok for seeds {lo}..{hi - 1}")

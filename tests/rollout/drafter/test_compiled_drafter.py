@@ -55,6 +55,15 @@ def test_random_lifecycles_draft_as_the_reference(seed):
     parity_ops.compare(seed, lambda c: CompiledDrafter(c, max_slots=128))
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_states_with_many_continuations_draft_as_the_reference(seed):
+    """Siblings drafting together, step after step, through contexts with tens of
+    continuations whose weights each step's commits change: the core's kept scans of such
+    states (ScanCache) never outlive a change of their index."""
+    parity_ops.compare_wide(seed, lambda c: CompiledDrafter(c, max_slots=16))
+
+
 class _Logged:
     """Passes calls through and keeps propose's (and propose_trees's) answers."""
 
@@ -308,7 +317,7 @@ def _asan_runtime() -> str | None:
 @pytest.mark.skipif(_asan_runtime() is None, reason="no AddressSanitizer runtime for the C++ compiler")
 def test_sanitized_build_runs_the_property_tests_clean():
     """The core built with -fsanitize=address,undefined (any finding aborts) runs the
-    random-lifecycle parity and the C-interface fuzz in a subprocess."""
+    random-lifecycle parity (and the wide states' one) and the C-interface fuzz in a subprocess."""
     lib = build.build(sanitize=True)
     env = dict(os.environ, LD_PRELOAD=_asan_runtime(), ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", RHYMERL_DRAFTER_LIBRARY=str(lib),
@@ -317,6 +326,7 @@ def test_sanitized_build_runs_the_property_tests_clean():
               "from services.rollout.drafter.compiled import CompiledDrafter, library_path; "
               "assert library_path().name == 'libhisto_asan.so'; "
               "[parity_ops.compare(s, lambda c: CompiledDrafter(c, max_slots=64), 100) for s in range(30)]; "
+              "[parity_ops.compare_wide(s, lambda c: CompiledDrafter(c, max_slots=16)) for s in range(10)]; "
               "[fuzz_ops.fuzz(s) for s in range(4)]; print('clean')")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, cwd=ROOT,
                           check=False)

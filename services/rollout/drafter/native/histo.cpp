@@ -241,10 +241,17 @@ struct State {
 };
 static_assert(sizeof(State) == 32, "a state is 32 bytes");
 
+// Every index and every change of one gets a stamp no other has had (ScanCache's key).
+uint64_t next_stamp() {
+  static uint64_t last = 0;
+  return ++last;
+}
+
 struct SuffixIndex {
   std::vector<State> st{State{-1, 0, 0, 0, 0.0, nullptr}};
   std::vector<Edges> edges;
   int64_t num_tokens = 0;
+  uint64_t stamp = next_stamp();  // a new one at every change of the automaton or its weights
 
   int32_t size() const { return (int32_t)st.size(); }
   bool has_next(int32_t s) const { return st[(size_t)s].next != 0; }
@@ -300,6 +307,7 @@ struct SuffixIndex {
   int32_t extend(int32_t last, int32_t tok, double w, bool propagate) {
     if (size() >= 0x7ffffff0) out_of_memory();
     num_tokens += 1;
+    stamp = next_stamp();
     int32_t q = get(last, tok), state;
     const int32_t last_len = st[(size_t)last].length;
     if (q) {
@@ -353,6 +361,7 @@ struct SuffixIndex {
     return state;
   }
   void finalize_weights() {  // by length, longest first; states in ascending order within
+    stamp = next_stamp();
     int32_t n = size(), maxlen = 0;
     for (int32_t s = 0; s < n; ++s) maxlen = std::max(maxlen, st[(size_t)s].length);
     std::vector<int32_t> start((size_t)maxlen + 2, 0), order((size_t)std::max(0, n - 1));
@@ -444,6 +453,32 @@ Scan scan(const SuffixIndex &ix, const State &s) {
   return scan_edges<false>(ix, s, 0, unused);
 }
 
+// The scans of states with many continuations, kept while their index is unchanged: in a
+// step's propose many requests walk the same indexes (a prompt's siblings its index, every
+// request the global one), and reach the same short contexts, whose states have hundreds of
+// continuations (measured on the SmolLM2 traces: over half of all the edges scanned were a
+// scan the same step had made). Direct-mapped by (index, state); an entry holds only while
+// its index's stamp is the one it was made at, so a hit is the scan itself, bit for bit.
+struct ScanCache {
+  static constexpr size_t SIZE = 4096;   // entries (a power of two)
+  static constexpr int32_t WIDE = 16;    // continuations from which a scan is kept
+  struct Entry {
+    const SuffixIndex *ix = nullptr;
+    uint64_t stamp = 0;
+    int32_t state = -1;
+    Scan scan;
+  };
+  std::vector<Entry> entries = std::vector<Entry>(SIZE);
+
+  Scan get(const SuffixIndex &ix, int32_t state, const State &s) {
+    if (s.tok <= WIDE) return scan(ix, s);
+    size_t h = ((uintptr_t)&ix >> 4) * 0x9E3779B97F4A7C15ull ^ (uint64_t)(uint32_t)state * 0xC2B2AE3D27D4EB4Full;
+    Entry &e = entries[(h >> 32) & (SIZE - 1)];
+    if (e.ix != &ix || e.stamp != ix.stamp || e.state != state) e = Entry{&ix, ix.stamp, state, scan(ix, s)};
+    return e.scan;
+  }
+};
+
 double prob(const SuffixIndex &ix, int32_t state, int32_t token, double smoothing, double backoff, bool neumaier) {
   const State &s = ix.st[(size_t)state];
   int32_t parent = s.link;
@@ -516,6 +551,7 @@ struct Params {
   double smoothing, backoff, min_gain;
   int64_t min_match_len;
   bool neumaier;
+  ScanCache *scans;  // the drafter's (never null)
 };
 
 // walk.steps as a resumable walk: next() yields the draft's tokens one by one.
@@ -556,7 +592,7 @@ struct Walk {
         w = total = ix.weight(nxt);
         escape = single_escape;
       } else {
-        Scan sc = scan(ix, cur);
+        Scan sc = pp.scans->get(ix, src[i].state, cur);
         tok = sc.token; nxt = sc.state; w = sc.best; total = sc.total;
         escape = pp.backoff * (double)cur.tok + pp.smoothing;
       }
@@ -571,8 +607,14 @@ struct Walk {
           if (ps.length >= pp.min_match_len) backoffs[nb++] = ps.tok;
           if (ps.tok == tok) up = ps.next;
         } else if (ps.next < 0) {
-          if (ps.length >= pp.min_match_len) backoffs[nb++] = scan_edges<true>(ix, ps, tok, up).token;
-          else up = ix.get(ps, tok);
+          if (ps.tok > ScanCache::WIDE) {
+            if (ps.length >= pp.min_match_len) backoffs[nb++] = pp.scans->get(ix, parent, ps).token;
+            up = ix.get(ps, tok);
+          } else if (ps.length >= pp.min_match_len) {
+            backoffs[nb++] = scan_edges<true>(ix, ps, tok, up).token;
+          } else {
+            up = ix.get(ps, tok);
+          }
         }
         own = (up ? (w + escape * (ix.weight(up) / (ps.weight + pp.smoothing))) : w) / (total + escape);
       }
@@ -1163,6 +1205,7 @@ struct Drafter {
   char error[256] = {0};
   bool broken = false;
   std::vector<Walk> walks;  // scratch of propose, reused
+  ScanCache scans;          // wide states' scans, across the walks of a step (and after, while valid)
   TreeWalk tree_walk;       // scratch of the trees' propose, reused
   std::vector<std::vector<int32_t>> sc_parents;  // row i: request i's tree's parents
 
@@ -1490,7 +1533,7 @@ struct Drafter {
     if (!(min_gain == min_gain)) invalid("min_gain is NaN");
     for (int32_t i = 0; i < n; ++i) live_slot(slot_ids[i]);
     const size_t K = (size_t)std::max<int64_t>(1, tree ? tree_cap : cfg.max_draft_len), N = (size_t)n;
-    Params pp{cfg.smoothing, cfg.backoff, min_gain, cfg.min_match_len, cfg.neumaier};
+    Params pp{cfg.smoothing, cfg.backoff, min_gain, cfg.min_match_len, cfg.neumaier, &scans};
     bool lazy = true;
     if (global)
       for (int32_t i = 0; i < n && lazy; ++i) {

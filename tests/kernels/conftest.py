@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     for name in ("kernels.paged_attention", "kernels.sampling", "kernels.matmul", "kernels.rms_norm",
-                 "kernels.fused"):
+                 "kernels.fused", "kernels.rotary"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])
 

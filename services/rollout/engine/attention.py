@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.paged_attention import paged_attention, write_kv
+from kernels.rotary import rope_store
 
 
 @dataclass
@@ -65,5 +66,18 @@ class PagedAttention:
         md = self.metadata
         k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
         write_kv(k.contiguous(), v.contiguous(), k_cache, v_cache, md.slot_mapping)
+        return self._attend(q, k_cache, v_cache)
+
+    def rotary(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """``__call__`` of q and k before RoPE (cos, sin [num_tokens, 1, head_dim // 2]):
+        the rotation and the KV write in one kernel on CUDA (kernels/rotary.py), the
+        references elsewhere; the model calls it outside batch-invariant mode."""
+        md = self.metadata
+        k_cache, v_cache = self.kv_cache.k[layer_idx], self.kv_cache.v[layer_idx]
+        return self._attend(rope_store(q, k, v, cos, sin, k_cache, v_cache, md.slot_mapping), k_cache, v_cache)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        md = self.metadata
         return paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                self.scale, md.max_query_len, self.batch_invariant, md.tree_mask)

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from kernels.fused import add_rms_norm, silu_mul
 from kernels.matmul import linear as invariant_linear
+from kernels.rotary import apply_rope
 from kernels.rms_norm import rms_norm as invariant_rms_norm
 from services.rollout.models.base import AttentionBackend
 from services.rollout.models.config import ModelConfig
@@ -206,12 +207,6 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotates pairs (i, i + head_dim/2) of x [num_tokens, heads, head_dim] (the HF layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -238,8 +233,12 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q, inv), self.k_norm(k, inv)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
+        rotary = None if inv or torch.is_grad_enabled() else getattr(attn, "rotary", None)
+        if rotary is not None:  # a backend that rotates q and k itself (fused with its KV write on CUDA)
+            out = rotary(self.layer_idx, q, k, v, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            out = attn(self.layer_idx, q, k, v)  # [num_tokens, num_heads, head_dim]
         return project(self.o_proj, out.reshape(num_tokens, self.num_heads * self.head_dim), inv)
 
 

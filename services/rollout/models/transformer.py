@@ -15,9 +15,10 @@ When the backend is batch-invariant (``attn.batch_invariant``), every op that re
 runs through a kernel whose per-row result does not depend on the number of rows
 (kernels/matmul.py, kernels/rms_norm.py) and SiLU is computed as separate elementwise
 ops, so a token's hidden state depends only on its sequence's tokens up to it. Otherwise,
-without autograd (serving), the residual add + post-attention RMSNorm and SiLU(gate) * up
-each run as one fused kernel on CUDA (kernels/fused.py; their PyTorch references, the
-same ops as the unfused code, on the CPU).
+without autograd (serving), every residual add with the RMSNorm after it (a layer's
+post-attention norm, the next layer's input norm, the final norm), SiLU(gate) * up, and
+RoPE with the backend's KV write each run as one fused kernel on CUDA (kernels/fused.py,
+kernels/rotary.py; their PyTorch references, the same ops as the unfused code, on the CPU).
 """
 
 from __future__ import annotations
@@ -267,14 +268,24 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         inv = attn.batch_invariant
-        h = self.self_attn(self.input_layernorm(x, inv), cos, sin, attn)
-        if inv or torch.is_grad_enabled():
-            x = x + h
-            normed = self.post_attention_layernorm(x, inv)
-        else:  # fused on CUDA: the same add and norm
-            norm = self.post_attention_layernorm
-            normed, x = add_rms_norm(h, x, norm.weight, norm.eps)
-        return x + self.mlp(normed, inv)
+        x = x + self.self_attn(self.input_layernorm(x, inv), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x, inv), inv)
+
+    def forward_fused(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
+                      attn: AttentionBackend) -> tuple[Tensor, Tensor]:
+        """``forward`` with each residual add and the norm after it as one kernel on CUDA
+        (the same add and norm): x is the last layer's MLP output, residual the stream it
+        adds to (None: x is the embeddings). Returns this layer's MLP output and the stream
+        before it (the next layer's norm, or the final one, adds them)."""
+        norm = self.input_layernorm
+        if residual is None:
+            residual, normed = x, norm(x)
+        else:
+            normed, residual = add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(normed, cos, sin, attn)
+        norm = self.post_attention_layernorm
+        normed, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -290,9 +301,16 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb(positions, x.dtype)
+        if attn.batch_invariant or torch.is_grad_enabled():
+            for layer in self.layers:
+                x = layer(x, cos, sin, attn)
+            return self.norm(x, attn.batch_invariant)
+        # every residual add fused with the norm after it (kernels/fused.py on CUDA): the
+        # stream is carried beside each layer's output, as vLLM's decoder layers do
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x, attn.batch_invariant)
+            x, residual = layer.forward_fused(x, residual, cos, sin, attn)
+        return add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class CausalLM(nn.Module):

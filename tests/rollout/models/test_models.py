@@ -110,6 +110,29 @@ def test_logits_match_transformers(case, tmp_path):
     assert (actual - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_the_serving_forward_equals_the_training_forward_bit_for_bit_on_the_cpu(family, tmp_path, monkeypatch):
+    """Serving (no autograd) carries the residual stream beside each layer's output and adds
+    it in the next norm's fused call; training runs each add and norm on its own. On the
+    CPU the fused calls are their references, the same ops: the same hidden states, bit for
+    bit. Through the fused Triton kernel (the interpreter) they agree to its rounding."""
+    import kernels.fused as fused
+    from services.rollout.models import transformer
+
+    path = tmp_path / family
+    hf_model(family, seed=5).save_pretrained(path, safe_serialization=True)
+    model = load_model(path, "cpu", torch.float32)
+    input_ids, cu_seqlens = packed_batch(seed=6)
+    positions = packed_positions(cu_seqlens)
+    with torch.enable_grad():
+        training = model(input_ids, positions, DenseCausalAttention(cu_seqlens)).detach()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids, positions, DenseCausalAttention(cu_seqlens)), training)
+        monkeypatch.setattr(transformer, "add_rms_norm", fused.add_rms_norm_triton)
+        fused_kernel = model(input_ids, positions, DenseCausalAttention(cu_seqlens))
+    torch.testing.assert_close(fused_kernel, training, atol=1e-4, rtol=1e-4)
+
+
 def test_llama3_rope_scaling_is_parsed_not_ignored(tmp_path):
     """The llama3 case above only proves something if the scaling reached the model."""
     _, overrides = CASES["llama3_rope_tied"]

@@ -155,6 +155,11 @@ def workers_row(d: Dashboard) -> Dashboard:
             .with_panel(graph("Engine step time", "p50 and p99 of one engine step by kind (recording rules).", "s",
                               query("rhymerl:engine_step_seconds:p50_rate1m", "p50 {{kind}}"),
                               query("rhymerl:engine_step_seconds:p99_rate1m", "p99 {{kind}}")))
+            .with_panel(graph("Garbage collection", "Fraction of time each worker's garbage collector paused it: "
+                              "behind a step's forward (RHYMERL_WORKER_GC_THRESHOLDS), or elsewhere (automatic "
+                              "collections: in a step's host work, or idle).", "percentunit",
+                              query(f"sum by (worker, where) (rate(rhymerl:gc_pause_seconds_sum{{{WORKER}}}"
+                                    "[$__rate_interval]))", "{{worker}} {{where}}")))
             .with_panel(graph("Prefill tokens/s", "Prompt tokens prefilled per second (re-prefills included).",
                               "short", query(f"sum by (worker) (rate(rhymerl:prompt_tokens_total{{{WORKER}}}"
                                              "[$__rate_interval]))", "{{worker}}"))))

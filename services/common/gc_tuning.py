@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import time
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class StepCollector:
             raise ValueError(f"collector thresholds must be positive, not {thresholds}")
         self.young, self.middle, self.old = young, middle, old
         self.collections = [0, 0, 0]  # by generation, run here
+        self.running = False  # inside __call__ (watch_pauses tells its collections from the others)
 
     def install(self) -> None:
         """Freezes start-up objects and pushes automatic collections back (tune_gc), so
@@ -85,6 +87,24 @@ class StepCollector:
         if young <= self.young:
             return -1
         generation = 2 if old > self.old else 1 if middle > self.middle else 0
-        gc.collect(generation)
+        self.running = True
+        try:
+            gc.collect(generation)
+        finally:
+            self.running = False
         self.collections[generation] += 1
         return generation
+
+    def watch_pauses(self, observe) -> None:
+        """Calls ``observe(seconds, where)`` after every collection of this process: where
+        "forward" for this collector's own, "elsewhere" for an automatic one (inside a
+        step's host work, or while the engine idles)."""
+        started = [0.0]
+
+        def callback(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                observe(time.perf_counter() - started[0], "forward" if self.running else "elsewhere")
+
+        gc.callbacks.append(callback)

@@ -81,6 +81,10 @@ engine_step_seconds = Histogram(
 engine_forwards = Counter(NS + "engine_forwards", "Engine forwards, by how they ran: 'graph' (a CUDA graph "
                           "replayed) or 'eager' (prefills longer than a verify, steps past the largest graph, the CPU)",
                           ["worker", "mode"])
+gc_pause_seconds = Histogram(
+    NS + "gc_pause_seconds", "Pauses of a worker's garbage collector, by where they ran: 'forward' (behind a step's "
+    "forward, RHYMERL_WORKER_GC_THRESHOLDS), 'elsewhere' (automatic: in a step's host work or while idle)",
+    ["worker", "where"], buckets=(1e-5, 1e-4, 5e-4, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1))
 worker_busy_seconds = Counter(NS + "worker_busy_seconds", "Seconds the engine had work", ["worker"])
 worker_idle_seconds = Counter(NS + "worker_idle_seconds", "Seconds the engine had no work", ["worker"])
 weight_version = Gauge(NS + "weight_version", "Policy version being served", ["component"])

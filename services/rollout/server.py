@@ -328,10 +328,11 @@ async def start_worker(settings: WorkerSettings, engine=None):
     return server, port, stop
 
 
-def tune_worker_gc(settings: WorkerSettings, engine) -> StepCollector | None:
+def tune_worker_gc(settings: WorkerSettings, engine, worker_id: str = "") -> StepCollector | None:
     """The worker's garbage collector (RHYMERL_WORKER_GC_THRESHOLDS), set once it runs:
     start-up objects frozen; rhymerl's engine collects behind each step's forward (its
-    StepCollector, returned), vLLM's at the thresholds, automatically. Empty: nothing."""
+    StepCollector, returned; every pause exported as rhymerl:gc_pause_seconds, by where it
+    ran), vLLM's at the thresholds, automatically. Empty: nothing."""
     thresholds = settings.gc_threshold_values()
     if thresholds is None:
         return None
@@ -340,6 +341,7 @@ def tune_worker_gc(settings: WorkerSettings, engine) -> StepCollector | None:
         return None
     collector = StepCollector(thresholds)
     collector.install()
+    collector.watch_pauses(lambda seconds, where: metrics.gc_pause_seconds.labels(worker_id, where).observe(seconds))
     engine.collector = collector
     log.info("garbage collector: collections behind each step's forward at thresholds %s", thresholds)
     return collector
@@ -348,5 +350,5 @@ def tune_worker_gc(settings: WorkerSettings, engine) -> StepCollector | None:
 async def serve(settings: WorkerSettings) -> None:
     metrics.serve_metrics(settings.metrics_port)
     server, _, stop = await start_worker(settings)
-    tune_worker_gc(settings, server.servicer.loop.engine)
+    tune_worker_gc(settings, server.servicer.loop.engine, server.servicer.worker_id)
     await run_until_signal(stop)

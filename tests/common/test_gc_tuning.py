@@ -13,6 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 from pydantic import ValidationError
 
 from services.common.gc_tuning import AUTOMATIC_FACTOR, StepCollector, parse_thresholds
@@ -24,25 +25,32 @@ from tests.rollout.engine.test_engine import CONFIG, OracleDrafter, make_request
 
 @contextmanager
 def collector_restored():
-    thresholds, enabled = gc.get_threshold(), gc.isenabled()
+    thresholds, enabled, callbacks = gc.get_threshold(), gc.isenabled(), list(gc.callbacks)
     try:
         yield
     finally:
         gc.unfreeze()
         gc.set_threshold(*thresholds)
         (gc.enable if enabled else gc.disable)()
+        gc.callbacks[:] = callbacks
+
+
+def pauses(worker: str, where: str) -> float:
+    return REGISTRY.get_sample_value("rhymerl:gc_pause_seconds_count", {"worker": worker, "where": where}) or 0.0
 
 
 @contextmanager
-def collections_seen():
+def collections_seen(others: list | None = None):
     """The generation of every collection started in this thread while inside (another
-    thread's, e.g. a server left by an earlier test, is not this thread's steps')."""
+    thread's, e.g. a server left by an earlier test, is not this thread's steps': those go
+    to `others`)."""
     seen: list[int] = []
     thread = threading.get_ident()
 
     def callback(phase: str, info: dict) -> None:
-        if phase == "start" and threading.get_ident() == thread:
-            seen.append(info["generation"])
+        if phase == "start":
+            (seen if threading.get_ident() == thread else others if others is not None else []).append(
+                info["generation"])
 
     gc.callbacks.append(callback)
     try:
@@ -129,9 +137,11 @@ def test_the_worker_engine_collects_behind_the_forward_and_nowhere_else_in_a_ste
         return run(*args, **kw)
 
     e.runner.run = forward
-    with collector_restored(), collections_seen() as seen:
+    others: list[int] = []
+    with collector_restored(), collections_seen(others) as seen:
         settings = WorkerSettings(gc_thresholds="20,3,4")
-        collector = tune_worker_gc(settings, e)
+        worker = f"gc-test-{speculative}"
+        collector = tune_worker_gc(settings, e, worker)
         assert isinstance(collector, StepCollector) and e.collector is collector
         in_window = []
 
@@ -144,13 +154,18 @@ def test_the_worker_engine_collects_behind_the_forward_and_nowhere_else_in_a_ste
 
         e.collector = window
         del seen[:]  # (install's own collection)
+        exported = pauses(worker, "forward"), pauses(worker, "elsewhere")
+        del others[:]
         for r in requests:
             e.add_request(r)
         outputs = run_to_end(e)
+        exported = pauses(worker, "forward") - exported[0], pauses(worker, "elsewhere") - exported[1]
     assert {k: (o.token_ids, o.logprobs) for k, o in outputs.items()} == expected
     assert order == ["forward", "collector"] * (len(order) // 2)  # once per step, after the launch
     assert sum(collector.collections) >= 2
     assert len(seen) == sum(in_window) == sum(collector.collections)  # none elsewhere
+    # rhymerl:gc_pause_seconds, by where they ran (another thread's are automatic ones: elsewhere)
+    assert exported == (sum(collector.collections), len(others))
 
 
 def test_the_worker_leaves_the_collector_alone_when_told_and_tunes_vllm_plainly():

@@ -440,11 +440,11 @@ class CompiledDrafter:
             UnknownRequestError: a request was not started or was stopped.
             ValueError: lengths that disagree, a count or token id out of range (naming it).
         """
-        try:
-            slots = list(map(self._slots.__getitem__, request_ids))
+        n = len(request_ids)
+        try:  # (one request, the tail's steps: no map to make, as in propose)
+            slots = [self._slots[request_ids[0]]] if n == 1 else list(map(self._slots.__getitem__, request_ids))
         except KeyError as exc:
             raise UnknownRequestError(exc.args[0]) from None
-        n = len(slots)
         if len(num_draft) != n or len(num_accepted) != n or len(num_tokens) != n:
             raise ValueError("num_draft, num_accepted and num_tokens must have one entry per request")
         if n and min(num_draft) < 0:

@@ -37,7 +37,7 @@ from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.tree import MAX_TREE_ROWS, check_tree, is_chain, kv_moves, prune, shape
 from services.rollout.engine.input_batch import VerifyStats
-from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_rows, verify, verify_linear
+from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_arrays, verify, verify_linear
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         start, cost_start = time.perf_counter(), self._cost_clock()
         outputs, self._aborted = self._aborted, []
-        batch = self.scheduler.schedule()                                      # 1. schedule
+        batch = self.scheduler.schedule(self.runner.steady)                    # 1. schedule
         if not batch.seqs:
             return outputs
         self._propose_drafts(batch)                                            # 2. draft
@@ -217,7 +217,10 @@ class LLMEngine:
         its one sampled token (what ``_commit`` does with a draftless verdict, without
         making verdicts: this runs for every sequence of every step)."""
         runner = self.runner
-        tokens, logprobs = sample_rows(logits, runner.sampling, runner.params, runner.reader) if sampling else ((), ())
+        tokens = logprobs = token_array = ()
+        if sampling:
+            token_array, logprob_array = sample_arrays(logits, runner.sampling, runner.params, runner.reader)
+            tokens, logprobs = token_array.tolist(), logprob_array.tolist()
         elapsed = time.perf_counter() - start
         self.scheduler.advance_prefills(batch, elapsed)  # (postprocess; the loop charges the others)
         num_prompt_tokens = batch.num_prompt_tokens()
@@ -240,7 +243,7 @@ class LLMEngine:
                 bm.commit(seq)
         steady = runner.steady  # a decode layout (every sequence sampled): its next step's state
         if steady is not None and len(outputs) == num_outputs:
-            steady.advance(1, np.array(tokens, dtype=np.int64))
+            steady.advance(1, token_array)
         self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
         return outputs
 

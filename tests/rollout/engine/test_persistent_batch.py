@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 
+import services.rollout.engine.batch_scheduler as batch_scheduler
 import services.rollout.engine.engine as engine_module
 import services.rollout.engine.step_inputs as step_inputs
 from services.common import metrics as m
@@ -400,6 +401,73 @@ def test_engines_lay_out_steady_batches_and_match_the_reference(model, monkeypat
     assert spec["r3"].token_ids == plain["r3"].token_ids[:len(spec["r3"].token_ids)]
 
 
+@pytest.mark.parametrize("speculative, seed", [(False, 0), (True, 1), (True, 2)])
+def test_the_steady_schedule_equals_the_per_sequence_pass_through_random_lifecycles(model, monkeypatch,
+                                                                                     speculative, seed):
+    """``BatchScheduler._schedule_steady`` (a steady batch's decode pass on its arrays)
+    against the per-sequence pass it stands for: two engines stepped in lockstep, one
+    taking it at every batch size (``STEADY_SCHEDULE_MIN`` 1), one never, through random
+    late joins and aborts and a KV cache small enough to preempt (so some steady passes
+    find too few free blocks and leave it to the pass). Every step schedules the same
+    sequences with the same block tables and preemptions, and the outputs are the same."""
+    rng = random.Random(seed)
+    reqs = [make_request(i, prompt_of(rng.randrange(1, 12), i), temperature=[0.0, 1.0][i % 2],
+                         max_tokens=rng.randrange(12, 30), max_new_tokens=30) for i in range(10)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    taken = {True: 0, False: 0}
+    real = batch_scheduler.BatchScheduler._schedule_steady
+
+    def counted(self, steady, batch):
+        took = real(self, steady, batch)
+        taken[took] += 1
+        return took
+
+    monkeypatch.setattr(batch_scheduler.BatchScheduler, "_schedule_steady", counted)
+
+    def engine():
+        drafter = OracleDrafter({rid: out.token_ids for rid, out in plain.items()}, wrong_every=3)
+        return _engine_with(model, reqs[:4], speculative=speculative, drafter=drafter if speculative else None,
+                            num_kv_blocks=11, max_num_batched_tokens=32)
+
+    engines = {1: engine(), 10**9: engine()}  # STEADY_SCHEDULE_MIN: the steady pass at any size, never
+    outputs = {k: {} for k in engines}
+    pending, step = reqs[4:], 0
+    while any(e.has_unfinished() for e in engines.values()) or pending:
+        event = rng.random()
+        joining = [pending.pop(0)] if pending and event < 0.15 else []
+        running = engines[1].scheduler.running
+        aborted = rng.choice(running).request_id if running and 0.15 <= event < 0.2 else None
+        steps = {}
+        for threshold, e in engines.items():
+            monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", threshold)
+            for req in joining:
+                e.add_request(req)
+            if aborted is not None:
+                assert e.abort(aborted)
+            schedule = e.scheduler.schedule
+            e.scheduler.schedule = lambda *args, _s=schedule, _k=threshold: steps.setdefault(_k, _s(*args))
+            for out in e.step():
+                outputs[threshold][out.request_id] = out
+            del e.scheduler.schedule
+        fast, walk = steps.get(1), steps.get(10**9)
+        assert (fast is None) == (walk is None)
+        if fast is not None:
+            assert [(s.request_id, s.num_scheduled_tokens, list(s.block_table)) for s in fast.seqs] == \
+                [(s.request_id, s.num_scheduled_tokens, list(s.block_table)) for s in walk.seqs], step
+            assert (fast.num_decodes, fast.num_tokens, fast.num_preempted) == \
+                (walk.num_decodes, walk.num_tokens, walk.num_preempted), step
+        step += 1
+        assert step < 2000
+    fields = ("token_ids", "logprobs", "finish_reason", "num_verify_steps", "num_draft_tokens",
+              "num_accepted_tokens", "accepted_per_pos")
+    assert outputs[1].keys() == outputs[10**9].keys() == {r.request_id for r in reqs}
+    for rid, out in outputs[10**9].items():
+        assert [getattr(outputs[1][rid], f) for f in fields] == [getattr(out, f) for f in fields], rid
+    counters = [e.metrics.counters for e in engines.values()]
+    assert counters[0].num_preemptions == counters[1].num_preemptions > 0
+    assert taken[True] > 10 and taken[False] > 0, taken
+
+
 # ---------------------------------------------------------------------- the step's drafts at once
 
 
@@ -584,7 +652,7 @@ def test_metric_exports_wait_for_the_next_forward_and_flush_when_idle(model):
     engine = _engine_with(model, mixed_requests()[:3], speculative=False, worker_id="deferred-test")
     generated = m.generation_tokens.labels("deferred-test")
     order = []
-    for obj, name in ((engine.runner, "run"), (engine.metrics, "flush"), (engine_module, "sample_rows")):
+    for obj, name in ((engine.runner, "run"), (engine.metrics, "flush"), (engine_module, "sample_arrays")):
         real = getattr(obj, name)
 
         def spy(*args, _real=real, _name=name, **kw):
@@ -596,7 +664,7 @@ def test_metric_exports_wait_for_the_next_forward_and_flush_when_idle(model):
     while engine.has_unfinished():
         engine.step()
         exported.append((generated._value.get(), engine.metrics.counters.num_generation_tokens))
-    assert order[:3] == ["run", "flush", "sample_rows"]
+    assert order[:3] == ["run", "flush", "sample_arrays"]
     # while busy, the series lag the counters by exactly the last step
     for (value, _), (_, counted_before) in zip(exported[1:-1], exported[:-2]):
         assert value == counted_before

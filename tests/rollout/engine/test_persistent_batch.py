@@ -16,6 +16,9 @@
     tokens kept by batch position and advanced by the commit, the next step laid out
     from them, in place where its shape is the last one's) against the per-sequence
     layout through random lifecycles, and engines on it against the reference;
+  - a steady batch's decode pass on its arrays (``BatchScheduler._schedule_steady``)
+    against the per-sequence pass, step by step through random lifecycles, and what it
+    refuses;
   - a step's linear drafts checked at once (``LLMEngine._take_linear_drafts``) against
     the per-sequence checks, with junk drafts, a tight budget and a small cache;
   - metric exports deferred behind the next forward, flushed when the engine goes idle.
@@ -466,6 +469,62 @@ def test_the_steady_schedule_equals_the_per_sequence_pass_through_random_lifecyc
     counters = [e.metrics.counters for e in engines.values()]
     assert counters[0].num_preemptions == counters[1].num_preemptions > 0
     assert taken[True] > 10 and taken[False] > 0, taken
+
+
+def test_the_steady_schedule_refuses_what_it_does_not_stand_for(monkeypatch):
+    """What ``_schedule_steady`` checks before it reads no sequence, each alone: the state
+    advanced by the commit, the running sequences exactly the layout's (one more running,
+    the same rows), no row taken or given back, enough sequences, enough free blocks for
+    every block it would take (else it takes none and the per-sequence pass preempts)."""
+    monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", 1)
+
+    def decoding(num_blocks: int):  # three sequences at a block's end, their next token committed
+        bm = BlockManager(num_blocks=num_blocks, block_size=4)
+        sched = batch_scheduler.BatchScheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+        seqs = [seq_of(prompt_of(4, i), f"r{i}") for i in range(3)]
+        for seq in seqs:
+            sched.add(seq)
+        assert len(sched.schedule().seqs) == 3  # admitted, prefilled below
+        for seq in seqs:
+            seq.num_computed_tokens = 3
+        steady = step_inputs.SteadyBatch(list(seqs), np.array([s.row for s in seqs]), np.arange(3),
+                                         np.full(3, 3), bm.tables.epoch)
+        for seq in seqs:
+            seq.token_ids.append(7)
+            seq.num_computed_tokens = 4
+        return bm, sched, seqs, steady
+
+    def refused(sched, steady) -> bool:
+        batch = batch_scheduler.ScheduledBatch()
+        free = sched.block_manager.num_free_blocks
+        took = sched._schedule_steady(steady, batch)
+        assert took or (not batch.seqs and sched.block_manager.num_free_blocks == free)
+        return not took
+
+    bm, sched, seqs, steady = decoding(8)
+    assert refused(sched, steady)  # not advanced
+    steady.advance(1, np.full(3, 7))
+    monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", 4)
+    assert refused(sched, steady)
+    monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", 1)
+    fewer = step_inputs.SteadyBatch(seqs[:2], steady.rows[:2], steady.slots[:2], steady.starts[:2], steady.epoch)
+    fewer.advance(1, np.full(2, 7))
+    assert refused(sched, fewer)  # a third sequence runs
+    sched.running.reverse()
+    assert refused(sched, steady)  # another order
+    sched.running.reverse()
+    other = seq_of(prompt_of(3, 9), "r9")
+    bm.admit(other, [])  # a row taken (by a sequence not running here)
+    assert refused(sched, steady)
+    bm.free(other)
+    steady.epoch = bm.tables.epoch
+    assert not refused(sched, steady)
+    assert [len(s.block_table) for s in seqs] == [2, 2, 2] and all(s.num_scheduled_tokens == 1 for s in seqs)
+    bm, sched, seqs, steady = decoding(5)  # two blocks free, three needed
+    steady.advance(1, np.full(3, 7))
+    assert refused(sched, steady)
+    batch = sched.schedule(steady)  # the per-sequence pass: two get a block, the last is preempted
+    assert [s.request_id for s in batch.seqs] == ["r0", "r1"] and batch.num_preempted == 1
 
 
 # ---------------------------------------------------------------------- the step's drafts at once

@@ -58,6 +58,7 @@ class Staging:
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._bounds: list[tuple[int, int]] = []
         self._end = 0  # the last stage's extent
+        self._layout: tuple = ()  # the last stage's parts: (offset, shape) each
         self.generation = 0  # stages so far: a rewrite needs the last stage to be the one it rewrites
         self._views: dict[tuple, tuple[list[torch.Tensor], list[tuple[int, int]]]] = {}
         self._alloc(capacity)
@@ -114,6 +115,18 @@ class Staging:
             self.dev[:self._end].copy_(self.host[:self._end], non_blocking=True)
             self._event.record()
 
+    def reshape_last(self, shape: tuple) -> list[torch.Tensor] | None:
+        """The last stage's layout with its last part now of ``shape`` (the parts before it
+        where they were, with their values), for a rewrite that changes only that part's
+        size: the parts' device tensors (the earlier ones the same objects), or None, with
+        nothing changed, where the buffer is too small."""
+        first, _ = self._layout[-1]
+        end = first + math.prod(shape)
+        if end > self.capacity:
+            return None
+        self._end = end
+        return self._views_of(self._layout[:-1] + ((first, shape),))
+
     def bounds(self, i: int) -> tuple[int, int]:
         """Where the last stage's i-th part lies in the buffer."""
         return self._bounds[i]
@@ -130,6 +143,11 @@ class Staging:
         if self._event is not None:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
             self._event.record()
+        return self._views_of(layout)
+
+    def _views_of(self, layout: tuple) -> list[torch.Tensor]:
+        """The device views of ``layout`` ((offset, shape) per part), made once per layout;
+        it becomes the last stage's."""
         cached = self._views.get(layout)
         if cached is None:
             if len(self._views) >= self.MAX_LAYOUTS:
@@ -138,6 +156,7 @@ class Staging:
             cached = self._views[layout] = ([self.dev[a:b].view(shape) for (a, b), (_, shape) in zip(bounds, layout)],
                                             bounds)
         views, self._bounds = cached
+        self._layout = layout
         return views
 
     def host_part(self, i: int) -> np.ndarray:

@@ -88,8 +88,9 @@ class SteadyBatch:
     epoch: int  # BlockTables.epoch when laid out
     next_starts: np.ndarray | None = None  # set by advance: the next step's starts
     next_last: np.ndarray | None = None  # set by advance: each sequence's last token
-    # What a next step of the same shape (the same query lengths, table width) rewrites in
-    # place (``_restage_decode``), set where ``_stage_decode`` staged the step:
+    # What a next step of the same shape (the same query lengths; the block tables, staged
+    # last, may change width) rewrites in place (``_restage_decode``), set where the step
+    # was staged:
     inputs: StepInputs | None = None
     draft_lens: list[int] | None = None  # each sequence's draft length (None: no drafts)
     query_lens: np.ndarray | None = None  # [num_seqs] with drafts: 1 + draft length (made when first needed)
@@ -219,7 +220,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             tree_mask[first:first + len(row_mask)] = row_mask
     ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t, masked_t, tree_mask_t = int64.stage(
         [input_ids, positions, slots, sample_rows, row_slots, row_positions, masked, tree_mask])
-    tables_t, lens_t, cu_t = int32.stage([tables, seq_lens, cu_q])
+    lens_t, cu_t, tables_t = int32.stage([seq_lens, cu_q, tables])  # (the tables last: _restage_decode)
     md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(len(seqs), width), seq_lens=lens_t,
                            query_start_loc=cu_t, max_query_len=max_query_len,
                            tree_mask=tree_mask_t if trees else None)
@@ -318,9 +319,11 @@ def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
                     fed: np.ndarray, draft_lens: list[int] | None) -> StepInputs | None:
     """The steady step written into the last step's staged buffers in place: what a decode
     step changes (tokens, positions, KV slots, the rows' positions, lengths, and the
-    block tables where one changed) over the parts that stay (sample rows, the rows'
-    slots, query starts), the last step's tensors and objects reused. None when the
-    shape changed (query lengths, table width) or the buffers were staged since."""
+    block tables where one changed: staged last, they may take another width,
+    ``Staging.reshape_last``) over the parts that stay (sample rows, the rows' slots,
+    query starts), the last step's tensors and objects reused (but a resized block
+    tables' view). None when the query lengths changed, the buffers were staged since,
+    or wider tables do not fit them."""
     int64, int32 = staging
     last = steady.inputs
     if (last is None or (int64.generation, int32.generation) != steady.generations
@@ -329,8 +332,13 @@ def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
     tables.sync()
     rows, starts = steady.rows, steady.next_starts
     retable = tables.version != steady.tables_version
-    if retable and int(tables.lengths[rows].max()) != steady.width:
-        return None
+    if retable:
+        width = int(tables.lengths[rows].max())
+        if width != steady.width:  # the block tables (staged last) take another size
+            views = int32.reshape_last((len(rows), width))
+            if views is None:
+                return None
+            last.metadata.block_tables, steady.width = views[2], width
     if len(rows) <= SCALAR_RESTAGE_MAX:
         _restage_scalars(steady, bs, staging, tables, fed, draft_lens, retable)
     else:
@@ -370,9 +378,9 @@ def _restage_arrays(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
     int64.end_rewrite()
     host = int32.begin_rewrite()
     if retable:
-        a, b = int32.bounds(0)
+        a, b = int32.bounds(2)
         host[a:b] = tables.array[rows, :steady.width].reshape(-1)
-    a, b = int32.bounds(1)
+    a, b = int32.bounds(0)
     np.add(starts, 1 if draft_lens is None else steady.query_lens, out=host[a:b])
     int32.end_rewrite()
 
@@ -400,9 +408,9 @@ def _restage_scalars(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagi
     int64.end_rewrite()
     host = int32.begin_rewrite()
     if retable:
-        a, b = int32.bounds(0)
+        a, b = int32.bounds(2)
         host[a:b] = table[steady.rows, :steady.width].reshape(-1)
-    lens_at = int32.bounds(1)[0]
+    lens_at = int32.bounds(0)[0]
     for i, end in enumerate(ends):
         host[lens_at + i] = end
     int32.end_rewrite()
@@ -437,7 +445,7 @@ def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging
     int64, int32 = staging
     ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t = int64.stage_arrays(
         [fed, positions, kv_slots, np.arange(num_tokens), slot_of_row, positions + 1])
-    tables_t, lens_t, cu_t = int32.stage_arrays([table[row_of_seq, :width], seq_lens, cu])
+    lens_t, cu_t, tables_t = int32.stage_arrays([seq_lens, cu, table[row_of_seq, :width]])
     md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t, seq_lens=lens_t,
                            query_start_loc=cu_t, max_query_len=max_query_len)
     sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=None,

@@ -40,7 +40,7 @@ import services.rollout.engine.engine as engine_module
 import services.rollout.engine.step_inputs as step_inputs
 from services.common import metrics as m
 from services.rollout.engine.block_manager import BlockManager
-from services.rollout.engine.input_batch import BlockTables
+from services.rollout.engine.input_batch import BlockTables, Staging
 from services.rollout.engine.step_inputs import new_staging, prepare_step
 from services.rollout.engine.verifier import accepted_lengths, num_accepted
 from tests.rollout.engine.test_block_manager import seq_of
@@ -235,9 +235,17 @@ def test_the_decode_layout_refuses_what_it_does_not_lay_out(monkeypatch):
 
 
 def counting_steady_paths(monkeypatch) -> dict:
-    """Counts the steps ``_steady_step`` laid out, and those of them rewritten in place."""
-    calls = {"steady": 0, "in_place": 0}
-    steady, restage = step_inputs._steady_step, step_inputs._restage_decode
+    """Counts the steps ``_steady_step`` laid out, those of them rewritten in place, and
+    those rewritten with block tables of another width (``Staging.reshape_last``)."""
+    calls = {"steady": 0, "in_place": 0, "reshaped": 0}
+    steady, restage, reshape = step_inputs._steady_step, step_inputs._restage_decode, Staging.reshape_last
+
+    def counted_reshape(self, shape):
+        out = reshape(self, shape)
+        calls["reshaped"] += out is not None
+        return out
+
+    monkeypatch.setattr(Staging, "reshape_last", counted_reshape)
 
     def counted_steady(*args, **kw):
         out = steady(*args, **kw)
@@ -341,7 +349,7 @@ def test_the_steady_layout_equals_the_per_sequence_layout_through_random_lifecyc
             committed.append(k)
         if rng.random() < 0.9:  # else a chunk "ended": the engine advances nothing
             steady.advance(np.array(committed), np.array([s.token_ids[-1] for s in batch]))
-    assert calls["steady"] > 20 and calls["in_place"] > 10, calls
+    assert calls["steady"] > 20 and calls["in_place"] > 10 and calls["reshaped"] > 2, calls
 
 
 def test_a_steady_step_refuses_a_batch_that_changed(monkeypatch):

@@ -118,8 +118,9 @@ class Staging:
     def reshape_last(self, shape: tuple) -> list[torch.Tensor] | None:
         """The last stage's layout with its last part now of ``shape`` (the parts before it
         where they were, with their values), for a rewrite that changes only that part's
-        size: the parts' device tensors (the earlier ones the same objects), or None, with
-        nothing changed, where the buffer is too small."""
+        size: the parts' device tensors (the earlier ones views of the same entries: the
+        last stage's tensors of them stay valid), or None, with nothing changed, where the
+        buffer is too small."""
         first, _ = self._layout[-1]
         end = first + math.prod(shape)
         if end > self.capacity:

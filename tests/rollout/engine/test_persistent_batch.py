@@ -352,6 +352,20 @@ def test_the_steady_layout_equals_the_per_sequence_layout_through_random_lifecyc
     assert calls["steady"] > 20 and calls["in_place"] > 10 and calls["reshaped"] > 2, calls
 
 
+def test_a_staged_last_part_takes_another_size_in_place():
+    """``Staging.reshape_last``: the last part resized, the parts before it where they
+    were, with their values (the last stage's tensors of them stay valid), the extent a
+    GPU copy sends (``end_rewrite``) the new one; None, with nothing changed, where the
+    buffer is too small."""
+    staging = Staging(torch.int32, CPU, capacity=32)
+    lens, tables = staging.stage_arrays([np.array([5, 6, 7]), np.arange(6).reshape(3, 2)])
+    views = staging.reshape_last((3, 3))
+    assert views[0].data_ptr() == lens.data_ptr() and views[0].tolist() == [5, 6, 7] and views[1].shape == (3, 3)
+    assert staging.bounds(1) == (4, 13) and staging._end == 13
+    assert staging.reshape_last((3, 10)) is None and staging.bounds(1) == (4, 13) and staging._end == 13
+    assert staging.reshape_last((3, 1))[1].shape == (3, 1) and staging._end == 7
+
+
 def test_a_steady_step_refuses_a_batch_that_changed(monkeypatch):
     """What ``_steady_step`` checks before it reads no sequence: the state advanced by the
     commit, the same sequences in the same order, no table row taken or given back; and

@@ -374,56 +374,60 @@ class VerifyStats:
     accepted tokens, accepted drafts per position), summed by array operations for a whole
     decode-layout step (``record``) instead of one call per sequence. ``drain`` adds a
     slot's totals into its sequence, where its output reads them, and clears the slot; the
-    engine drains a sequence before making its output and when its slot is given back."""
+    engine drains a sequence before making its output and when its slot is given back.
+    A slot's counts are one row of ``table`` (a step's rows gathered, summed into and
+    written back once): verify steps, draft tokens, accepted tokens, the longest draft
+    verified (the used length of the per-position counts), then the drafts accepted at
+    each position."""
+
+    STEPS, DRAFTS, ACCEPTED, LONGEST, PER_POS = range(5)  # table's columns (PER_POS: the first of them)
 
     def __init__(self, slots: int = 256, positions: int = 8):
-        self.counts = np.zeros((slots, 3), dtype=np.int64)  # verify steps, draft tokens, accepted tokens
-        self.per_pos = np.zeros((slots, positions), dtype=np.int64)  # drafts accepted at position i
-        self.longest = np.zeros(slots, dtype=np.int64)  # the longest draft verified (per_pos's used length)
+        self.table = np.zeros((slots, self.PER_POS + positions), dtype=np.int64)
 
     def record(self, slots: np.ndarray, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's verdicts: sequence i, in slot ``slots[i]`` (each slot at most once),
         verified ``num_draft[i]`` draft tokens and accepted ``num_accepted[i]``."""
         drafted = num_draft > 0
-        if not drafted.any():
-            return
-        slots, num_draft, num_accepted = slots[drafted], num_draft[drafted], num_accepted[drafted]
+        if not drafted.all():
+            if not drafted.any():
+                return
+            slots, num_draft, num_accepted = slots[drafted], num_draft[drafted], num_accepted[drafted]
         self._fit(int(slots.max()) + 1, int(num_draft.max()))
-        self.counts[slots] += np.stack((np.ones_like(num_draft), num_draft, num_accepted), axis=1)
+        rows = self.table[slots]
+        rows[:, self.STEPS] += 1
+        rows[:, self.DRAFTS] += num_draft
+        rows[:, self.ACCEPTED] += num_accepted
+        np.maximum(rows[:, self.LONGEST], num_draft, out=rows[:, self.LONGEST])
         most = int(num_accepted.max())
         if most:
-            self.per_pos[slots, :most] += np.arange(most) < num_accepted[:, None]
-        self.longest[slots] = np.maximum(self.longest[slots], num_draft)
+            rows[:, self.PER_POS:self.PER_POS + most] += np.arange(most) < num_accepted[:, None]
+        self.table[slots] = rows
 
     def drain(self, seq) -> None:
         """Adds the slot's totals into ``seq`` (as its record_verify calls would have) and
         clears the slot."""
         slot = seq.slot
-        if not 0 <= slot < len(self.longest) or not self.counts[slot, 0]:
+        if not 0 <= slot < len(self.table) or not self.table[slot, self.STEPS]:
             return
-        steps, drafts, accepted = self.counts[slot].tolist()
+        row = self.table[slot]
+        steps, drafts, accepted, longest = row[:self.PER_POS].tolist()
         seq.num_verify_steps += steps
         seq.num_draft_tokens += drafts
         seq.num_accepted_tokens += accepted
-        longest = int(self.longest[slot])
         per_pos = seq.accepted_per_pos
         if len(per_pos) < longest:
             per_pos.extend([0] * (longest - len(per_pos)))
-        for i, n in enumerate(self.per_pos[slot, :longest].tolist()):
+        for i, n in enumerate(row[self.PER_POS:self.PER_POS + longest].tolist()):
             per_pos[i] += n
-        self.counts[slot] = 0
-        self.per_pos[slot] = 0
-        self.longest[slot] = 0
+        row[:] = 0
 
     def _fit(self, slots: int, positions: int) -> None:
-        old_slots, old_positions = self.per_pos.shape
-        if slots <= old_slots and positions <= old_positions:
+        old_slots, old_width = self.table.shape
+        width = self.PER_POS + positions
+        if slots <= old_slots and width <= old_width:
             return
         slots = max(slots, 2 * old_slots) if slots > old_slots else old_slots
-        positions = max(positions, old_positions)
-        counts = np.zeros((slots, 3), dtype=np.int64)
-        per_pos = np.zeros((slots, positions), dtype=np.int64)
-        longest = np.zeros(slots, dtype=np.int64)
-        counts[:old_slots], per_pos[:old_slots, :old_positions], longest[:old_slots] = (
-            self.counts, self.per_pos, self.longest)
-        self.counts, self.per_pos, self.longest = counts, per_pos, longest
+        table = np.zeros((slots, max(width, old_width)), dtype=np.int64)
+        table[:old_slots, :old_width] = self.table
+        self.table = table

@@ -40,7 +40,7 @@ import services.rollout.engine.engine as engine_module
 import services.rollout.engine.step_inputs as step_inputs
 from services.common import metrics as m
 from services.rollout.engine.block_manager import BlockManager
-from services.rollout.engine.input_batch import BlockTables, Staging
+from services.rollout.engine.input_batch import BlockTables, Staging, VerifyStats
 from services.rollout.engine.step_inputs import new_staging, prepare_step
 from services.rollout.engine.verifier import accepted_lengths, num_accepted
 from tests.rollout.engine.test_block_manager import seq_of
@@ -663,6 +663,33 @@ def test_array_verify_is_lossless(model, array_paths, wrong_every):
     assert not drafter.generated
 
 
+def test_verify_stats_sum_as_record_verify_does():
+    """``VerifyStats`` (a step's counts summed by slot in arrays, drained into the
+    sequence) against ``Sequence.record_verify`` one verdict at a time: random steps of
+    random sequences, some without a draft, slots past the table and drafts longer than
+    its positions (it grows), sequences drained part-way and their slots reused."""
+    rng = np.random.default_rng(3)
+    stats = VerifyStats(slots=4, positions=2)
+    seqs = {}  # slot -> (the sequence drained into, the one record_verify counts into)
+    for step in range(300):
+        slots = rng.permutation(12)[:rng.integers(1, 12)]
+        num_draft = rng.integers(0, 6, len(slots)) * (rng.random(len(slots)) < 0.8)
+        num_accepted = rng.integers(0, num_draft + 1)
+        stats.record(slots, num_draft, num_accepted)
+        for slot, d, a in zip(slots.tolist(), num_draft.tolist(), num_accepted.tolist()):
+            pair = seqs.setdefault(slot, (seq_of([1], f"d{slot}"), seq_of([1], f"w{slot}")))
+            pair[0].slot = slot
+            pair[1].record_verify(d, a)
+        if rng.random() < 0.2:  # a request ends: its slot drained, then taken by another
+            slot = int(rng.choice(list(seqs)))
+            drained, walked = seqs.pop(slot)
+            stats.drain(drained)
+            fields = ("num_verify_steps", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+            assert [getattr(drained, f) for f in fields] == [getattr(walked, f) for f in fields], step
+            assert not stats.table[slot].any()
+    assert stats.table.shape[0] >= 12 and stats.table.shape[1] >= VerifyStats.PER_POS + 5
+
+
 @pytest.mark.parametrize("wrong_every", [0, 3])
 def test_array_verify_counts_each_requests_drafts_as_the_walk_does(model, array_paths, monkeypatch, wrong_every):
     """Per request, the verify steps, draft and accepted tokens and accepted drafts per
@@ -688,13 +715,13 @@ def test_array_verify_counts_each_requests_drafts_as_the_walk_does(model, array_
     monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)
     engine = _engine_with(model, reqs, drafter=OracleDrafter(continuations, wrong_every))
     longest = max(reqs, key=lambda r: r.max_tokens).request_id
-    while not engine._verify_stats.counts[engine.seqs[longest].slot, 0]:  # until it has verified a draft
+    while not engine._verify_stats.table[engine.seqs[longest].slot, 0]:  # until it has verified a draft
         engine.step()
     slot = engine.seqs[longest].slot
     assert engine.abort(longest)
     aborted = engine.step()[0]
     assert aborted.finish_reason == "abort" and aborted.num_verify_steps > 0
-    assert not engine._verify_stats.counts[slot].any() and not engine._verify_stats.per_pos[slot].any()
+    assert not engine._verify_stats.table[slot].any()
 
 
 def test_reused_slots_and_rows_carry_nothing_of_their_last_request(model, array_paths):

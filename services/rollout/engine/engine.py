@@ -234,7 +234,6 @@ class LLMEngine:
             seq.num_scheduled_tokens = 0
             own = seq.token_ids
             own.append(token)
-            seq.out_token_ids.append(token)
             seq.out_logprobs.append(logprob)
             if (len(own) >= seq.end_len or token in seq.stop_token_ids) and seq.ends_with(token):
                 outputs.append(self._finish(seq))  # (Sequence.append_token, inline)
@@ -281,7 +280,6 @@ class LLMEngine:
             own = seq.token_ids
             if len(own) + a + 1 < seq.end_len and seq.stop_token_ids.isdisjoint(token_ids):
                 own += token_ids  # none can end the chunk (Sequence.append_tokens' common case)
-                seq.out_token_ids += token_ids
                 seq.out_logprobs += logprobs[lo:hi]
                 num_generated += a + 1
             else:

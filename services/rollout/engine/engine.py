@@ -365,7 +365,9 @@ class LLMEngine:
         budget alone where ``_held_to_flat_part`` says no) and free KV."""
         if self.max_draft_len == 0:
             return
-        decodes = [s for s in batch.decode_seqs if s.request_id not in self._undrafted]
+        decodes = batch.decode_seqs
+        if self._undrafted:
+            decodes = [s for s in decodes if s.request_id not in self._undrafted]
         if not decodes:
             return
         budget = self.scheduler.budget_left(batch)

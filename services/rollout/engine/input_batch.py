@@ -273,8 +273,28 @@ class HostReader:
     pinned buffer (on CUDA: one copy and one stream synchronisation), returned as numpy
     (valid until the next read)."""
 
+    MAX_PAIRS = 64  # read_pair's buffers kept (by length); past this the cache starts over
+
     def __init__(self):
         self._buf: torch.Tensor | None = None
+        self._pairs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def read_pair(self, a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+        """``read`` of ``torch.stack((a.double(), b.double()))`` ([2, n]: two 1-d tensors of
+        n values each), without making it: a and b are copied into the rows of a persistent
+        float64 buffer on their device, kept by length (two copies instead of two casts and
+        a stack: fewer calls on the step's path)."""
+        key = a.shape[0], a.device
+        pair = self._pairs.get(key)
+        if pair is None:
+            if len(self._pairs) >= self.MAX_PAIRS:
+                self._pairs = {}
+            both = a.new_empty((2, a.shape[0]), dtype=torch.float64)
+            pair = self._pairs[key] = both, both[0], both[1]
+        both, first, second = pair
+        first.copy_(a)
+        second.copy_(b)
+        return self.read(both)
 
     def read(self, t: torch.Tensor) -> np.ndarray:
         if t.device.type != "cuda":

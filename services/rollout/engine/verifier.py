@@ -72,7 +72,8 @@ def sample_rows(logits: torch.Tensor, sampling: StepSampling, params: SlotParams
 
 def sample_arrays(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
                   reader: HostReader | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``sample_rows`` as numpy arrays: int64 tokens and float64 logprobs, one per row."""
+    """``sample_rows`` as numpy arrays: int64 tokens and float64 logprobs, one per row (the
+    logprobs valid until the reader's next read)."""
     assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
     temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
     if sampling.masked is not None:
@@ -80,7 +81,7 @@ def sample_arrays(logits: torch.Tensor, sampling: StepSampling, params: SlotPara
         logits.view(-1).index_fill_(0, sampling.masked, float("-inf"))
     tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
                               truncation=truncation)
-    host = (reader or HostReader()).read(torch.stack((tokens.double(), logprobs.double())))  # [2, num_rows]
+    host = (reader or HostReader()).read_pair(tokens, logprobs)  # [2, num_rows] float64
     return host[0].astype(np.int64), host[1]
 
 

@@ -40,7 +40,7 @@ import services.rollout.engine.engine as engine_module
 import services.rollout.engine.step_inputs as step_inputs
 from services.common import metrics as m
 from services.rollout.engine.block_manager import BlockManager
-from services.rollout.engine.input_batch import BlockTables, Staging, VerifyStats
+from services.rollout.engine.input_batch import BlockTables, HostReader, Staging, VerifyStats
 from services.rollout.engine.step_inputs import new_staging, prepare_step
 from services.rollout.engine.verifier import accepted_lengths, num_accepted
 from tests.rollout.engine.test_block_manager import seq_of
@@ -661,6 +661,22 @@ def test_array_verify_is_lossless(model, array_paths, wrong_every):
     assert sum(o.num_accepted_tokens for o in spec.values()) == c.num_accepted_tokens
     assert (c.num_accepted_tokens == c.num_draft_tokens) == (wrong_every == 0)
     assert not drafter.generated
+
+
+def test_read_pair_reads_what_the_stacked_read_does(monkeypatch):
+    """``HostReader.read_pair`` (two tensors copied into a kept buffer's rows) against the
+    read of their stack in float64: every length again and again (a kept buffer holds the
+    latest values), past the cache's limit."""
+    monkeypatch.setattr(HostReader, "MAX_PAIRS", 3)
+    reader, gen = HostReader(), torch.Generator().manual_seed(0)
+    for n in [1, 5, 1, 256, 7, 5, 1, 2, 3, 4, 5]:
+        tokens = torch.randint(0, 2**40, (n,), generator=gen)
+        logprobs = -torch.rand(n, generator=gen) * 30
+        expected = torch.stack((tokens.double(), logprobs.double())).numpy().copy()
+        host = reader.read_pair(tokens, logprobs)
+        assert host.dtype == np.float64 and (host == expected).all(), n
+        assert host[0].astype(np.int64).tolist() == tokens.tolist()
+    assert len(reader._pairs) <= 3
 
 
 def test_verify_stats_sum_as_record_verify_does():

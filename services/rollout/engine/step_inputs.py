@@ -96,6 +96,8 @@ class SteadyBatch:
     query_lens: np.ndarray | None = None  # [num_seqs] with drafts: 1 + draft length (made when first needed)
     seq_of_token: np.ndarray | None = None  # [num_tokens] with drafts (made when first needed)
     offsets: np.ndarray | None = None  # [num_tokens] with drafts: each token's position past its start
+    first_rows: np.ndarray | None = None  # [num_seqs] with drafts: each sequence's first row (made when first needed)
+    draft_rows: np.ndarray | None = None  # [num_tokens] with drafts: whether a row is a draft's (likewise)
     width: int = 0  # the block tables' staged width
     tables_version: int = -1  # BlockTables.version when the tables were gathered
     generations: tuple[int, int] = (-1, -1)  # the staging buffers' generations after this step's stage
@@ -300,15 +302,19 @@ def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
         fed = np.array(ids, dtype=np.int64)
     else:
         draft_lens = list(map(len, drafts))
-        query_lens = np.array(draft_lens, dtype=np.int64) + 1
-        first = np.zeros(n, dtype=np.int64)
-        np.cumsum(query_lens[:-1], out=first[1:])
-        num_tokens = int(first[-1] + query_lens[-1])
-        fed = np.empty(num_tokens, dtype=np.int64)
-        is_draft = np.ones(num_tokens, dtype=np.bool_)
-        is_draft[first] = False
+        if draft_lens == steady.draft_lens and steady.draft_rows is not None:  # the last step's shape
+            first, is_draft = steady.first_rows, steady.draft_rows
+        else:
+            query_lens = np.array(draft_lens, dtype=np.int64) + 1
+            first = np.zeros(n, dtype=np.int64)
+            np.cumsum(query_lens[:-1], out=first[1:])
+            is_draft = np.ones(int(first[-1] + query_lens[-1]), dtype=np.bool_)
+            is_draft[first] = False
+            if draft_lens == steady.draft_lens:
+                steady.first_rows, steady.draft_rows = first, is_draft
+        fed = np.empty(len(is_draft), dtype=np.int64)
         fed[first] = last
-        fed[is_draft] = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=num_tokens - n)
+        fed[is_draft] = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=len(is_draft) - n)
     inputs = _restage_decode(steady, bs, staging, tables, fed, draft_lens)
     if inputs is not None or n < VECTOR_MIN_SEQS:
         return inputs

@@ -47,6 +47,9 @@ class ScheduledBatch:
     num_decodes: int = 0
     num_tokens: int = 0  # scheduled tokens, drafts excluded
     num_preempted: int = 0
+    # Where the decodes are the last step's decode layout, advanced (``_schedule_steady``):
+    # its state, which the step's drafts read instead of the sequences
+    steady: SteadyBatch | None = None
 
     @property
     def decode_seqs(self) -> list[Sequence]:
@@ -189,6 +192,7 @@ class BatchScheduler:
         for seq in seqs:
             seq.num_scheduled_tokens = 1
         batch.seqs.extend(seqs)
+        batch.steady = steady
         return True
 
     def postprocess(self, batch: ScheduledBatch, elapsed_s: float) -> None:

@@ -377,11 +377,18 @@ class LLMEngine:
         if room is not None:
             budget = min(budget, room)
         most = self.max_draft_len + 1
-        max_lens = [min(most, s.end_len - len(s.token_ids)) - 1 for s in decodes]  # (max_new_tokens_left() - 1)
+        steady = None if self._undrafted else batch.steady  # the decodes: the last step's layout, advanced
+        if steady is not None and len(decodes) >= ARRAY_DRAFT_CHECKS_MIN:
+            # its arrays (a sequence's length is its next position + 1)
+            request_ids, stops, end_lens = steady.requests()
+            request_ids, stops = list(request_ids), list(stops)
+            max_lens = (np.minimum(end_lens - steady.next_starts - 1, most) - 1).tolist()
+        else:
+            max_lens = [min(most, s.end_len - len(s.token_ids)) - 1 for s in decodes]  # (max_new_tokens_left() - 1)
+            request_ids, stops = [s.request_id for s in decodes], [s.stop_token_ids for s in decodes]
         if budget <= 0 or not any(max_lens):
             return
         try:
-            request_ids, stops = [s.request_id for s in decodes], [s.stop_token_ids for s in decodes]
             if self.tree_drafts:
                 trees = self._drafter.propose_trees(request_ids, max_lens, stop_token_ids=stops, budget=budget,
                                                     max_nodes=self.max_draft_len)

@@ -101,6 +101,17 @@ class SteadyBatch:
     width: int = 0  # the block tables' staged width
     tables_version: int = -1  # BlockTables.version when the tables were gathered
     generations: tuple[int, int] = (-1, -1)  # the staging buffers' generations after this step's stage
+    # (each sequence's request id, stop tokens and Sequence.end_len: ``requests``)
+    _requests: tuple[list[str], list[frozenset[int]], np.ndarray] | None = None
+
+    def requests(self) -> tuple[list[str], list[frozenset[int]], np.ndarray]:
+        """Each sequence's request id, stop tokens and chunk end (``Sequence.end_len``, an
+        array), made once: none of them changes while a sequence runs. Read-only."""
+        if self._requests is None:
+            seqs = self.seqs
+            self._requests = ([s.request_id for s in seqs], [s.stop_token_ids for s in seqs],
+                              np.array([s.end_len for s in seqs], dtype=np.int64))
+        return self._requests
 
     def advance(self, num_committed, last_tokens: np.ndarray) -> None:
         """Every sequence committed ``num_committed`` tokens (an array, or one count for

@@ -429,12 +429,13 @@ def test_engines_lay_out_steady_batches_and_match_the_reference(model, monkeypat
 @pytest.mark.parametrize("speculative, seed", [(False, 0), (True, 1), (True, 2)])
 def test_the_steady_schedule_equals_the_per_sequence_pass_through_random_lifecycles(model, monkeypatch,
                                                                                      speculative, seed):
-    """``BatchScheduler._schedule_steady`` (a steady batch's decode pass on its arrays)
-    against the per-sequence pass it stands for: two engines stepped in lockstep, one
-    taking it at every batch size (``STEADY_SCHEDULE_MIN`` 1), one never, through random
-    late joins and aborts and a KV cache small enough to preempt (so some steady passes
-    find too few free blocks and leave it to the pass). Every step schedules the same
-    sequences with the same block tables and preemptions, and the outputs are the same."""
+    """``BatchScheduler._schedule_steady`` (a steady batch's decode pass on its arrays, and
+    then the drafts' lengths from them, ``SteadyBatch.requests``) against the per-sequence
+    pass it stands for: two engines stepped in lockstep, one taking it at every batch size
+    (``STEADY_SCHEDULE_MIN`` 1), one never, through random late joins and aborts and a KV
+    cache small enough to preempt (so some steady passes find too few free blocks and
+    leave it to the pass). Every step schedules the same sequences with the same block
+    tables and preemptions, and the outputs and per-request draft counts are the same."""
     rng = random.Random(seed)
     reqs = [make_request(i, prompt_of(rng.randrange(1, 12), i), temperature=[0.0, 1.0][i % 2],
                          max_tokens=rng.randrange(12, 30), max_new_tokens=30) for i in range(10)]
@@ -448,6 +449,15 @@ def test_the_steady_schedule_equals_the_per_sequence_pass_through_random_lifecyc
         return took
 
     monkeypatch.setattr(batch_scheduler.BatchScheduler, "_schedule_steady", counted)
+    monkeypatch.setattr(engine_module, "ARRAY_DRAFT_CHECKS_MIN", 1)  # drafts checked at once, their lengths
+    read = step_inputs.SteadyBatch.requests                           # from the steady batch's arrays
+    drafts_from_arrays = [0]
+
+    def counted_requests(self):
+        drafts_from_arrays[0] += 1
+        return read(self)
+
+    monkeypatch.setattr(step_inputs.SteadyBatch, "requests", counted_requests)
 
     def engine():
         drafter = OracleDrafter({rid: out.token_ids for rid, out in plain.items()}, wrong_every=3)
@@ -491,6 +501,7 @@ def test_the_steady_schedule_equals_the_per_sequence_pass_through_random_lifecyc
     counters = [e.metrics.counters for e in engines.values()]
     assert counters[0].num_preemptions == counters[1].num_preemptions > 0
     assert taken[True] > 10 and taken[False] > 0, taken
+    assert (drafts_from_arrays[0] > 5) == speculative, drafts_from_arrays
 
 
 def test_the_steady_schedule_refuses_what_it_does_not_stand_for(monkeypatch):

@@ -261,7 +261,12 @@ class LLMEngine:
         v = verify_linear(logits, runner.sampling, runner.params, runner.reader)
         elapsed = time.perf_counter() - start
         seqs = batch.seqs
-        self._verify_stats.record(runner.sampling.row_slots_host[v.query_start[:-1]], v.num_draft, v.num_accepted)
+        steady = runner.steady  # this step's layout by sequence, when it keeps one
+        if steady is not None:
+            slots, request_ids = steady.slots, steady.requests()[0]
+        else:
+            slots, request_ids = runner.sampling.row_slots_host[v.query_start[:-1]], [s.request_id for s in seqs]
+        self._verify_stats.record(slots, v.num_draft, v.num_accepted)
         tokens, logprobs = v.token_ids, v.logprobs
         bm = self.block_manager
         bs = bm.block_size
@@ -286,7 +291,7 @@ class LLMEngine:
                 num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:hi])
                 num_generated += num_emitted
                 if ended:  # the commits so far and its verdict (no tokens), before the request stops
-                    self._send_linear(v, seqs, sent, i, ended=True)
+                    self._send_linear(v, request_ids, sent, i, ended=True)
                     sent = i + 1
                     outputs.append(self._finish(seq))
                     continue
@@ -294,9 +299,8 @@ class LLMEngine:
                 bm.truncate(seq, len(own))  # drop the rejected drafts' blocks
             if seq.num_computed_tokens // bs != computed // bs:
                 bm.commit(seq)
-        self._send_linear(v, seqs, sent, len(seqs))
-        steady = runner.steady  # the next step's state: each sequence's last committed token
-        if steady is not None and len(outputs) == num_outputs:
+        self._send_linear(v, request_ids, sent, len(seqs))
+        if steady is not None and len(outputs) == num_outputs:  # the next step's state: each one's last token
             committed = v.num_accepted + 1
             steady.advance(committed, v.tokens[v.query_start[:-1] + v.num_accepted])
         num_draft_tokens = len(tokens) - len(seqs)
@@ -305,18 +309,18 @@ class LLMEngine:
         self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), num_draft_tokens, num_generated)
         return outputs
 
-    def _send_linear(self, v: LinearVerdicts, seqs: list[Sequence], first: int, end: int,
+    def _send_linear(self, v: LinearVerdicts, request_ids: list[str], first: int, end: int,
                      ended: bool = False) -> None:
         """The drafter's commits of sequences ``first..end - 1`` of a linear step, from its
         arrays: each one's verdict and committed tokens; with ``ended``, sequence ``end``'s
-        chunk ended: its verdict too (where it drafted), without tokens. Requests the
-        drafter failed on are left out."""
-        ids = [s.request_id for s in seqs[first:end]]
+        chunk ended: its verdict too (where it drafted), without tokens. ``request_ids``:
+        the step's, by sequence. Requests the drafter failed on are left out."""
+        ids = request_ids[first:end]
         drafts, accepted = v.num_draft[first:end].tolist(), v.num_accepted[first:end].tolist()
         counts = [a + 1 for a in accepted]
         tokens = v.committed(first, end).tolist()
         if ended and v.num_draft[end]:
-            ids.append(seqs[end].request_id)
+            ids.append(request_ids[end])
             drafts.append(int(v.num_draft[end]))
             accepted.append(int(v.num_accepted[end]))
             counts.append(-1)

@@ -266,6 +266,7 @@ class StepSampling:
     # from them).
     fed_host: np.ndarray | None = None  # [num_rows]
     query_start_host: np.ndarray | None = None  # [num_seqs + 1]
+    rows_per_seq: int = 0  # with them: every sequence's number of rows where it is the same (0: not known)
 
 
 class HostReader:

@@ -469,6 +469,8 @@ def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging
                             row_slots_host=int64.host_part(4))
     if n >= LINEAR_MIN_SEQS:
         sampling.fed_host, sampling.query_start_host = fed, cu
+        if draft_lens is None or draft_lens.count(draft_lens[0]) == n:  # every sequence its rows alike
+            sampling.rows_per_seq = max_query_len
     steady = SteadyBatch(seqs, row_of_seq, slot_of_seq, start_of_seq, tables.epoch, draft_lens=draft_lens,
                          query_lens=None if draft_lens is None else query_lens, seq_of_token=seq_of_token,
                          offsets=offsets, width=width, tables_version=tables.version,

@@ -108,12 +108,20 @@ class LinearVerdicts:
         return self.tokens[lo:hi][offset <= np.repeat(self.num_accepted[first:end], lens)]
 
 
-def accepted_lengths(sampled: np.ndarray, fed: np.ndarray, query_start: np.ndarray) -> np.ndarray:
+def accepted_lengths(sampled: np.ndarray, fed: np.ndarray, query_start: np.ndarray,
+                     rows_per_seq: int = 0) -> np.ndarray:
     """Per sequence, the longest draft prefix equal to the policy's samples, for every
     sequence at once: sequence i fed its last token then its draft at rows
     ``query_start[i]:query_start[i + 1]`` (``fed``), and row r's sample is compared with
     the token fed at row r + 1. The first row that does not match (every sequence's last
-    row never does) ends each sequence's accepted run."""
+    row never does) ends each sequence's accepted run. ``rows_per_seq``: every sequence's
+    number of rows where they are all the same (0: not known), which takes a shorter
+    route: the rows as a [sequences, rows] grid, each sequence's run of matches from its
+    first."""
+    if rows_per_seq:
+        q = rows_per_seq
+        grid_fed, grid_sampled = fed.reshape(-1, q), sampled.reshape(-1, q)
+        return np.logical_and.accumulate(grid_fed[:, 1:] == grid_sampled[:, :-1], axis=1).sum(axis=1)
     matches = np.zeros(len(sampled), dtype=np.bool_)
     matches[:-1] = fed[1:] == sampled[:-1]
     matches[query_start[1:] - 1] = False
@@ -128,7 +136,7 @@ def verify_linear(logits: torch.Tensor, sampling: StepSampling, params: SlotPara
     every row sampled and every sequence's draft accepted by array operations."""
     tokens, logprobs = sample_arrays(logits, sampling, params, reader)
     query_start = sampling.query_start_host
-    num_accepted = accepted_lengths(tokens, sampling.fed_host, query_start)
+    num_accepted = accepted_lengths(tokens, sampling.fed_host, query_start, sampling.rows_per_seq)
     return LinearVerdicts(tokens.tolist(), logprobs.tolist(), query_start, np.diff(query_start) - 1, num_accepted,
                           tokens)
 

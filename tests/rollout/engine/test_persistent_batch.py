@@ -631,16 +631,23 @@ def test_the_steps_drafts_checked_at_once_decide_as_the_per_sequence_checks(mode
 
 
 def test_accepted_lengths_equal_the_walk_per_sequence():
+    """``accepted_lengths`` against ``num_accepted`` sequence by sequence; with drafts all
+    of one length (half the cases) also by its grid route (``rows_per_seq``)."""
     rng = np.random.default_rng(5)
-    for _ in range(200):
+    for case in range(400):
         n = int(rng.integers(1, 20))
-        drafts = [rng.integers(0, 3, size=int(rng.integers(0, 7))).tolist() for _ in range(n)]
+        same = int(rng.integers(0, 7)) if case % 2 else None
+        drafts = [rng.integers(0, 3, size=int(rng.integers(0, 7)) if same is None else same).tolist()
+                  for _ in range(n)]
         sampled = [rng.integers(0, 3, size=len(d) + 1).tolist() for d in drafts]
         # each sequence's last token, then its draft (a last token may equal the sample before it)
         fed = np.array([t for d in drafts for t in [int(rng.integers(0, 3))] + d])
         starts = np.concatenate(([0], np.cumsum([len(d) + 1 for d in drafts])))
-        got = accepted_lengths(np.array([t for s in sampled for t in s]), fed, starts)
-        assert got.tolist() == [num_accepted(d, s) for d, s in zip(drafts, sampled)]
+        expected = [num_accepted(d, s) for d, s in zip(drafts, sampled)]
+        flat = np.array([t for s in sampled for t in s])
+        assert accepted_lengths(flat, fed, starts).tolist() == expected
+        if same is not None:
+            assert accepted_lengths(flat, fed, starts, same + 1).tolist() == expected
 
 
 # ---------------------------------------------------------------------- engines on the array paths

@@ -58,11 +58,15 @@ class ScheduledBatch:
     def sampling_seqs(self) -> list[Sequence]:
         """The sequences that sample this step: decodes and prefills whose last chunk runs
         (read before ``postprocess``, which advances the other prefill chunks)."""
+        if self.num_decodes == len(self.seqs):  # (most steps: decodes only)
+            return self.seqs
         prefills = self.seqs[self.num_decodes:]
         return self.seqs[:self.num_decodes] + [
             s for s in prefills if s.num_computed_tokens + s.num_scheduled_tokens == len(s.token_ids)]
 
     def num_prompt_tokens(self) -> int:
+        if self.num_decodes == len(self.seqs):
+            return 0
         return sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:])
 
 

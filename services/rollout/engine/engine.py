@@ -382,8 +382,7 @@ class LLMEngine:
             budget = min(budget, room)
         most = self.max_draft_len + 1
         steady = None if self._undrafted else batch.steady  # the decodes: the last step's layout, advanced
-        if steady is not None and len(decodes) >= ARRAY_DRAFT_CHECKS_MIN:
-            # its arrays (a sequence's length is its next position + 1)
+        if steady is not None:  # its arrays (a sequence's length is its next position + 1)
             request_ids, stops, end_lens = steady.requests()
             request_ids, stops = list(request_ids), list(stops)
             max_lens = (np.minimum(end_lens - steady.next_starts - 1, most) - 1).tolist()

@@ -97,10 +97,14 @@ class LinearVerdicts:
     num_draft: np.ndarray  # [num_seqs] draft tokens verified
     num_accepted: np.ndarray  # [num_seqs]
     tokens: np.ndarray  # [num_rows] token_ids as an array
+    rows_per_seq: int = 0  # every sequence's number of rows where it is the same (0: not known)
 
     def committed(self, first: int, end: int) -> np.ndarray:
         """The tokens sequences ``first..end - 1`` commit (each its first num_accepted + 1
         rows), in order, as one array."""
+        q = self.rows_per_seq
+        if q:  # the rows as a [sequences, rows] grid
+            return self.tokens.reshape(-1, q)[first:end][np.arange(q) <= self.num_accepted[first:end, None]]
         qs = self.query_start
         lo, hi = int(qs[first]), int(qs[end])
         lens = qs[first + 1:end + 1] - qs[first:end]
@@ -138,7 +142,7 @@ def verify_linear(logits: torch.Tensor, sampling: StepSampling, params: SlotPara
     query_start = sampling.query_start_host
     num_accepted = accepted_lengths(tokens, sampling.fed_host, query_start, sampling.rows_per_seq)
     return LinearVerdicts(tokens.tolist(), logprobs.tolist(), query_start, np.diff(query_start) - 1, num_accepted,
-                          tokens)
+                          tokens, sampling.rows_per_seq)
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | None = None,

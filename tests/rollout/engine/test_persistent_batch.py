@@ -42,7 +42,7 @@ from services.common import metrics as m
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.input_batch import BlockTables, HostReader, Staging, VerifyStats
 from services.rollout.engine.step_inputs import new_staging, prepare_step
-from services.rollout.engine.verifier import accepted_lengths, num_accepted
+from services.rollout.engine.verifier import LinearVerdicts, accepted_lengths, num_accepted
 from tests.rollout.engine.test_block_manager import seq_of
 from tests.rollout.engine.test_engine import (OracleDrafter, _engine_with, assert_same, make_request,
                                               mixed_requests, model, prompt_of, reference_generate, run_to_end)
@@ -632,7 +632,8 @@ def test_the_steps_drafts_checked_at_once_decide_as_the_per_sequence_checks(mode
 
 def test_accepted_lengths_equal_the_walk_per_sequence():
     """``accepted_lengths`` against ``num_accepted`` sequence by sequence; with drafts all
-    of one length (half the cases) also by its grid route (``rows_per_seq``)."""
+    of one length (half the cases) also by its grid route (``rows_per_seq``), and the
+    committed tokens of a range of sequences (``LinearVerdicts.committed``) both ways."""
     rng = np.random.default_rng(5)
     for case in range(400):
         n = int(rng.integers(1, 20))
@@ -648,6 +649,14 @@ def test_accepted_lengths_equal_the_walk_per_sequence():
         assert accepted_lengths(flat, fed, starts).tolist() == expected
         if same is not None:
             assert accepted_lengths(flat, fed, starts, same + 1).tolist() == expected
+            # the committed tokens of a range of sequences, on the grid and by offsets
+            accepted = np.array(expected)
+            grid, walk = (LinearVerdicts(flat.tolist(), [], starts, np.diff(starts) - 1, accepted, flat, q)
+                          for q in (same + 1, 0))
+            first = int(rng.integers(0, n))
+            end = int(rng.integers(first, n + 1))
+            assert grid.committed(first, end).tolist() == walk.committed(first, end).tolist() == \
+                [t for s, a in zip(sampled[first:end], expected[first:end]) for t in s[:a + 1]]
 
 
 # ---------------------------------------------------------------------- engines on the array paths

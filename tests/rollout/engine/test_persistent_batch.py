@@ -358,7 +358,7 @@ def test_a_staged_last_part_takes_another_size_in_place():
     GPU copy sends (``end_rewrite``) the new one; None, with nothing changed, where the
     buffer is too small."""
     staging = Staging(torch.int32, CPU, capacity=32)
-    lens, tables = staging.stage_arrays([np.array([5, 6, 7]), np.arange(6).reshape(3, 2)])
+    lens, _ = staging.stage_arrays([np.array([5, 6, 7]), np.arange(6).reshape(3, 2)])
     views = staging.reshape_last((3, 3))
     assert views[0].data_ptr() == lens.data_ptr() and views[0].tolist() == [5, 6, 7] and views[1].shape == (3, 3)
     assert staging.bounds(1) == (4, 13) and staging._end == 13
@@ -480,7 +480,8 @@ def test_the_steady_schedule_equals_the_per_sequence_pass_through_random_lifecyc
             if aborted is not None:
                 assert e.abort(aborted)
             schedule = e.scheduler.schedule
-            e.scheduler.schedule = lambda *args, _s=schedule, _k=threshold: steps.setdefault(_k, _s(*args))
+            e.scheduler.schedule = lambda *args, _s=schedule, _k=threshold, _steps=steps: _steps.setdefault(
+                _k, _s(*args))
             for out in e.step():
                 outputs[threshold][out.request_id] = out
             del e.scheduler.schedule

@@ -15,7 +15,7 @@ the engine):
   draft     LLMEngine._propose_drafts (the drafter below is a dictionary lookup)
   prepare   ModelRunner.prepare (the step's flat inputs and attention metadata)
   forward   ModelRunner.run minus prepare (the model, the logits)
-  verify    verify() (or sample_rows() on steps without drafts, verify_linear() on
+  verify    verify() (or sample_rows() / sample_arrays() on steps without drafts, verify_linear() on
             decode-layout steps, where the measured tree has them) minus the sampler
             (kernels.sampling.sample, whose CPU reference
             computes Gumbel noise in PyTorch; on a GPU a Triton kernel does it), i.e.
@@ -138,8 +138,8 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
         return wrapper
 
     def schedule(fn):
-        def wrapper():
-            out = fn()
+        def wrapper(*args):  # (a tree's schedule may take the last step's layout)
+            out = fn(*args)
             step_times["full"] = len(out.seqs) == batch and out.num_decodes == batch
             return out
         return timed("schedule", wrapper)
@@ -150,9 +150,9 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
     engine.runner.run = timed("run", engine.runner.run)
     saved = engine_module.verify, verifier_module.sample
     # Other ways the engine verifies, where the measured tree has them: draftless steps
-    # sampled without verdicts (sample_rows), decode-layout steps accepted by array
-    # operations (verify_linear).
-    other = {name: getattr(engine_module, name) for name in ("sample_rows", "verify_linear")
+    # sampled without verdicts (sample_rows, or sample_arrays), decode-layout steps
+    # accepted by array operations (verify_linear).
+    other = {name: getattr(engine_module, name) for name in ("sample_rows", "sample_arrays", "verify_linear")
              if hasattr(engine_module, name)}
     engine_module.verify = timed("verify_all", engine_module.verify)
     for name, fn in other.items():

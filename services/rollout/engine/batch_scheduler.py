@@ -25,9 +25,20 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from services.rollout.engine.step_inputs import SteadyBatch
+
+# From this many running sequences a steady batch's decode pass is numpy over its arrays
+# (``BatchScheduler._schedule_steady``); below, the per-sequence pass costs less than the
+# few numpy calls (benchmarks/engine_host.py).
+STEADY_SCHEDULE_MIN = 32
 
 
 @dataclass
@@ -36,6 +47,9 @@ class ScheduledBatch:
     num_decodes: int = 0
     num_tokens: int = 0  # scheduled tokens, drafts excluded
     num_preempted: int = 0
+    # Where the decodes are the last step's decode layout, advanced (``_schedule_steady``):
+    # its state, which the step's drafts read instead of the sequences
+    steady: SteadyBatch | None = None
 
     @property
     def decode_seqs(self) -> list[Sequence]:
@@ -44,11 +58,15 @@ class ScheduledBatch:
     def sampling_seqs(self) -> list[Sequence]:
         """The sequences that sample this step: decodes and prefills whose last chunk runs
         (read before ``postprocess``, which advances the other prefill chunks)."""
+        if self.num_decodes == len(self.seqs):  # (most steps: decodes only)
+            return self.seqs
         prefills = self.seqs[self.num_decodes:]
         return self.seqs[:self.num_decodes] + [
             s for s in prefills if s.num_computed_tokens + s.num_scheduled_tokens == len(s.token_ids)]
 
     def num_prompt_tokens(self) -> int:
+        if self.num_decodes == len(self.seqs):
+            return 0
         return sum(s.num_scheduled_tokens for s in self.seqs[self.num_decodes:])
 
 
@@ -84,7 +102,11 @@ class BatchScheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, steady: SteadyBatch | None = None) -> ScheduledBatch:
+        """The next step's batch. ``steady``: the last step's decode layout, advanced by
+        its commit (the runner's ``SteadyBatch``), which lets a steady batch's decode pass
+        run on its arrays (``_schedule_steady``); any other value, None included, only
+        costs the per-sequence pass."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # 1. decodes (their last token), each needing a slot for its last token's KV, in one
@@ -93,7 +115,12 @@ class BatchScheduler:
         prefills = []
         block_size = self.block_manager.block_size
         running, scheduled = SequenceStatus.RUNNING, batch.seqs
-        for seq in list(self.running):
+        if steady is not None and self._schedule_steady(steady, batch):
+            budget -= len(scheduled)
+            decoding = []  # (all of them scheduled)
+        else:
+            decoding = list(self.running)
+        for seq in decoding:
             left = len(seq.token_ids) - seq.num_computed_tokens
             if left != 1:
                 if left > 1:
@@ -141,6 +168,36 @@ class BatchScheduler:
         self.waiting.extendleft(reversed(skipped))
         batch.num_tokens = self.max_num_batched_tokens - budget
         return batch
+
+    def _schedule_steady(self, steady: SteadyBatch, batch: ScheduledBatch) -> bool:
+        """The decode pass for a steady batch, on its arrays: where the running sequences
+        are the last step's decode layout (``steady.seqs``, in order), advanced by its
+        commit (so each one's next token is its last: it decodes) and no table row was
+        taken or given back since (no admission, finish, abort or preemption), each decodes,
+        and only those whose last token's KV slot is past their blocks (their table length,
+        ``BlockTables.lengths``, against their next position) get a block, in order, as the
+        per-sequence pass gives them. False, with nothing changed, where that does not
+        hold or the free blocks would not do for all of them (the pass then preempts)."""
+        seqs, starts = steady.seqs, steady.next_starts
+        if (starts is None or len(seqs) < STEADY_SCHEDULE_MIN or len(seqs) > self.max_num_batched_tokens
+                or steady.epoch != self.block_manager.tables.epoch or seqs != self.running):
+            return False
+        bm = self.block_manager
+        tables = bm.tables
+        tables.sync()
+        # next_starts: each sequence's num_computed_tokens; its length one more
+        short = np.flatnonzero(starts >= tables.lengths[steady.rows] * bm.block_size).tolist()
+        if short:
+            needy = [seqs[i] for i in short]
+            if sum(bm.num_blocks_for(s.num_tokens) - len(s.block_table) for s in needy) > bm.num_free_blocks:
+                return False
+            for seq in needy:
+                bm.ensure_slots(seq, seq.num_tokens)
+        for seq in seqs:
+            seq.num_scheduled_tokens = 1
+        batch.seqs.extend(seqs)
+        batch.steady = steady
+        return True
 
     def postprocess(self, batch: ScheduledBatch, elapsed_s: float) -> None:
         """After the forward: every sequence in it is charged the step's time, and a

@@ -37,7 +37,7 @@ from services.rollout.engine.request import EngineRequest, RequestOutput
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.tree import MAX_TREE_ROWS, check_tree, is_chain, kv_moves, prune, shape
 from services.rollout.engine.input_batch import VerifyStats
-from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_rows, verify, verify_linear
+from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_arrays, verify, verify_linear
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         start, cost_start = time.perf_counter(), self._cost_clock()
         outputs, self._aborted = self._aborted, []
-        batch = self.scheduler.schedule()                                      # 1. schedule
+        batch = self.scheduler.schedule(self.runner.steady)                    # 1. schedule
         if not batch.seqs:
             return outputs
         self._propose_drafts(batch)                                            # 2. draft
@@ -223,7 +223,10 @@ class LLMEngine:
         its one sampled token (what ``_commit`` does with a draftless verdict, without
         making verdicts: this runs for every sequence of every step)."""
         runner = self.runner
-        tokens, logprobs = sample_rows(logits, runner.sampling, runner.params, runner.reader) if sampling else ((), ())
+        tokens = logprobs = token_array = ()
+        if sampling:
+            token_array, logprob_array = sample_arrays(logits, runner.sampling, runner.params, runner.reader)
+            tokens, logprobs = token_array.tolist(), logprob_array.tolist()
         elapsed = time.perf_counter() - start
         self.scheduler.advance_prefills(batch, elapsed)  # (postprocess; the loop charges the others)
         num_prompt_tokens = batch.num_prompt_tokens()
@@ -237,7 +240,6 @@ class LLMEngine:
             seq.num_scheduled_tokens = 0
             own = seq.token_ids
             own.append(token)
-            seq.out_token_ids.append(token)
             seq.out_logprobs.append(logprob)
             if (len(own) >= seq.end_len or token in seq.stop_token_ids) and seq.ends_with(token):
                 outputs.append(self._finish(seq))  # (Sequence.append_token, inline)
@@ -246,7 +248,7 @@ class LLMEngine:
                 bm.commit(seq)
         steady = runner.steady  # a decode layout (every sequence sampled): its next step's state
         if steady is not None and len(outputs) == num_outputs:
-            steady.advance(1, np.array(tokens, dtype=np.int64))
+            steady.advance(1, token_array)
         self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
         return outputs
 
@@ -265,7 +267,12 @@ class LLMEngine:
         v = verify_linear(logits, runner.sampling, runner.params, runner.reader)
         elapsed = time.perf_counter() - start
         seqs = batch.seqs
-        self._verify_stats.record(runner.sampling.row_slots_host[v.query_start[:-1]], v.num_draft, v.num_accepted)
+        steady = runner.steady  # this step's layout by sequence, when it keeps one
+        if steady is not None:
+            slots, request_ids = steady.slots, steady.requests()[0]
+        else:
+            slots, request_ids = runner.sampling.row_slots_host[v.query_start[:-1]], [s.request_id for s in seqs]
+        self._verify_stats.record(slots, v.num_draft, v.num_accepted)
         tokens, logprobs = v.token_ids, v.logprobs
         bm = self.block_manager
         bs = bm.block_size
@@ -284,14 +291,13 @@ class LLMEngine:
             own = seq.token_ids
             if len(own) + a + 1 < seq.end_len and seq.stop_token_ids.isdisjoint(token_ids):
                 own += token_ids  # none can end the chunk (Sequence.append_tokens' common case)
-                seq.out_token_ids += token_ids
                 seq.out_logprobs += logprobs[lo:hi]
                 num_generated += a + 1
             else:
                 num_emitted, ended = seq.append_tokens(token_ids, logprobs[lo:hi])
                 num_generated += num_emitted
                 if ended:  # the commits so far and its verdict (no tokens), before the request stops
-                    self._send_linear(v, seqs, sent, i, ended=True)
+                    self._send_linear(v, request_ids, sent, i, ended=True)
                     sent = i + 1
                     outputs.append(self._finish(seq))
                     continue
@@ -299,9 +305,8 @@ class LLMEngine:
                 bm.truncate(seq, len(own))  # drop the rejected drafts' blocks
             if seq.num_computed_tokens // bs != computed // bs:
                 bm.commit(seq)
-        self._send_linear(v, seqs, sent, len(seqs))
-        steady = runner.steady  # the next step's state: each sequence's last committed token
-        if steady is not None and len(outputs) == num_outputs:
+        self._send_linear(v, request_ids, sent, len(seqs))
+        if steady is not None and len(outputs) == num_outputs:  # the next step's state: each one's last token
             committed = v.num_accepted + 1
             steady.advance(committed, v.tokens[v.query_start[:-1] + v.num_accepted])
         num_draft_tokens = len(tokens) - len(seqs)
@@ -310,18 +315,18 @@ class LLMEngine:
         self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), num_draft_tokens, num_generated)
         return outputs
 
-    def _send_linear(self, v: LinearVerdicts, seqs: list[Sequence], first: int, end: int,
+    def _send_linear(self, v: LinearVerdicts, request_ids: list[str], first: int, end: int,
                      ended: bool = False) -> None:
         """The drafter's commits of sequences ``first..end - 1`` of a linear step, from its
         arrays: each one's verdict and committed tokens; with ``ended``, sequence ``end``'s
-        chunk ended: its verdict too (where it drafted), without tokens. Requests the
-        drafter failed on are left out."""
-        ids = [s.request_id for s in seqs[first:end]]
+        chunk ended: its verdict too (where it drafted), without tokens. ``request_ids``:
+        the step's, by sequence. Requests the drafter failed on are left out."""
+        ids = request_ids[first:end]
         drafts, accepted = v.num_draft[first:end].tolist(), v.num_accepted[first:end].tolist()
         counts = [a + 1 for a in accepted]
         tokens = v.committed(first, end).tolist()
         if ended and v.num_draft[end]:
-            ids.append(seqs[end].request_id)
+            ids.append(request_ids[end])
             drafts.append(int(v.num_draft[end]))
             accepted.append(int(v.num_accepted[end]))
             counts.append(-1)
@@ -370,7 +375,9 @@ class LLMEngine:
         budget alone where ``_held_to_flat_part`` says no) and free KV."""
         if self.max_draft_len == 0:
             return
-        decodes = [s for s in batch.decode_seqs if s.request_id not in self._undrafted]
+        decodes = batch.decode_seqs
+        if self._undrafted:
+            decodes = [s for s in decodes if s.request_id not in self._undrafted]
         if not decodes:
             return
         budget = self.scheduler.budget_left(batch)
@@ -380,11 +387,17 @@ class LLMEngine:
         if room is not None:
             budget = min(budget, room)
         most = self.max_draft_len + 1
-        max_lens = [min(most, s.end_len - len(s.token_ids)) - 1 for s in decodes]  # (max_new_tokens_left() - 1)
+        steady = None if self._undrafted else batch.steady  # the decodes: the last step's layout, advanced
+        if steady is not None:  # its arrays (a sequence's length is its next position + 1)
+            request_ids, stops, end_lens = steady.requests()
+            request_ids, stops = list(request_ids), list(stops)
+            max_lens = (np.minimum(end_lens - steady.next_starts - 1, most) - 1).tolist()
+        else:
+            max_lens = [min(most, s.end_len - len(s.token_ids)) - 1 for s in decodes]  # (max_new_tokens_left() - 1)
+            request_ids, stops = [s.request_id for s in decodes], [s.stop_token_ids for s in decodes]
         if budget <= 0 or not any(max_lens):
             return
         try:
-            request_ids, stops = [s.request_id for s in decodes], [s.stop_token_ids for s in decodes]
             if self.tree_drafts:
                 trees = self._drafter.propose_trees(request_ids, max_lens, stop_token_ids=stops, budget=budget,
                                                     max_nodes=self.max_draft_len)

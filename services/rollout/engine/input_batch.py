@@ -58,6 +58,7 @@ class Staging:
         self._event = torch.cuda.Event() if device.type == "cuda" else None
         self._bounds: list[tuple[int, int]] = []
         self._end = 0  # the last stage's extent
+        self._layout: tuple = ()  # the last stage's parts: (offset, shape) each
         self.generation = 0  # stages so far: a rewrite needs the last stage to be the one it rewrites
         self._views: dict[tuple, tuple[list[torch.Tensor], list[tuple[int, int]]]] = {}
         self._alloc(capacity)
@@ -114,6 +115,19 @@ class Staging:
             self.dev[:self._end].copy_(self.host[:self._end], non_blocking=True)
             self._event.record()
 
+    def reshape_last(self, shape: tuple) -> list[torch.Tensor] | None:
+        """The last stage's layout with its last part now of ``shape`` (the parts before it
+        where they were, with their values), for a rewrite that changes only that part's
+        size: the parts' device tensors (the earlier ones views of the same entries: the
+        last stage's tensors of them stay valid), or None, with nothing changed, where the
+        buffer is too small."""
+        first, _ = self._layout[-1]
+        end = first + math.prod(shape)
+        if end > self.capacity:
+            return None
+        self._end = end
+        return self._views_of(self._layout[:-1] + ((first, shape),))
+
     def bounds(self, i: int) -> tuple[int, int]:
         """Where the last stage's i-th part lies in the buffer."""
         return self._bounds[i]
@@ -130,6 +144,11 @@ class Staging:
         if self._event is not None:
             self.dev[:end].copy_(self.host[:end], non_blocking=True)
             self._event.record()
+        return self._views_of(layout)
+
+    def _views_of(self, layout: tuple) -> list[torch.Tensor]:
+        """The device views of ``layout`` ((offset, shape) per part), made once per layout;
+        it becomes the last stage's."""
         cached = self._views.get(layout)
         if cached is None:
             if len(self._views) >= self.MAX_LAYOUTS:
@@ -138,6 +157,7 @@ class Staging:
             cached = self._views[layout] = ([self.dev[a:b].view(shape) for (a, b), (_, shape) in zip(bounds, layout)],
                                             bounds)
         views, self._bounds = cached
+        self._layout = layout
         return views
 
     def host_part(self, i: int) -> np.ndarray:
@@ -246,6 +266,7 @@ class StepSampling:
     # from them).
     fed_host: np.ndarray | None = None  # [num_rows]
     query_start_host: np.ndarray | None = None  # [num_seqs + 1]
+    rows_per_seq: int = 0  # with them: every sequence's number of rows where it is the same (0: not known)
 
 
 class HostReader:
@@ -253,8 +274,28 @@ class HostReader:
     pinned buffer (on CUDA: one copy and one stream synchronisation), returned as numpy
     (valid until the next read)."""
 
+    MAX_PAIRS = 64  # read_pair's buffers kept (by length); past this the cache starts over
+
     def __init__(self):
         self._buf: torch.Tensor | None = None
+        self._pairs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def read_pair(self, a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
+        """``read`` of ``torch.stack((a.double(), b.double()))`` ([2, n]: two 1-d tensors of
+        n values each), without making it: a and b are copied into the rows of a persistent
+        float64 buffer on their device, kept by length (two copies instead of two casts and
+        a stack: fewer calls on the step's path)."""
+        key = a.shape[0], a.device
+        pair = self._pairs.get(key)
+        if pair is None:
+            if len(self._pairs) >= self.MAX_PAIRS:
+                self._pairs = {}
+            both = a.new_empty((2, a.shape[0]), dtype=torch.float64)
+            pair = self._pairs[key] = both, both[0], both[1]
+        both, first, second = pair
+        first.copy_(a)
+        second.copy_(b)
+        return self.read(both)
 
     def read(self, t: torch.Tensor) -> np.ndarray:
         if t.device.type != "cuda":
@@ -354,56 +395,60 @@ class VerifyStats:
     accepted tokens, accepted drafts per position), summed by array operations for a whole
     decode-layout step (``record``) instead of one call per sequence. ``drain`` adds a
     slot's totals into its sequence, where its output reads them, and clears the slot; the
-    engine drains a sequence before making its output and when its slot is given back."""
+    engine drains a sequence before making its output and when its slot is given back.
+    A slot's counts are one row of ``table`` (a step's rows gathered, summed into and
+    written back once): verify steps, draft tokens, accepted tokens, the longest draft
+    verified (the used length of the per-position counts), then the drafts accepted at
+    each position."""
+
+    STEPS, DRAFTS, ACCEPTED, LONGEST, PER_POS = range(5)  # table's columns (PER_POS: the first of them)
 
     def __init__(self, slots: int = 256, positions: int = 8):
-        self.counts = np.zeros((slots, 3), dtype=np.int64)  # verify steps, draft tokens, accepted tokens
-        self.per_pos = np.zeros((slots, positions), dtype=np.int64)  # drafts accepted at position i
-        self.longest = np.zeros(slots, dtype=np.int64)  # the longest draft verified (per_pos's used length)
+        self.table = np.zeros((slots, self.PER_POS + positions), dtype=np.int64)
 
     def record(self, slots: np.ndarray, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's verdicts: sequence i, in slot ``slots[i]`` (each slot at most once),
         verified ``num_draft[i]`` draft tokens and accepted ``num_accepted[i]``."""
         drafted = num_draft > 0
-        if not drafted.any():
-            return
-        slots, num_draft, num_accepted = slots[drafted], num_draft[drafted], num_accepted[drafted]
+        if not drafted.all():
+            if not drafted.any():
+                return
+            slots, num_draft, num_accepted = slots[drafted], num_draft[drafted], num_accepted[drafted]
         self._fit(int(slots.max()) + 1, int(num_draft.max()))
-        self.counts[slots] += np.stack((np.ones_like(num_draft), num_draft, num_accepted), axis=1)
+        rows = self.table[slots]
+        rows[:, self.STEPS] += 1
+        rows[:, self.DRAFTS] += num_draft
+        rows[:, self.ACCEPTED] += num_accepted
+        np.maximum(rows[:, self.LONGEST], num_draft, out=rows[:, self.LONGEST])
         most = int(num_accepted.max())
         if most:
-            self.per_pos[slots, :most] += np.arange(most) < num_accepted[:, None]
-        self.longest[slots] = np.maximum(self.longest[slots], num_draft)
+            rows[:, self.PER_POS:self.PER_POS + most] += np.arange(most) < num_accepted[:, None]
+        self.table[slots] = rows
 
     def drain(self, seq) -> None:
         """Adds the slot's totals into ``seq`` (as its record_verify calls would have) and
         clears the slot."""
         slot = seq.slot
-        if not 0 <= slot < len(self.longest) or not self.counts[slot, 0]:
+        if not 0 <= slot < len(self.table) or not self.table[slot, self.STEPS]:
             return
-        steps, drafts, accepted = self.counts[slot].tolist()
+        row = self.table[slot]
+        steps, drafts, accepted, longest = row[:self.PER_POS].tolist()
         seq.num_verify_steps += steps
         seq.num_draft_tokens += drafts
         seq.num_accepted_tokens += accepted
-        longest = int(self.longest[slot])
         per_pos = seq.accepted_per_pos
         if len(per_pos) < longest:
             per_pos.extend([0] * (longest - len(per_pos)))
-        for i, n in enumerate(self.per_pos[slot, :longest].tolist()):
+        for i, n in enumerate(row[self.PER_POS:self.PER_POS + longest].tolist()):
             per_pos[i] += n
-        self.counts[slot] = 0
-        self.per_pos[slot] = 0
-        self.longest[slot] = 0
+        row[:] = 0
 
     def _fit(self, slots: int, positions: int) -> None:
-        old_slots, old_positions = self.per_pos.shape
-        if slots <= old_slots and positions <= old_positions:
+        old_slots, old_width = self.table.shape
+        width = self.PER_POS + positions
+        if slots <= old_slots and width <= old_width:
             return
         slots = max(slots, 2 * old_slots) if slots > old_slots else old_slots
-        positions = max(positions, old_positions)
-        counts = np.zeros((slots, 3), dtype=np.int64)
-        per_pos = np.zeros((slots, positions), dtype=np.int64)
-        longest = np.zeros(slots, dtype=np.int64)
-        counts[:old_slots], per_pos[:old_slots, :old_positions], longest[:old_slots] = (
-            self.counts, self.per_pos, self.longest)
-        self.counts, self.per_pos, self.longest = counts, per_pos, longest
+        table = np.zeros((slots, max(width, old_width)), dtype=np.int64)
+        table[:old_slots, :old_width] = self.table
+        self.table = table

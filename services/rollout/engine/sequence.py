@@ -44,8 +44,9 @@ class Sequence:
         # this step: the draft's parents when it is a tree (engine/tree.py), None: a chain
         self.draft_parents: list[int] | None = None
         self.finish_reason: str | None = None
-        # this chunk's result
-        self.out_token_ids: list[int] = []
+        # this chunk's result: its tokens are token_ids[chunk_start:] (out_token_ids; the
+        # commit appends to token_ids alone), their logprobs out_logprobs
+        self.chunk_start = len(self.token_ids)
         self.out_logprobs: list[float] = []
         self.num_verify_steps = 0
         self.num_draft_tokens = 0
@@ -53,7 +54,7 @@ class Sequence:
         self.accepted_per_pos: list[int] = []
         self.busy_s = 0.0
         # the length token_ids reaches when this chunk must end at the latest: its budget,
-        # the sample's max_tokens, the model's length (out_token_ids grows with token_ids)
+        # the sample's max_tokens, the model's length
         self.end_len = min(len(self.token_ids) + req.max_new_tokens, self.num_prompt_tokens + req.max_tokens,
                            max_model_len)
 
@@ -82,9 +83,14 @@ class Sequence:
         return self.end_len - len(self.token_ids)
 
     @property
+    def out_token_ids(self) -> list[int]:
+        """The tokens this chunk generated (a copy)."""
+        return self.token_ids[self.chunk_start:]
+
+    @property
     def chunk_done(self) -> bool:
         """The sample finished, or this chunk's budget is spent."""
-        return self.finish_reason is not None or len(self.out_token_ids) >= self.req.max_new_tokens
+        return self.finish_reason is not None or len(self.token_ids) - self.chunk_start >= self.req.max_new_tokens
 
     def masked_token_ids(self, gen_index: int) -> frozenset[int]:
         """Stop tokens may not be sampled before min_tokens (vLLM's min_tokens rule)."""
@@ -95,7 +101,6 @@ class Sequence:
         """Commit one sampled token; returns True when this chunk ends with it."""
         token_ids = self.token_ids
         token_ids.append(token_id)
-        self.out_token_ids.append(token_id)
         self.out_logprobs.append(logprob)
         if len(token_ids) < self.end_len and token_id not in self.stop_token_ids:
             return False  # (most tokens: below every limit, not a stop token)
@@ -111,7 +116,7 @@ class Sequence:
             self.finish_reason = "stop"
         elif gen_index + 1 >= req.max_tokens or len(token_ids) >= self.max_model_len:
             self.finish_reason = "length"
-        elif len(self.out_token_ids) >= req.max_new_tokens:
+        elif len(token_ids) - self.chunk_start >= req.max_new_tokens:
             return True  # chunk budget spent, the sample goes on elsewhere
         else:
             return False
@@ -126,7 +131,6 @@ class Sequence:
             return 1, self.append_token(token_ids[0], logprobs[0])
         if len(token_ids) < self.max_new_tokens_left() and self.stop_token_ids.isdisjoint(token_ids):
             self.token_ids.extend(token_ids)
-            self.out_token_ids.extend(token_ids)
             self.out_logprobs.extend(logprobs)
             return len(token_ids), False
         for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
@@ -147,7 +151,7 @@ class Sequence:
 
     def to_output(self, finish_reason: str | None) -> RequestOutput:
         return RequestOutput(
-            request_id=self.request_id, token_ids=list(self.out_token_ids),
+            request_id=self.request_id, token_ids=self.out_token_ids,
             logprobs=list(self.out_logprobs) if self.req.logprobs else [],
             finish_reason=finish_reason, num_verify_steps=self.num_verify_steps,
             num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,

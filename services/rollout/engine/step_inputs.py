@@ -88,16 +88,30 @@ class SteadyBatch:
     epoch: int  # BlockTables.epoch when laid out
     next_starts: np.ndarray | None = None  # set by advance: the next step's starts
     next_last: np.ndarray | None = None  # set by advance: each sequence's last token
-    # What a next step of the same shape (the same query lengths, table width) rewrites in
-    # place (``_restage_decode``), set where ``_stage_decode`` staged the step:
+    # What a next step of the same shape (the same query lengths; the block tables, staged
+    # last, may change width) rewrites in place (``_restage_decode``), set where the step
+    # was staged:
     inputs: StepInputs | None = None
     draft_lens: list[int] | None = None  # each sequence's draft length (None: no drafts)
     query_lens: np.ndarray | None = None  # [num_seqs] with drafts: 1 + draft length (made when first needed)
     seq_of_token: np.ndarray | None = None  # [num_tokens] with drafts (made when first needed)
     offsets: np.ndarray | None = None  # [num_tokens] with drafts: each token's position past its start
+    first_rows: np.ndarray | None = None  # [num_seqs] with drafts: each sequence's first row (made when first needed)
+    draft_rows: np.ndarray | None = None  # [num_tokens] with drafts: whether a row is a draft's (likewise)
     width: int = 0  # the block tables' staged width
     tables_version: int = -1  # BlockTables.version when the tables were gathered
     generations: tuple[int, int] = (-1, -1)  # the staging buffers' generations after this step's stage
+    # (each sequence's request id, stop tokens and Sequence.end_len: ``requests``)
+    _requests: tuple[list[str], list[frozenset[int]], np.ndarray] | None = None
+
+    def requests(self) -> tuple[list[str], list[frozenset[int]], np.ndarray]:
+        """Each sequence's request id, stop tokens and chunk end (``Sequence.end_len``, an
+        array), made once: none of them changes while a sequence runs. Read-only."""
+        if self._requests is None:
+            seqs = self.seqs
+            self._requests = ([s.request_id for s in seqs], [s.stop_token_ids for s in seqs],
+                              np.array([s.end_len for s in seqs], dtype=np.int64))
+        return self._requests
 
     def advance(self, num_committed, last_tokens: np.ndarray) -> None:
         """Every sequence committed ``num_committed`` tokens (an array, or one count for
@@ -219,7 +233,7 @@ def prepare_step(seqs: list[Sequence], block_size: int, device: torch.device, vo
             tree_mask[first:first + len(row_mask)] = row_mask
     ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t, masked_t, tree_mask_t = int64.stage(
         [input_ids, positions, slots, sample_rows, row_slots, row_positions, masked, tree_mask])
-    tables_t, lens_t, cu_t = int32.stage([tables, seq_lens, cu_q])
+    lens_t, cu_t, tables_t = int32.stage([seq_lens, cu_q, tables])  # (the tables last: _restage_decode)
     md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t.view(len(seqs), width), seq_lens=lens_t,
                            query_start_loc=cu_t, max_query_len=max_query_len,
                            tree_mask=tree_mask_t if trees else None)
@@ -299,15 +313,19 @@ def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
         fed = np.array(ids, dtype=np.int64)
     else:
         draft_lens = list(map(len, drafts))
-        query_lens = np.array(draft_lens, dtype=np.int64) + 1
-        first = np.zeros(n, dtype=np.int64)
-        np.cumsum(query_lens[:-1], out=first[1:])
-        num_tokens = int(first[-1] + query_lens[-1])
-        fed = np.empty(num_tokens, dtype=np.int64)
-        is_draft = np.ones(num_tokens, dtype=np.bool_)
-        is_draft[first] = False
+        if draft_lens == steady.draft_lens and steady.draft_rows is not None:  # the last step's shape
+            first, is_draft = steady.first_rows, steady.draft_rows
+        else:
+            query_lens = np.array(draft_lens, dtype=np.int64) + 1
+            first = np.zeros(n, dtype=np.int64)
+            np.cumsum(query_lens[:-1], out=first[1:])
+            is_draft = np.ones(int(first[-1] + query_lens[-1]), dtype=np.bool_)
+            is_draft[first] = False
+            if draft_lens == steady.draft_lens:
+                steady.first_rows, steady.draft_rows = first, is_draft
+        fed = np.empty(len(is_draft), dtype=np.int64)
         fed[first] = last
-        fed[is_draft] = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=num_tokens - n)
+        fed[is_draft] = np.fromiter(chain.from_iterable(drafts), dtype=np.int64, count=len(is_draft) - n)
     inputs = _restage_decode(steady, bs, staging, tables, fed, draft_lens)
     if inputs is not None or n < VECTOR_MIN_SEQS:
         return inputs
@@ -318,9 +336,11 @@ def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
                     fed: np.ndarray, draft_lens: list[int] | None) -> StepInputs | None:
     """The steady step written into the last step's staged buffers in place: what a decode
     step changes (tokens, positions, KV slots, the rows' positions, lengths, and the
-    block tables where one changed) over the parts that stay (sample rows, the rows'
-    slots, query starts), the last step's tensors and objects reused. None when the
-    shape changed (query lengths, table width) or the buffers were staged since."""
+    block tables where one changed: staged last, they may take another width,
+    ``Staging.reshape_last``) over the parts that stay (sample rows, the rows' slots,
+    query starts), the last step's tensors and objects reused (but a resized block
+    tables' view). None when the query lengths changed, the buffers were staged since,
+    or wider tables do not fit them."""
     int64, int32 = staging
     last = steady.inputs
     if (last is None or (int64.generation, int32.generation) != steady.generations
@@ -329,8 +349,13 @@ def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
     tables.sync()
     rows, starts = steady.rows, steady.next_starts
     retable = tables.version != steady.tables_version
-    if retable and int(tables.lengths[rows].max()) != steady.width:
-        return None
+    if retable:
+        width = int(tables.lengths[rows].max())
+        if width != steady.width:  # the block tables (staged last) take another size
+            views = int32.reshape_last((len(rows), width))
+            if views is None:
+                return None
+            last.metadata.block_tables, steady.width = views[2], width
     if len(rows) <= SCALAR_RESTAGE_MAX:
         _restage_scalars(steady, bs, staging, tables, fed, draft_lens, retable)
     else:
@@ -370,9 +395,9 @@ def _restage_arrays(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
     int64.end_rewrite()
     host = int32.begin_rewrite()
     if retable:
-        a, b = int32.bounds(0)
+        a, b = int32.bounds(2)
         host[a:b] = tables.array[rows, :steady.width].reshape(-1)
-    a, b = int32.bounds(1)
+    a, b = int32.bounds(0)
     np.add(starts, 1 if draft_lens is None else steady.query_lens, out=host[a:b])
     int32.end_rewrite()
 
@@ -400,9 +425,9 @@ def _restage_scalars(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagi
     int64.end_rewrite()
     host = int32.begin_rewrite()
     if retable:
-        a, b = int32.bounds(0)
+        a, b = int32.bounds(2)
         host[a:b] = table[steady.rows, :steady.width].reshape(-1)
-    lens_at = int32.bounds(1)[0]
+    lens_at = int32.bounds(0)[0]
     for i, end in enumerate(ends):
         host[lens_at + i] = end
     int32.end_rewrite()
@@ -437,13 +462,15 @@ def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging
     int64, int32 = staging
     ids_t, pos_t, slots_t, rows_t, row_slots_t, row_pos_t = int64.stage_arrays(
         [fed, positions, kv_slots, np.arange(num_tokens), slot_of_row, positions + 1])
-    tables_t, lens_t, cu_t = int32.stage_arrays([table[row_of_seq, :width], seq_lens, cu])
+    lens_t, cu_t, tables_t = int32.stage_arrays([seq_lens, cu, table[row_of_seq, :width]])
     md = AttentionMetadata(slot_mapping=slots_t, block_tables=tables_t, seq_lens=lens_t,
                            query_start_loc=cu_t, max_query_len=max_query_len)
     sampling = StepSampling(row_slots=row_slots_t, positions=row_pos_t, masked=None,
                             row_slots_host=int64.host_part(4))
     if n >= LINEAR_MIN_SEQS:
         sampling.fed_host, sampling.query_start_host = fed, cu
+        if draft_lens is None or draft_lens.count(draft_lens[0]) == n:  # every sequence its rows alike
+            sampling.rows_per_seq = max_query_len
     steady = SteadyBatch(seqs, row_of_seq, slot_of_seq, start_of_seq, tables.epoch, draft_lens=draft_lens,
                          query_lens=None if draft_lens is None else query_lens, seq_of_token=seq_of_token,
                          offsets=offsets, width=width, tables_version=tables.version,

@@ -72,7 +72,8 @@ def sample_rows(logits: torch.Tensor, sampling: StepSampling, params: SlotParams
 
 def sample_arrays(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
                   reader: HostReader | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``sample_rows`` as numpy arrays: int64 tokens and float64 logprobs, one per row."""
+    """``sample_rows`` as numpy arrays: int64 tokens and float64 logprobs, one per row (the
+    logprobs valid until the reader's next read)."""
     assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
     temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
     if sampling.masked is not None:
@@ -80,7 +81,7 @@ def sample_arrays(logits: torch.Tensor, sampling: StepSampling, params: SlotPara
         logits.view(-1).index_fill_(0, sampling.masked, float("-inf"))
     tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
                               truncation=truncation)
-    host = (reader or HostReader()).read(torch.stack((tokens.double(), logprobs.double())))  # [2, num_rows]
+    host = (reader or HostReader()).read_pair(tokens, logprobs)  # [2, num_rows] float64
     return host[0].astype(np.int64), host[1]
 
 
@@ -96,10 +97,14 @@ class LinearVerdicts:
     num_draft: np.ndarray  # [num_seqs] draft tokens verified
     num_accepted: np.ndarray  # [num_seqs]
     tokens: np.ndarray  # [num_rows] token_ids as an array
+    rows_per_seq: int = 0  # every sequence's number of rows where it is the same (0: not known)
 
     def committed(self, first: int, end: int) -> np.ndarray:
         """The tokens sequences ``first..end - 1`` commit (each its first num_accepted + 1
         rows), in order, as one array."""
+        q = self.rows_per_seq
+        if q:  # the rows as a [sequences, rows] grid
+            return self.tokens.reshape(-1, q)[first:end][np.arange(q) <= self.num_accepted[first:end, None]]
         qs = self.query_start
         lo, hi = int(qs[first]), int(qs[end])
         lens = qs[first + 1:end + 1] - qs[first:end]
@@ -107,12 +112,20 @@ class LinearVerdicts:
         return self.tokens[lo:hi][offset <= np.repeat(self.num_accepted[first:end], lens)]
 
 
-def accepted_lengths(sampled: np.ndarray, fed: np.ndarray, query_start: np.ndarray) -> np.ndarray:
+def accepted_lengths(sampled: np.ndarray, fed: np.ndarray, query_start: np.ndarray,
+                     rows_per_seq: int = 0) -> np.ndarray:
     """Per sequence, the longest draft prefix equal to the policy's samples, for every
     sequence at once: sequence i fed its last token then its draft at rows
     ``query_start[i]:query_start[i + 1]`` (``fed``), and row r's sample is compared with
     the token fed at row r + 1. The first row that does not match (every sequence's last
-    row never does) ends each sequence's accepted run."""
+    row never does) ends each sequence's accepted run. ``rows_per_seq``: every sequence's
+    number of rows where they are all the same (0: not known), which takes a shorter
+    route: the rows as a [sequences, rows] grid, each sequence's run of matches from its
+    first."""
+    if rows_per_seq:
+        q = rows_per_seq
+        grid_fed, grid_sampled = fed.reshape(-1, q), sampled.reshape(-1, q)
+        return np.logical_and.accumulate(grid_fed[:, 1:] == grid_sampled[:, :-1], axis=1).sum(axis=1)
     matches = np.zeros(len(sampled), dtype=np.bool_)
     matches[:-1] = fed[1:] == sampled[:-1]
     matches[query_start[1:] - 1] = False
@@ -127,9 +140,9 @@ def verify_linear(logits: torch.Tensor, sampling: StepSampling, params: SlotPara
     every row sampled and every sequence's draft accepted by array operations."""
     tokens, logprobs = sample_arrays(logits, sampling, params, reader)
     query_start = sampling.query_start_host
-    num_accepted = accepted_lengths(tokens, sampling.fed_host, query_start)
+    num_accepted = accepted_lengths(tokens, sampling.fed_host, query_start, sampling.rows_per_seq)
     return LinearVerdicts(tokens.tolist(), logprobs.tolist(), query_start, np.diff(query_start) - 1, num_accepted,
-                          tokens)
+                          tokens, sampling.rows_per_seq)
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], sampling: StepSampling | None = None,

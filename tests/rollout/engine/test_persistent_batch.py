@@ -16,6 +16,9 @@
     tokens kept by batch position and advanced by the commit, the next step laid out
     from them, in place where its shape is the last one's) against the per-sequence
     layout through random lifecycles, and engines on it against the reference;
+  - a steady batch's decode pass on its arrays (``BatchScheduler._schedule_steady``)
+    against the per-sequence pass, step by step through random lifecycles, and what it
+    refuses;
   - a step's linear drafts checked at once (``LLMEngine._take_linear_drafts``) against
     the per-sequence checks, with junk drafts, a tight budget and a small cache;
   - metric exports deferred behind the next forward, flushed when the engine goes idle.
@@ -32,13 +35,14 @@ import numpy as np
 import pytest
 import torch
 
+import services.rollout.engine.batch_scheduler as batch_scheduler
 import services.rollout.engine.engine as engine_module
 import services.rollout.engine.step_inputs as step_inputs
 from services.common import metrics as m
 from services.rollout.engine.block_manager import BlockManager
-from services.rollout.engine.input_batch import BlockTables
+from services.rollout.engine.input_batch import BlockTables, HostReader, Staging, VerifyStats
 from services.rollout.engine.step_inputs import new_staging, prepare_step
-from services.rollout.engine.verifier import accepted_lengths, num_accepted
+from services.rollout.engine.verifier import LinearVerdicts, accepted_lengths, num_accepted
 from tests.rollout.engine.test_block_manager import seq_of
 from tests.rollout.engine.test_engine import (OracleDrafter, _engine_with, assert_same, make_request,
                                               mixed_requests, model, prompt_of, reference_generate, run_to_end)
@@ -231,9 +235,17 @@ def test_the_decode_layout_refuses_what_it_does_not_lay_out(monkeypatch):
 
 
 def counting_steady_paths(monkeypatch) -> dict:
-    """Counts the steps ``_steady_step`` laid out, and those of them rewritten in place."""
-    calls = {"steady": 0, "in_place": 0}
-    steady, restage = step_inputs._steady_step, step_inputs._restage_decode
+    """Counts the steps ``_steady_step`` laid out, those of them rewritten in place, and
+    those rewritten with block tables of another width (``Staging.reshape_last``)."""
+    calls = {"steady": 0, "in_place": 0, "reshaped": 0}
+    steady, restage, reshape = step_inputs._steady_step, step_inputs._restage_decode, Staging.reshape_last
+
+    def counted_reshape(self, shape):
+        out = reshape(self, shape)
+        calls["reshaped"] += out is not None
+        return out
+
+    monkeypatch.setattr(Staging, "reshape_last", counted_reshape)
 
     def counted_steady(*args, **kw):
         out = steady(*args, **kw)
@@ -337,7 +349,21 @@ def test_the_steady_layout_equals_the_per_sequence_layout_through_random_lifecyc
             committed.append(k)
         if rng.random() < 0.9:  # else a chunk "ended": the engine advances nothing
             steady.advance(np.array(committed), np.array([s.token_ids[-1] for s in batch]))
-    assert calls["steady"] > 20 and calls["in_place"] > 10, calls
+    assert calls["steady"] > 20 and calls["in_place"] > 10 and calls["reshaped"] > 2, calls
+
+
+def test_a_staged_last_part_takes_another_size_in_place():
+    """``Staging.reshape_last``: the last part resized, the parts before it where they
+    were, with their values (the last stage's tensors of them stay valid), the extent a
+    GPU copy sends (``end_rewrite``) the new one; None, with nothing changed, where the
+    buffer is too small."""
+    staging = Staging(torch.int32, CPU, capacity=32)
+    lens, _ = staging.stage_arrays([np.array([5, 6, 7]), np.arange(6).reshape(3, 2)])
+    views = staging.reshape_last((3, 3))
+    assert views[0].data_ptr() == lens.data_ptr() and views[0].tolist() == [5, 6, 7] and views[1].shape == (3, 3)
+    assert staging.bounds(1) == (4, 13) and staging._end == 13
+    assert staging.reshape_last((3, 10)) is None and staging.bounds(1) == (4, 13) and staging._end == 13
+    assert staging.reshape_last((3, 1))[1].shape == (3, 1) and staging._end == 7
 
 
 def test_a_steady_step_refuses_a_batch_that_changed(monkeypatch):
@@ -398,6 +424,141 @@ def test_engines_lay_out_steady_batches_and_match_the_reference(model, monkeypat
             assert spec[rid].token_ids == out.token_ids and spec[rid].finish_reason == out.finish_reason, rid
             assert torch.allclose(torch.tensor(spec[rid].logprobs), torch.tensor(out.logprobs), atol=1e-5)
     assert spec["r3"].token_ids == plain["r3"].token_ids[:len(spec["r3"].token_ids)]
+
+
+@pytest.mark.parametrize("speculative, seed", [(False, 0), (True, 1), (True, 2)])
+def test_the_steady_schedule_equals_the_per_sequence_pass_through_random_lifecycles(model, monkeypatch,
+                                                                                     speculative, seed):
+    """``BatchScheduler._schedule_steady`` (a steady batch's decode pass on its arrays, and
+    then the drafts' lengths from them, ``SteadyBatch.requests``) against the per-sequence
+    pass it stands for: two engines stepped in lockstep, one taking it at every batch size
+    (``STEADY_SCHEDULE_MIN`` 1), one never, through random late joins and aborts and a KV
+    cache small enough to preempt (so some steady passes find too few free blocks and
+    leave it to the pass). Every step schedules the same sequences with the same block
+    tables and preemptions, and the outputs and per-request draft counts are the same."""
+    rng = random.Random(seed)
+    reqs = [make_request(i, prompt_of(rng.randrange(1, 12), i), temperature=[0.0, 1.0][i % 2],
+                         max_tokens=rng.randrange(12, 30), max_new_tokens=30) for i in range(10)]
+    plain = run_to_end(_engine_with(model, reqs, speculative=False))
+    taken = {True: 0, False: 0}
+    real = batch_scheduler.BatchScheduler._schedule_steady
+
+    def counted(self, steady, batch):
+        took = real(self, steady, batch)
+        taken[took] += 1
+        return took
+
+    monkeypatch.setattr(batch_scheduler.BatchScheduler, "_schedule_steady", counted)
+    monkeypatch.setattr(engine_module, "ARRAY_DRAFT_CHECKS_MIN", 1)  # drafts checked at once, their lengths
+    read = step_inputs.SteadyBatch.requests                           # from the steady batch's arrays
+    drafts_from_arrays = [0]
+
+    def counted_requests(self):
+        drafts_from_arrays[0] += 1
+        return read(self)
+
+    monkeypatch.setattr(step_inputs.SteadyBatch, "requests", counted_requests)
+
+    def engine():
+        drafter = OracleDrafter({rid: out.token_ids for rid, out in plain.items()}, wrong_every=3)
+        return _engine_with(model, reqs[:4], speculative=speculative, drafter=drafter if speculative else None,
+                            num_kv_blocks=11, max_num_batched_tokens=32)
+
+    engines = {1: engine(), 10**9: engine()}  # STEADY_SCHEDULE_MIN: the steady pass at any size, never
+    outputs = {k: {} for k in engines}
+    pending, step = reqs[4:], 0
+    while any(e.has_unfinished() for e in engines.values()) or pending:
+        event = rng.random()
+        joining = [pending.pop(0)] if pending and event < 0.15 else []
+        running = engines[1].scheduler.running
+        aborted = rng.choice(running).request_id if running and 0.15 <= event < 0.2 else None
+        steps = {}
+        for threshold, e in engines.items():
+            monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", threshold)
+            for req in joining:
+                e.add_request(req)
+            if aborted is not None:
+                assert e.abort(aborted)
+            schedule = e.scheduler.schedule
+            e.scheduler.schedule = lambda *args, _s=schedule, _k=threshold, _steps=steps: _steps.setdefault(
+                _k, _s(*args))
+            for out in e.step():
+                outputs[threshold][out.request_id] = out
+            del e.scheduler.schedule
+        fast, walk = steps.get(1), steps.get(10**9)
+        assert (fast is None) == (walk is None)
+        if fast is not None:
+            assert [(s.request_id, s.num_scheduled_tokens, list(s.block_table)) for s in fast.seqs] == \
+                [(s.request_id, s.num_scheduled_tokens, list(s.block_table)) for s in walk.seqs], step
+            assert (fast.num_decodes, fast.num_tokens, fast.num_preempted) == \
+                (walk.num_decodes, walk.num_tokens, walk.num_preempted), step
+        step += 1
+        assert step < 2000
+    fields = ("token_ids", "logprobs", "finish_reason", "num_verify_steps", "num_draft_tokens",
+              "num_accepted_tokens", "accepted_per_pos")
+    assert outputs[1].keys() == outputs[10**9].keys() == {r.request_id for r in reqs}
+    for rid, out in outputs[10**9].items():
+        assert [getattr(outputs[1][rid], f) for f in fields] == [getattr(out, f) for f in fields], rid
+    counters = [e.metrics.counters for e in engines.values()]
+    assert counters[0].num_preemptions == counters[1].num_preemptions > 0
+    assert taken[True] > 10 and taken[False] > 0, taken
+    assert (drafts_from_arrays[0] > 5) == speculative, drafts_from_arrays
+
+
+def test_the_steady_schedule_refuses_what_it_does_not_stand_for(monkeypatch):
+    """What ``_schedule_steady`` checks before it reads no sequence, each alone: the state
+    advanced by the commit, the running sequences exactly the layout's (one more running,
+    the same rows), no row taken or given back, enough sequences, enough free blocks for
+    every block it would take (else it takes none and the per-sequence pass preempts)."""
+    monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", 1)
+
+    def decoding(num_blocks: int):  # three sequences at a block's end, their next token committed
+        bm = BlockManager(num_blocks=num_blocks, block_size=4)
+        sched = batch_scheduler.BatchScheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+        seqs = [seq_of(prompt_of(4, i), f"r{i}") for i in range(3)]
+        for seq in seqs:
+            sched.add(seq)
+        assert len(sched.schedule().seqs) == 3  # admitted, prefilled below
+        for seq in seqs:
+            seq.num_computed_tokens = 3
+        steady = step_inputs.SteadyBatch(list(seqs), np.array([s.row for s in seqs]), np.arange(3),
+                                         np.full(3, 3), bm.tables.epoch)
+        for seq in seqs:
+            seq.token_ids.append(7)
+            seq.num_computed_tokens = 4
+        return bm, sched, seqs, steady
+
+    def refused(sched, steady) -> bool:
+        batch = batch_scheduler.ScheduledBatch()
+        free = sched.block_manager.num_free_blocks
+        took = sched._schedule_steady(steady, batch)
+        assert took or (not batch.seqs and sched.block_manager.num_free_blocks == free)
+        return not took
+
+    bm, sched, seqs, steady = decoding(8)
+    assert refused(sched, steady)  # not advanced
+    steady.advance(1, np.full(3, 7))
+    monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", 4)
+    assert refused(sched, steady)
+    monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", 1)
+    fewer = step_inputs.SteadyBatch(seqs[:2], steady.rows[:2], steady.slots[:2], steady.starts[:2], steady.epoch)
+    fewer.advance(1, np.full(2, 7))
+    assert refused(sched, fewer)  # a third sequence runs
+    sched.running.reverse()
+    assert refused(sched, steady)  # another order
+    sched.running.reverse()
+    other = seq_of(prompt_of(3, 9), "r9")
+    bm.admit(other, [])  # a row taken (by a sequence not running here)
+    assert refused(sched, steady)
+    bm.free(other)
+    steady.epoch = bm.tables.epoch
+    assert not refused(sched, steady)
+    assert [len(s.block_table) for s in seqs] == [2, 2, 2] and all(s.num_scheduled_tokens == 1 for s in seqs)
+    bm, sched, seqs, steady = decoding(5)  # two blocks free, three needed
+    steady.advance(1, np.full(3, 7))
+    assert refused(sched, steady)
+    batch = sched.schedule(steady)  # the per-sequence pass: two get a block, the last is preempted
+    assert [s.request_id for s in batch.seqs] == ["r0", "r1"] and batch.num_preempted == 1
 
 
 # ---------------------------------------------------------------------- the step's drafts at once
@@ -471,16 +632,32 @@ def test_the_steps_drafts_checked_at_once_decide_as_the_per_sequence_checks(mode
 
 
 def test_accepted_lengths_equal_the_walk_per_sequence():
+    """``accepted_lengths`` against ``num_accepted`` sequence by sequence; with drafts all
+    of one length (half the cases) also by its grid route (``rows_per_seq``), and the
+    committed tokens of a range of sequences (``LinearVerdicts.committed``) both ways."""
     rng = np.random.default_rng(5)
-    for _ in range(200):
+    for case in range(400):
         n = int(rng.integers(1, 20))
-        drafts = [rng.integers(0, 3, size=int(rng.integers(0, 7))).tolist() for _ in range(n)]
+        same = int(rng.integers(0, 7)) if case % 2 else None
+        drafts = [rng.integers(0, 3, size=int(rng.integers(0, 7)) if same is None else same).tolist()
+                  for _ in range(n)]
         sampled = [rng.integers(0, 3, size=len(d) + 1).tolist() for d in drafts]
         # each sequence's last token, then its draft (a last token may equal the sample before it)
         fed = np.array([t for d in drafts for t in [int(rng.integers(0, 3))] + d])
         starts = np.concatenate(([0], np.cumsum([len(d) + 1 for d in drafts])))
-        got = accepted_lengths(np.array([t for s in sampled for t in s]), fed, starts)
-        assert got.tolist() == [num_accepted(d, s) for d, s in zip(drafts, sampled)]
+        expected = [num_accepted(d, s) for d, s in zip(drafts, sampled)]
+        flat = np.array([t for s in sampled for t in s])
+        assert accepted_lengths(flat, fed, starts).tolist() == expected
+        if same is not None:
+            assert accepted_lengths(flat, fed, starts, same + 1).tolist() == expected
+            # the committed tokens of a range of sequences, on the grid and by offsets
+            accepted = np.array(expected)
+            grid, walk = (LinearVerdicts(flat.tolist(), [], starts, np.diff(starts) - 1, accepted, flat, q)
+                          for q in (same + 1, 0))
+            first = int(rng.integers(0, n))
+            end = int(rng.integers(first, n + 1))
+            assert grid.committed(first, end).tolist() == walk.committed(first, end).tolist() == \
+                [t for s, a in zip(sampled[first:end], expected[first:end]) for t in s[:a + 1]]
 
 
 # ---------------------------------------------------------------------- engines on the array paths
@@ -514,6 +691,49 @@ def test_array_verify_is_lossless(model, array_paths, wrong_every):
     assert not drafter.generated
 
 
+def test_read_pair_reads_what_the_stacked_read_does(monkeypatch):
+    """``HostReader.read_pair`` (two tensors copied into a kept buffer's rows) against the
+    read of their stack in float64: every length again and again (a kept buffer holds the
+    latest values), past the cache's limit."""
+    monkeypatch.setattr(HostReader, "MAX_PAIRS", 3)
+    reader, gen = HostReader(), torch.Generator().manual_seed(0)
+    for n in [1, 5, 1, 256, 7, 5, 1, 2, 3, 4, 5]:
+        tokens = torch.randint(0, 2**40, (n,), generator=gen)
+        logprobs = -torch.rand(n, generator=gen) * 30
+        expected = torch.stack((tokens.double(), logprobs.double())).numpy().copy()
+        host = reader.read_pair(tokens, logprobs)
+        assert host.dtype == np.float64 and (host == expected).all(), n
+        assert host[0].astype(np.int64).tolist() == tokens.tolist()
+    assert len(reader._pairs) <= 3
+
+
+def test_verify_stats_sum_as_record_verify_does():
+    """``VerifyStats`` (a step's counts summed by slot in arrays, drained into the
+    sequence) against ``Sequence.record_verify`` one verdict at a time: random steps of
+    random sequences, some without a draft, slots past the table and drafts longer than
+    its positions (it grows), sequences drained part-way and their slots reused."""
+    rng = np.random.default_rng(3)
+    stats = VerifyStats(slots=4, positions=2)
+    seqs = {}  # slot -> (the sequence drained into, the one record_verify counts into)
+    for step in range(300):
+        slots = rng.permutation(12)[:rng.integers(1, 12)]
+        num_draft = rng.integers(0, 6, len(slots)) * (rng.random(len(slots)) < 0.8)
+        num_accepted = rng.integers(0, num_draft + 1)
+        stats.record(slots, num_draft, num_accepted)
+        for slot, d, a in zip(slots.tolist(), num_draft.tolist(), num_accepted.tolist()):
+            pair = seqs.setdefault(slot, (seq_of([1], f"d{slot}"), seq_of([1], f"w{slot}")))
+            pair[0].slot = slot
+            pair[1].record_verify(d, a)
+        if rng.random() < 0.2:  # a request ends: its slot drained, then taken by another
+            slot = int(rng.choice(list(seqs)))
+            drained, walked = seqs.pop(slot)
+            stats.drain(drained)
+            fields = ("num_verify_steps", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+            assert [getattr(drained, f) for f in fields] == [getattr(walked, f) for f in fields], step
+            assert not stats.table[slot].any()
+    assert stats.table.shape[0] >= 12 and stats.table.shape[1] >= VerifyStats.PER_POS + 5
+
+
 @pytest.mark.parametrize("wrong_every", [0, 3])
 def test_array_verify_counts_each_requests_drafts_as_the_walk_does(model, array_paths, monkeypatch, wrong_every):
     """Per request, the verify steps, draft and accepted tokens and accepted drafts per
@@ -539,13 +759,13 @@ def test_array_verify_counts_each_requests_drafts_as_the_walk_does(model, array_
     monkeypatch.setattr(step_inputs, "LINEAR_MIN_SEQS", 1)
     engine = _engine_with(model, reqs, drafter=OracleDrafter(continuations, wrong_every))
     longest = max(reqs, key=lambda r: r.max_tokens).request_id
-    while not engine._verify_stats.counts[engine.seqs[longest].slot, 0]:  # until it has verified a draft
+    while not engine._verify_stats.table[engine.seqs[longest].slot, 0]:  # until it has verified a draft
         engine.step()
     slot = engine.seqs[longest].slot
     assert engine.abort(longest)
     aborted = engine.step()[0]
     assert aborted.finish_reason == "abort" and aborted.num_verify_steps > 0
-    assert not engine._verify_stats.counts[slot].any() and not engine._verify_stats.per_pos[slot].any()
+    assert not engine._verify_stats.table[slot].any()
 
 
 def test_reused_slots_and_rows_carry_nothing_of_their_last_request(model, array_paths):
@@ -584,7 +804,7 @@ def test_metric_exports_wait_for_the_next_forward_and_flush_when_idle(model):
     engine = _engine_with(model, mixed_requests()[:3], speculative=False, worker_id="deferred-test")
     generated = m.generation_tokens.labels("deferred-test")
     order = []
-    for obj, name in ((engine.runner, "run"), (engine.metrics, "flush"), (engine_module, "sample_rows")):
+    for obj, name in ((engine.runner, "run"), (engine.metrics, "flush"), (engine_module, "sample_arrays")):
         real = getattr(obj, name)
 
         def spy(*args, _real=real, _name=name, **kw):
@@ -596,7 +816,7 @@ def test_metric_exports_wait_for_the_next_forward_and_flush_when_idle(model):
     while engine.has_unfinished():
         engine.step()
         exported.append((generated._value.get(), engine.metrics.counters.num_generation_tokens))
-    assert order[:3] == ["run", "flush", "sample_rows"]
+    assert order[:3] == ["run", "flush", "sample_arrays"]
     # while busy, the series lag the counters by exactly the last step
     for (value, _), (_, counted_before) in zip(exported[1:-1], exported[:-2]):
         assert value == counted_before

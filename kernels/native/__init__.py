@@ -35,6 +35,7 @@ class Library:
         self.abi_version, self.abi_symbol, self.functions = abi_version, abi_symbol, functions
         self.log, self.failure = log, failure
         self._loaded: dict[str, ctypes.CDLL | None] = {}
+        self._default: dict[str | None, str] = {}  # load()'s path by $env's value, found once
 
     def path(self) -> Path:
         if os.environ.get(self.env):
@@ -42,7 +43,13 @@ class Library:
         return self.bundled if not self.built.exists() and self.bundled.exists() else self.built
 
     def load(self, path: str | Path | None = None) -> ctypes.CDLL | None:
-        key = str(path if path is not None else self.path())
+        if path is None:  # the kernels' own calls, several a step: no file-system check after the first
+            env = os.environ.get(self.env)
+            key = self._default.get(env)
+            if key is None:
+                key = self._default[env] = str(self.path())
+        else:
+            key = str(path)
         if key not in self._loaded:
             self._loaded[key] = self._open(key)
         return self._loaded[key]

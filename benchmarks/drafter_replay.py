@@ -86,19 +86,15 @@ STEP_COLLECTOR = None  # the worker's collector, run where a step's forward runs
 
 def worker_gc() -> None:
     """Runs this process's garbage collector as a worker's runs (services.rollout.server's
-    tune_worker_gc at the worker's thresholds): start-up objects frozen, automatic
+    worker_collector at the worker's settings): start-up objects frozen, automatic
     collections deferred, and the replays run the due collections where the engine does,
     while the step's forward runs: after `propose`, before the step's commits (outside
     the timed spans). A benchmark's command line calls it; tests leave it off."""
     global STEP_COLLECTOR
-    from services.common.gc_tuning import StepCollector
+    from services.rollout.server import worker_collector
     from services.rollout.settings import WorkerSettings
 
-    thresholds = WorkerSettings().gc_threshold_values()
-    if thresholds is None:  # RHYMERL_WORKER_GC_THRESHOLDS empty: CPython's collector, as that worker
-        return
-    STEP_COLLECTOR = StepCollector(thresholds)
-    STEP_COLLECTOR.install()
+    STEP_COLLECTOR = worker_collector(WorkerSettings())  # (None: the setting empty, CPython's, as that worker)
 
 
 def gc_policy() -> dict:

@@ -77,17 +77,15 @@ WORKER_COLLECTOR = None  # this process's garbage collector as a worker's (--gc 
 
 def worker_gc() -> None:
     """Sets this process's garbage collector up as a worker's (services/rollout/server.py
-    tune_worker_gc); a tree from before the worker's collector existed keeps CPython's."""
+    worker_collector); a tree from before the worker's collector existed keeps CPython's."""
     global WORKER_COLLECTOR
     try:
-        from services.common.gc_tuning import StepCollector
-        from services.rollout.settings import WorkerSettings
+        from services.rollout.server import worker_collector
     except ImportError:
         return
-    thresholds = WorkerSettings().gc_threshold_values()
-    if thresholds is not None:
-        WORKER_COLLECTOR = StepCollector(thresholds)
-        WORKER_COLLECTOR.install()
+    from services.rollout.settings import WorkerSettings
+
+    WORKER_COLLECTOR = worker_collector(WorkerSettings())
 
 
 def tiny_model():

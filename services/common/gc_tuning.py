@@ -62,9 +62,8 @@ class StepCollector:
         thresholds: (young, middle, old): collect once more than ``young`` objects were
             allocated (net of those freed) since the last collection; after ``middle`` of
             those the next collects the middle generation too, after ``old`` of those the
-            next everything (as
-            gc.set_threshold's three values, compared as CPython does: a collection once a
-            count is above its threshold).
+            next everything (as gc.set_threshold's three values, compared as CPython
+            does: a collection once a count is above its threshold).
     """
 
     def __init__(self, thresholds: tuple[int, int, int] = (700, 10, 100)) -> None:

@@ -328,22 +328,32 @@ async def start_worker(settings: WorkerSettings, engine=None):
     return server, port, stop
 
 
-def tune_worker_gc(settings: WorkerSettings, engine, worker_id: str = "") -> StepCollector | None:
-    """The worker's garbage collector (RHYMERL_WORKER_GC_THRESHOLDS), set once it runs:
-    start-up objects frozen; rhymerl's engine collects behind each step's forward (its
-    StepCollector, returned; every pause exported as rhymerl:gc_pause_seconds, by where it
-    ran), vLLM's at the thresholds, automatically. Empty: nothing."""
+def worker_collector(settings: WorkerSettings) -> StepCollector | None:
+    """The garbage collector of a worker with these settings (RHYMERL_WORKER_GC_THRESHOLDS),
+    installed in this process: start-up objects frozen, automatic collections deferred;
+    None, CPython's collector left as it is, where the setting is empty. (The benchmarks
+    that run the engine's or the drafter's steps set their process up with it too.)"""
     thresholds = settings.gc_threshold_values()
     if thresholds is None:
         return None
-    if not hasattr(engine, "collector"):  # vLLM's engine: its step is not ours to split
-        tune_gc(thresholds)
-        return None
     collector = StepCollector(thresholds)
     collector.install()
-    collector.watch_pauses(lambda seconds, where: metrics.gc_pause_seconds.labels(worker_id, where).observe(seconds))
-    engine.collector = collector
-    log.info("garbage collector: collections behind each step's forward at thresholds %s", thresholds)
+    return collector
+
+
+def tune_worker_gc(settings: WorkerSettings, engine, worker_id: str = "") -> StepCollector | None:
+    """The worker's garbage collector, set once it runs: rhymerl's engine collects behind
+    each step's forward (``worker_collector``, returned; every pause exported as
+    rhymerl:gc_pause_seconds, by where it ran), vLLM's at the thresholds, automatically."""
+    if not hasattr(engine, "collector"):  # vLLM's engine: its step is not ours to split
+        tune_gc(settings.gc_threshold_values())
+        return None
+    collector = worker_collector(settings)
+    if collector is not None:
+        collector.watch_pauses(lambda seconds, where: metrics.gc_pause_seconds.labels(worker_id, where).observe(seconds))
+        engine.collector = collector
+        log.info("garbage collector: collections behind each step's forward at thresholds %s",
+                 (collector.young, collector.middle, collector.old))
     return collector
 
 

@@ -72,32 +72,63 @@ def find_redis_server() -> str:
 
 
 class EmbeddedRedis:
-    """Starts ``redis-server`` without persistence; ``url`` is ready once started."""
+    """Starts ``redis-server`` without persistence; ``url`` is ready once started.
 
-    def __init__(self, port: int | None = None):
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+    ``unix=True`` listens on a Unix socket in its private directory and on no TCP port:
+    what a service's private Redis uses. A TCP port picked in a child process could be
+    one its parent has handed to a process that has not bound it yet (``free_port``
+    remembers only its own process's ports), which then fails with EADDRINUSE."""
+
+    def __init__(self, port: int | None = None, unix: bool = False):
         self._dir = tempfile.TemporaryDirectory(prefix="rhymerl-redis-")
+        self.unix = unix
+        self.port = 0 if unix else port or free_port()
+        self._fixed_port = port is not None
         self._proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+    @property
+    def socket_path(self) -> str:
+        return str(Path(self._dir.name) / "redis.sock")
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}?db=0" if self.unix else f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0, attempts: int = 3) -> "EmbeddedRedis":
+        """Starts it. On the first start, a TCP port taken meanwhile by another process
+        gets a fresh one (``attempts`` in all) unless the port was given; a restart
+        keeps its port."""
+        for attempt in range(attempts):
+            if self._start_once(timeout_s):
+                atexit.register(self.stop)
+                self._fixed_port = True  # a restart keeps the address its clients know
+                return self
+            if self.unix or self._fixed_port or attempt == attempts - 1:
+                break
+            self.port = free_port()
+        where = self.socket_path if self.unix else f"port {self.port}"
+        raise RuntimeError(f"redis-server did not start on {where}")
+
+    def _start_once(self, timeout_s: float) -> bool:
+        listen = (["--port", "0", "--unixsocket", self.socket_path, "--unixsocketperm", "700"] if self.unix
+                  else ["--port", str(self.port), "--bind", "127.0.0.1"])
         self._proc = subprocess.Popen(
-            [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", self._dir.name],
+            [find_redis_server(), *listen, "--save", "", "--appendonly", "no", "--dir", self._dir.name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        atexit.register(self.stop)
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}")
-                time.sleep(0.02)
-        client.close()
-        return self
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return True
+                except redis.ConnectionError:
+                    if self._proc.poll() is not None or time.monotonic() > deadline:
+                        self.stop()
+                        return False
+                    time.sleep(0.02)
+        finally:
+            client.close()
 
     def stop(self) -> None:
         if self._proc and self._proc.poll() is None:

@@ -105,7 +105,7 @@ async def start_history(settings: HistorySettings) -> tuple[Server, int, Callabl
     embedded = None
     url = settings.redis_url
     if not url:
-        embedded = await asyncio.to_thread(EmbeddedRedis().start)
+        embedded = await asyncio.to_thread(EmbeddedRedis(unix=True).start)
         url = embedded.url
     store = HistoryStore.from_url(url, settings.keys(), settings.num_epochs, settings.redis_timeout_s)
 

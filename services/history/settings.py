@@ -15,7 +15,7 @@ class HistorySettings(TLSSettings):
     host: str = Field("0.0.0.0", description="Interface the gRPC server binds.")
     port: int = Field(50052, ge=0, le=65535, description="gRPC port of HistoryService; 0 picks a free one.")
     metrics_port: int = Field(9092, ge=0, le=65535, description="Prometheus /metrics port; 0 turns the endpoint off.")
-    redis_url: str = Field("", description="redis://[user:password@]host:port/db; empty starts a private redis-server.")
+    redis_url: str = Field("", description="redis://[user:password@]host:port/db; empty starts a private redis-server on a Unix socket.")
     num_epochs: int = Field(4, ge=1, description="Epochs (K) kept per prompt; older ones are deleted on write.")
     ttl_seconds: int = Field(DEFAULT_TTL_SECONDS, ge=1, description="A prompt's keys expire this long after its last write.")
     key_prefix: str = Field(DEFAULT_PREFIX, description="Prefix of every Redis key (no braces: the hash tag is the prompt).")

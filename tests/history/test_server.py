@@ -194,6 +194,30 @@ async def test_readiness_follows_redis():
         redis_server.stop()
 
 
+def tcp_listen_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_a_tcp_embedded_redis_listens_on_its_port():
+    """Breaks if tcp_listen_ports cannot see a listening port (the check above would pass vacuously)."""
+    with EmbeddedRedis() as server:
+        assert tcp_listen_ports(server._proc.pid) == {server.port}
+
+
 def redis_children() -> set[int]:
     """Pids of redis-server processes whose parent is this test process."""
     pids = set()
@@ -210,7 +234,9 @@ async def test_empty_redis_url_starts_and_stops_a_private_redis():
     """Breaks if `rhymerl history` without a Redis URL does not work, or leaks a redis-server."""
     before = redis_children()
     async with history_service("") as address, HistoryClient(address) as client:
-        assert len(redis_children() - before) == 1
+        (private,) = redis_children() - before
+        # on no TCP port: a port picked here could be one a parent gave a later process
+        assert tcp_listen_ports(private) == set()
         assert await client.put_rollouts([("p", "s1", 0, 0, [1, 2])]) == 1
         assert [e.lengths.tolist() for e in (await client.get_history(["p"]))["p"]] == [[2]]
     assert redis_children() == before

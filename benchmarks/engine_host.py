@@ -22,10 +22,11 @@ the engine):
             the sampling rows, the verdicts
   commit    the rest of step(): postprocess, commit each sequence's tokens, finish,
             metrics
-  deferred  EngineMetrics.flush, where the measured tree has it: the last step's metric
-            exports, run after this step's forward is launched (on a GPU they overlap the
-            forward: the host does them while the device computes); a tree without it
-            exports inside commit. With ``--gc worker`` (the default), also the garbage
+  deferred  EngineMetrics.flush and BlockManager.hash_filled, where the measured tree has
+            them: the last step's metric exports and the hashing of the blocks its commit
+            filled, run after this step's forward is launched (on a GPU they overlap the
+            forward: the host does them while the device computes); a tree without them
+            does that work inside commit. With ``--gc worker`` (the default), also the garbage
             collections a worker's engine runs at the same point (its StepCollector,
             services/common/gc_tuning.py, where the measured tree has one: this process's
             collector is then set up as a worker's, start-up objects frozen and automatic
@@ -158,6 +159,8 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
     verifier_module.sample = timed("sample", verifier_module.sample)
     if hasattr(engine.metrics, "flush"):
         engine.metrics.flush = timed("deferred", engine.metrics.flush)
+    if hasattr(engine.block_manager, "hash_filled"):
+        engine.block_manager.hash_filled = timed("deferred", engine.block_manager.hash_filled)
     if WORKER_COLLECTOR is not None and hasattr(engine, "collector"):
         engine.collector = timed("deferred", WORKER_COLLECTOR)
     try:
@@ -296,8 +299,9 @@ def main() -> None:
             f"command: `{meta['command']}`",
             "accepted: the share of draft tokens accepted. Model: random, 1 layer, hidden 64 (the forward is negligible); ms per full-batch decode/verify "
             "step, mean over the steps of the fastest run. host = schedule + draft + prepare + verify + commit "
-            "(verify without the sampler, `sample`); deferred: the metric exports the engine runs after "
-            "launching the next forward (overlapped on a GPU; a tree without them exports inside commit), and "
+            "(verify without the sampler, `sample`); deferred: the metric exports and block hashing the engine "
+            "runs after launching the next forward (overlapped on a GPU; a tree without them does that inside "
+            "commit), and "
             f"with --gc worker the garbage collections a worker's engine runs there (this run: --gc {args.gc}). "
             "See the docstring of benchmarks/engine_host.py.",
             f"## This tree ({commit})\n\n" + markdown_table(rows, columns)]

@@ -10,6 +10,14 @@ block is its own fresh block, so no copy-on-write is ever needed.
 Freed blocks that carry a hash stay findable until reused (prefix cache); the free pool
 hands out unhashed blocks first, then the least recently freed hashed ones.
 
+A decode or verify step's filled blocks are hashed later (``commit_later``, then
+``hash_filled``): the engine hashes them after launching the next step's forward, while
+the device computes, instead of on the step's path. Whatever reads or drops the hashes
+first (an admission's ``cached_prefix``, ``free``, ``reset_prefix_cache``) hashes the
+waiting blocks before it, in the order they filled, so it sees what hashing at once
+would have shown it (or one more shared block: a free block of the same tokens taken
+for another sequence meanwhile no longer hides the newly filled one).
+
 Every change to a running sequence's table is also written to its row of ``tables``
 (input_batch.BlockTables): a sequence takes a row when admitted and gives it back when
 its blocks are freed, so the step's inputs gather block tables by row.
@@ -38,6 +46,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.num_hashed_blocks: dict[int, int] = {}  # seq_id -> leading blocks of its table already hashed
+        self._filled: dict[int, Sequence] = {}  # seq_id -> sequence whose filled blocks wait for hash_filled
         self.tables = BlockTables()  # the running sequences' tables, a row each (seq.row)
 
     # ------------------------------------------------------------------ queries
@@ -57,6 +66,8 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding seq's leading tokens' KV. At least one token is left to compute,
         because the last token's logits are needed to sample."""
+        if self._filled:
+            self.hash_filled()
         bs = self.block_size
         blocks: list[int] = []
         prev = 0
@@ -134,7 +145,21 @@ class BlockManager:
                 self.hash_to_block.setdefault(prev, block)
         self.num_hashed_blocks[seq.seq_id] = max(start, end)
 
+    def commit_later(self, seq: Sequence) -> None:
+        """``commit`` of seq at the next ``hash_filled`` (or before whatever reads the
+        hashes first), in the order of these calls."""
+        self._filled.setdefault(seq.seq_id, seq)
+
+    def hash_filled(self) -> None:
+        """The ``commit``s that ``commit_later`` put off, in order."""
+        if self._filled:
+            filled, self._filled = self._filled, {}
+            for seq in filled.values():
+                self.commit(seq)
+
     def free(self, seq: Sequence) -> None:
+        if self._filled:
+            self.hash_filled()
         for block in reversed(seq.block_table):
             self._release(block)
         if seq.row >= 0:
@@ -146,6 +171,7 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every hash: after a weight update the cached KV is stale."""
+        self.hash_filled()  # (blocks filled before the update: hashed, then forgotten, as at once)
         self.hash_to_block.clear()
         self.block_hashes = [None] * self.num_blocks
         self.block_tokens = [None] * self.num_blocks

@@ -170,6 +170,7 @@ class LLMEngine:
         outputs = self._step()
         if not self.scheduler.has_work():
             self.metrics.flush()  # idle: no next forward to export behind
+            self.block_manager.hash_filled()
             self.runner.steady = None  # (its finished sequences need not be kept)
         return outputs
 
@@ -181,10 +182,11 @@ class LLMEngine:
             return outputs
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
-        # The last step's metric exports, while the device computes this step's forward
-        # (on a GPU, nothing above has waited for it; the sampler's read below does), and
-        # the garbage collector's due collection.
+        # The last step's metric exports and block hashing, while the device computes this
+        # step's forward (on a GPU, nothing above has waited for it; the sampler's read
+        # below does), and the garbage collector's due collection.
         self.metrics.flush()
+        self.block_manager.hash_filled()
         if self.collector is not None:
             self.collector()
         sampling = batch.sampling_seqs()
@@ -244,8 +246,8 @@ class LLMEngine:
             if (len(own) >= seq.end_len or token in seq.stop_token_ids) and seq.ends_with(token):
                 outputs.append(self._finish(seq))  # (Sequence.append_token, inline)
                 continue
-            if now // bs != computed // bs:  # a block filled up: hash it (_commit_filled_block)
-                bm.commit(seq)
+            if now // bs != computed // bs:  # a block filled up: hash it later (_commit_filled_block)
+                bm.commit_later(seq)
         steady = runner.steady  # a decode layout (every sequence sampled): its next step's state
         if steady is not None and len(outputs) == num_outputs:
             steady.advance(1, token_array)
@@ -304,7 +306,7 @@ class LLMEngine:
             if num_draft and len(seq.block_table) * bs >= len(own) + bs:
                 bm.truncate(seq, len(own))  # drop the rejected drafts' blocks
             if seq.num_computed_tokens // bs != computed // bs:
-                bm.commit(seq)
+                bm.commit_later(seq)
         self._send_linear(v, request_ids, sent, len(seqs))
         if steady is not None and len(outputs) == num_outputs:  # the next step's state: each one's last token
             committed = v.num_accepted + 1
@@ -530,10 +532,11 @@ class LLMEngine:
         return num_emitted
 
     def _commit_filled_block(self, seq: Sequence, computed_before: int) -> None:
-        """Hash the sequence's blocks when this step's tokens filled one (else nothing to hash)."""
+        """Hash the sequence's blocks when this step's tokens filled one (else nothing to
+        hash): after the next step's forward is launched (``BlockManager.hash_filled``)."""
         bs = self.block_manager.block_size
         if seq.num_computed_tokens // bs != computed_before // bs:
-            self.block_manager.commit(seq)
+            self.block_manager.commit_later(seq)
 
     def _remove(self, seq: Sequence) -> None:
         self._verify_stats.drain(seq)  # (clears its slot's counts for the slot's next request)

@@ -152,3 +152,55 @@ def test_ref_counts_match_block_tables(ops):
 def test_rejects_empty_pool():
     with pytest.raises(ValueError):
         BlockManager(0, 16)
+
+
+def _hash_state(bm: BlockManager) -> tuple:
+    return dict(bm.hash_to_block), list(bm.block_hashes), list(bm.block_tokens), list(bm.num_hashed_blocks.values())
+
+
+def _filled_twins(later: bool) -> tuple[BlockManager, Sequence, Sequence]:
+    """Two sequences with the same tokens, each filling its first block in the same step,
+    committed at once or put off (``commit_later``)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, b = seq_of([1, 2, 3, 4, 5], "a"), seq_of([1, 2, 3, 4, 5], "b")
+    for s in (a, b):
+        admit(bm, s)
+    for s in (a, b):
+        s.num_computed_tokens = 4
+        (bm.commit_later if later else bm.commit)(s)
+    return bm, a, b
+
+
+def test_hashing_put_off_waits_for_hash_filled_then_equals_hashing_at_once():
+    """Breaks if commit_later hashes at once (nothing would be taken off the step's path),
+    or if hash_filled hashes in another order than the commits (the first filled block of
+    two with the same tokens is the one a later sibling shares)."""
+    at_once, a0, _ = _filled_twins(later=False)
+    bm, a, b = _filled_twins(later=True)
+    assert bm.hash_to_block == {} and bm.block_hashes[a.block_table[0]] is None
+    bm.hash_filled()
+    assert _hash_state(bm) == _hash_state(at_once)
+    assert bm.hash_to_block[bm.block_hashes[a.block_table[0]]] == a.block_table[0]  # a's, filled first
+
+
+@pytest.mark.parametrize("first", ["cached_prefix", "free", "reset_prefix_cache"])
+def test_reading_or_dropping_the_hashes_hashes_the_waiting_blocks_first(first):
+    """Breaks if an admission misses a block filled in the last step (its prompt KV
+    recomputed instead of shared), a freed sequence's filled blocks leave the prefix cache
+    unhashed, or a weight update leaves blocks of the old weights to be hashed after it."""
+    at_once, a0, b0 = _filled_twins(later=False)
+    bm, a, b = _filled_twins(later=True)
+    sibling = [1, 2, 3, 4, 9]
+    if first == "cached_prefix":
+        assert bm.cached_prefix(seq_of(sibling, "c")) == [a.block_table[0]]
+    elif first == "free":
+        bm.free(b)
+        at_once.free(b0)
+        assert bm.cached_prefix(seq_of(sibling, "c")) == [a.block_table[0]]
+    else:
+        bm.reset_prefix_cache()
+        at_once.reset_prefix_cache()
+        bm.commit(a)  # (a later step's commit: the old blocks stay forgotten)
+        at_once.commit(a0)
+        assert bm.cached_prefix(seq_of(sibling, "c")) == []
+    assert _hash_state(bm) == _hash_state(at_once)

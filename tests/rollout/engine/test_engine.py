@@ -644,3 +644,29 @@ def test_cuda_graphs_match_eager():
     assert engine.runner.graphs is not None and engine.runner.graphs.graphs
     for rid, out in plain.items():
         assert spec[rid].token_ids == out.token_ids
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_request_admitted_right_after_a_block_filled_shares_it(model, speculative):
+    """A decode's filled blocks are hashed after the next forward is launched
+    (BlockManager.commit_later); breaks if an admission in the very next step's schedule
+    misses them (a resumed chunk's generated tokens recomputed instead of shared), or if
+    the hashing put off is never done. Block size 4."""
+    prompt = prompt_of(6)
+    drafter = OracleDrafter({"r0": reference_generate(model, make_request(0, prompt, max_tokens=12,
+                                                                          max_new_tokens=12))[0]})
+    engine = new_engine(model, speculative=speculative, drafter=drafter if speculative else None)
+    engine.add_request(make_request(0, prompt, max_tokens=12, max_new_tokens=12))
+    seq = engine.seqs["r0"]
+    while seq.num_computed_tokens < 12:  # until the step whose commit fills the third block
+        engine.step()
+    assert seq.num_computed_tokens // 4 > engine.block_manager.num_hashed_blocks[seq.seq_id]  # not hashed yet
+    known = list(seq.token_ids)  # KV computed for all but the last (sampled, not fed yet)
+    assert len(known) - 1 == seq.num_computed_tokens
+    before = engine.metrics.counters.num_prompt_tokens
+    engine.add_request(make_request(1, known[:6], generated_token_ids=known[6:], max_tokens=14, max_new_tokens=2))
+    engine.step()  # admits r1 on r0's blocks
+    shared = (len(known) - 1) // 4 * 4
+    assert engine.metrics.counters.num_prompt_tokens - before == len(known) - shared
+    run_to_end(engine)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

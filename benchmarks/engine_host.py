@@ -44,7 +44,8 @@ Workloads at batch 1, 16, 64 and 256 (20-token prompts, 64 new tokens, greedy):
           earlier greedy output (mostly accepted), under a flat cost model so the budget
           never cuts them.
 With ``--before COMMIT`` the same measurement also runs on that commit's code (its
-files exported with ``git archive`` to a temporary directory, this script copied in):
+files exported with ``git archive`` to a temporary directory, this script copied in, the
+compiled kernels its sources have built there):
 the two trees alternate, one run each per round for ``--repeats`` rounds (a shared
 machine's load drifts; alternating makes the drift hit both), and the table shows both.
 
@@ -223,11 +224,34 @@ def measure_all(batches, new_tokens: int, draft_len: int, repeats: int) -> list[
     return rows
 
 
+# The compiled libraries a tree's `make install` builds for the engine's CPU path (kernels
+# it loads with ctypes): (source, build.py arguments, library). Build output is not in git.
+NATIVE_LIBS = (("kernels/native/attention.cpp", ["--target", "attention"], "kernels/native/libattention.so"),
+               ("kernels/native/gumbel.cpp", ["--target", "gumbel"], "kernels/native/libgumbel.so"))
+BUILD_SCRIPT = "services/rollout/drafter/native/build.py"
+
+
+def build_native(tree: Path) -> list[str]:
+    """Builds in ``tree`` (an export of a commit) the libraries of NATIVE_LIBS its sources
+    have, with its own build script, as its ``make install`` would: without them its
+    kernels would fall back to their PyTorch references and the tree would be measured
+    slower than it runs. Returns the libraries built."""
+    built = []
+    for source, args, lib in NATIVE_LIBS:
+        if (tree / source).exists() and (tree / BUILD_SCRIPT).exists():
+            subprocess.run([sys.executable, BUILD_SCRIPT, *args, "--force", "--out", lib], cwd=tree, check=True,
+                           stdout=subprocess.DEVNULL)
+            built.append(lib)
+    return built
+
+
 def run_before(commit: str, argv: list[str]) -> tuple[str, list[dict]]:
-    """This script's measurement on ``commit``'s code, in a temporary export of it."""
+    """This script's measurement on ``commit``'s code, in a temporary export of it (its
+    compiled kernels built: ``build_native``)."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "archive", commit], cwd=REPO, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        build_native(Path(tmp))
         shutil.copy(Path(__file__), Path(tmp) / "benchmarks" / "engine_host.py")
         out = Path(tmp) / "before.json"
         subprocess.run([sys.executable, "-m", "benchmarks.engine_host", *argv, "--json-only", str(out)],

@@ -87,6 +87,11 @@ class SteadyBatch:
     starts: np.ndarray  # [num_seqs] int64: the position of the token each sequence fed first
     epoch: int  # BlockTables.epoch when laid out
     next_starts: np.ndarray | None = None  # set by advance: the next step's starts
+    # starts + 1 where the layout has no drafts, made while the step was laid out: what
+    # advance(1, ...) sets next_starts to, without a numpy call after the forward (the
+    # first one there costs several microseconds on a CPU, its code evicted by the
+    # forward's and the sampler's)
+    plus_one: np.ndarray | None = None
     next_last: np.ndarray | None = None  # set by advance: each sequence's last token
     # What a next step of the same shape (the same query lengths; the block tables, staged
     # last, may change width) rewrites in place (``_restage_decode``), set where the step
@@ -116,7 +121,10 @@ class SteadyBatch:
     def advance(self, num_committed, last_tokens: np.ndarray) -> None:
         """Every sequence committed ``num_committed`` tokens (an array, or one count for
         all), the last of them ``last_tokens``; none ended its chunk."""
-        self.next_starts = self.starts + num_committed
+        if type(num_committed) is int and num_committed == 1 and self.plus_one is not None:  # a decode step
+            self.next_starts = self.plus_one
+        else:
+            self.next_starts = self.starts + num_committed
         self.next_last = last_tokens
 
 
@@ -398,7 +406,11 @@ def _restage_arrays(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
         a, b = int32.bounds(2)
         host[a:b] = tables.array[rows, :steady.width].reshape(-1)
     a, b = int32.bounds(0)
-    np.add(starts, 1 if draft_lens is None else steady.query_lens, out=host[a:b])
+    if draft_lens is None:
+        host[a:b] = steady.plus_one = starts + 1
+    else:
+        np.add(starts, steady.query_lens, out=host[a:b])
+        steady.plus_one = None
     int32.end_rewrite()
 
 
@@ -431,6 +443,7 @@ def _restage_scalars(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagi
     for i, end in enumerate(ends):
         host[lens_at + i] = end
     int32.end_rewrite()
+    steady.plus_one = np.array(ends, dtype=np.int64) if draft_lens is None else None
 
 
 def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
@@ -474,7 +487,8 @@ def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging
     steady = SteadyBatch(seqs, row_of_seq, slot_of_seq, start_of_seq, tables.epoch, draft_lens=draft_lens,
                          query_lens=None if draft_lens is None else query_lens, seq_of_token=seq_of_token,
                          offsets=offsets, width=width, tables_version=tables.version,
-                         generations=(int64.generation, int32.generation))
+                         generations=(int64.generation, int32.generation),
+                         plus_one=seq_lens if draft_lens is None else None)
     inputs = steady.inputs = StepInputs(input_ids=ids_t, positions=pos_t, metadata=md, sample_rows=rows_t,
                                         num_seqs=n, num_tokens=num_tokens, is_prefill=False, sampling=sampling,
                                         steady=steady)

@@ -22,9 +22,9 @@ the engine):
             the sampling rows, the verdicts
   commit    the rest of step(): postprocess, commit each sequence's tokens, finish,
             metrics
-  deferred  EngineMetrics.flush and BlockManager.hash_filled, where the measured tree has
-            them: the last step's metric exports and the hashing of the blocks its commit
-            filled, run after this step's forward is launched (on a GPU they overlap the
+  deferred  EngineMetrics.flush, BlockManager.hash_filled and VerifyStats.apply, where
+            the measured tree has them: the last step's metric exports, the hashing of the
+            blocks its commit filled and its verify counts summed by slot, run after this step's forward is launched (on a GPU they overlap the
             forward: the host does them while the device computes); a tree without them
             does that work inside commit. With ``--gc worker`` (the default), also the garbage
             collections a worker's engine runs at the same point (its StepCollector,
@@ -33,7 +33,7 @@ the engine):
             collections deferred; a tree without it collects wherever Python allocates, as
             its worker did). ``--gc cpython`` leaves CPython's collector as it is.
 "host" is schedule + draft + prepare + verify + commit (what the device waits for);
-"host + deferred" adds the deferred exports back; "without draft" leaves out the
+"host + deferred" adds the deferred work back; "without draft" leaves out the
 drafter's share (a dictionary lookup here, a real drafter's cost elsewhere). Only full-batch decode/verify
 steps count (no prefill, no sequence finished yet); each phase's figure is its mean
 over those steps, from the fastest of ``--repeats`` runs (by host time).
@@ -162,6 +162,8 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
         engine.metrics.flush = timed("deferred", engine.metrics.flush)
     if hasattr(engine.block_manager, "hash_filled"):
         engine.block_manager.hash_filled = timed("deferred", engine.block_manager.hash_filled)
+    if hasattr(getattr(engine, "_verify_stats", None), "apply"):
+        engine._verify_stats.apply = timed("deferred", engine._verify_stats.apply)
     if WORKER_COLLECTOR is not None and hasattr(engine, "collector"):
         engine.collector = timed("deferred", WORKER_COLLECTOR)
     try:
@@ -323,7 +325,7 @@ def main() -> None:
             f"command: `{meta['command']}`",
             "accepted: the share of draft tokens accepted. Model: random, 1 layer, hidden 64 (the forward is negligible); ms per full-batch decode/verify "
             "step, mean over the steps of the fastest run. host = schedule + draft + prepare + verify + commit "
-            "(verify without the sampler, `sample`); deferred: the metric exports and block hashing the engine "
+            "(verify without the sampler, `sample`); deferred: the metric exports, block hashing and verify counts the engine "
             "runs after launching the next forward (overlapped on a GPU; a tree without them does that inside "
             "commit), and "
             f"with --gc worker the garbage collections a worker's engine runs there (this run: --gc {args.gc}). "

@@ -171,6 +171,7 @@ class LLMEngine:
         if not self.scheduler.has_work():
             self.metrics.flush()  # idle: no next forward to export behind
             self.block_manager.hash_filled()
+            self._verify_stats.apply()
             self.runner.steady = None  # (its finished sequences need not be kept)
         return outputs
 
@@ -182,11 +183,12 @@ class LLMEngine:
             return outputs
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
-        # The last step's metric exports and block hashing, while the device computes this
-        # step's forward (on a GPU, nothing above has waited for it; the sampler's read
+        # The last step's metric exports, block hashing and verify counts, while the device
+        # computes this step's forward (on a GPU, nothing above has waited for it; the sampler's read
         # below does), and the garbage collector's due collection.
         self.metrics.flush()
         self.block_manager.hash_filled()
+        self._verify_stats.apply()
         if self.collector is not None:
             self.collector()
         sampling = batch.sampling_seqs()
@@ -274,7 +276,7 @@ class LLMEngine:
             slots, request_ids = steady.slots, steady.requests()[0]
         else:
             slots, request_ids = runner.sampling.row_slots_host[v.query_start[:-1]], [s.request_id for s in seqs]
-        self._verify_stats.record(slots, v.num_draft, v.num_accepted)
+        self._verify_stats.record_later(slots, v.num_draft, v.num_accepted)  # (summed behind the next forward)
         tokens, logprobs = v.token_ids, v.logprobs
         bm = self.block_manager
         bs = bm.block_size

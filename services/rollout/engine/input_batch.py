@@ -405,6 +405,20 @@ class VerifyStats:
 
     def __init__(self, slots: int = 256, positions: int = 8):
         self.table = np.zeros((slots, self.PER_POS + positions), dtype=np.int64)
+        self._held: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # record_later's, in order
+
+    def record_later(self, slots: np.ndarray, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+        """``record`` at the next ``apply`` (the engine's, after it launches the next
+        forward) or before the next ``drain``, whichever comes first; the arrays must not
+        change meanwhile."""
+        self._held.append((slots, num_draft, num_accepted))
+
+    def apply(self) -> None:
+        """The ``record`` calls that ``record_later`` held, in order."""
+        if self._held:
+            held, self._held = self._held, []
+            for args in held:
+                self.record(*args)
 
     def record(self, slots: np.ndarray, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
         """One step's verdicts: sequence i, in slot ``slots[i]`` (each slot at most once),
@@ -428,6 +442,8 @@ class VerifyStats:
     def drain(self, seq) -> None:
         """Adds the slot's totals into ``seq`` (as its record_verify calls would have) and
         clears the slot."""
+        if self._held:
+            self.apply()
         slot = seq.slot
         if not 0 <= slot < len(self.table) or not self.table[slot, self.STEPS]:
             return

@@ -707,11 +707,14 @@ def test_read_pair_reads_what_the_stacked_read_does(monkeypatch):
     assert len(reader._pairs) <= 3
 
 
-def test_verify_stats_sum_as_record_verify_does():
+@pytest.mark.parametrize("later", [False, True])
+def test_verify_stats_sum_as_record_verify_does(later):
     """``VerifyStats`` (a step's counts summed by slot in arrays, drained into the
     sequence) against ``Sequence.record_verify`` one verdict at a time: random steps of
     random sequences, some without a draft, slots past the table and drafts longer than
-    its positions (it grows), sequences drained part-way and their slots reused."""
+    its positions (it grows), sequences drained part-way and their slots reused. ``later``:
+    the steps' counts held (``record_later``, as the engine does) and applied now and then
+    (``apply``); a drain must apply them first."""
     rng = np.random.default_rng(3)
     stats = VerifyStats(slots=4, positions=2)
     seqs = {}  # slot -> (the sequence drained into, the one record_verify counts into)
@@ -719,7 +722,12 @@ def test_verify_stats_sum_as_record_verify_does():
         slots = rng.permutation(12)[:rng.integers(1, 12)]
         num_draft = rng.integers(0, 6, len(slots)) * (rng.random(len(slots)) < 0.8)
         num_accepted = rng.integers(0, num_draft + 1)
-        stats.record(slots, num_draft, num_accepted)
+        if later:
+            stats.record_later(slots, num_draft, num_accepted)
+            if rng.random() < 0.3:
+                stats.apply()
+        else:
+            stats.record(slots, num_draft, num_accepted)
         for slot, d, a in zip(slots.tolist(), num_draft.tolist(), num_accepted.tolist()):
             pair = seqs.setdefault(slot, (seq_of([1], f"d{slot}"), seq_of([1], f"w{slot}")))
             pair[0].slot = slot

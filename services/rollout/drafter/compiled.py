@@ -252,8 +252,13 @@ class CompiledDrafter:
         self._step = partial(lib.rhd_step, h)
         # rhd_commit's arguments go through a block bound once (one argument to convert, not eight)
         self._commit_block = np.zeros(7, dtype=np.int64)
+        self._block_words = memoryview(self._commit_block)  # (one word written without numpy's overhead)
         self._check(lib.rhd_bind_commit(h, self._commit_block.ctypes.data))
         self._commit_bound = partial(lib.rhd_commit_bound, h)
+        # one request's commit row (_commit_one) and the block pointing at it or at the columns
+        self._row_tokens = 0
+        self._make_row(64)
+        self._row_packs: dict[int, Struct] = {k: Struct(f"=4i{k}i") for k in range(65)}
 
     def _create(self, config: DrafterConfig):
         ci = (ctypes.c_int64 * 11)(
@@ -451,6 +456,11 @@ class CompiledDrafter:
             raise ValueError(f"num_draft: {min(num_draft)} is negative")
         if self._c_slots:
             self.flush()  # the calls staged before this one come first
+        if n == 1:
+            rc = self._commit_one(slots[0], num_draft[0], num_accepted[0], token_ids, num_tokens[0])
+            if rc < 0:
+                self._check(rc)
+            return
         cs, cd, ca, cn, toks = self._c_slots, self._c_drafts, self._c_accepted, self._c_counts, self._toks
         try:
             cs.extend(slots)
@@ -483,7 +493,39 @@ class CompiledDrafter:
         _COMMIT.pack_into(self._commit_block, 0, n, self._c_slots.buffer_info()[0], self._c_drafts.buffer_info()[0],
                           self._c_accepted.buffer_info()[0], self._c_counts.buffer_info()[0],
                           self._toks.buffer_info()[0], len(self._toks))
+        self._block_at_row = False
         return self._commit_bound()
+
+    def _commit_one(self, slot: int, num_draft: int, num_accepted: int, token_ids: Sequence[int],
+                    num_tokens: int) -> int:
+        """rhd_commit of one request's row (the tail's steps), through the bound block
+        pointed at a row kept for it (slot, draft, accepted, count, then the tokens): one
+        pack of the row and one word of the block, where the columns' path extends and
+        clears five arrays and packs the block's seven words. The core validates the row."""
+        k = len(token_ids)
+        if k > self._row_tokens:
+            self._make_row(k)
+        pack = self._row_packs.get(k) or self._row_packs.setdefault(k, Struct(f"=4i{k}i"))
+        try:
+            pack.pack_into(self._row, 0, slot, num_draft, num_accepted, num_tokens, *token_ids)
+        except (StructError, TypeError) as exc:  # a value no int32 holds
+            raise ValueError(f"commit_step: {exc} (counts in [-1, 2^31), token ids in [0, {MAX_TOKEN}])") from None
+        if not self._block_at_row:
+            self._point_at_row()
+        self._block_words[6] = k
+        return self._commit_bound()
+
+    def _make_row(self, num_tokens: int) -> None:
+        """The one-request row for up to `num_tokens` tokens (at least twice the last)."""
+        self._row_tokens = max(num_tokens, 2 * self._row_tokens)
+        self._row = np.zeros(4 + self._row_tokens, dtype=np.int32)
+        self._block_at_row = False
+
+    def _point_at_row(self) -> None:
+        """The bound block's columns at the one-request row (n = 1)."""
+        base = self._row.ctypes.data
+        _COMMIT.pack_into(self._commit_block, 0, 1, base, base + 4, base + 8, base + 12, base + 16, 0)
+        self._block_at_row = True
 
     def stop_request(self, request_id: str) -> None:
         """As HistoDrafter.stop_request (staged commits are applied first)."""

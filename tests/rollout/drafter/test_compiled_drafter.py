@@ -390,3 +390,33 @@ def test_the_cost_threshold_the_core_computes_is_the_reference_function_bit_for_
                 want = gain_threshold(model, num_seqs, draft_per_seq, gain_per_seq)
                 assert drafter.gain_threshold(num_seqs, draft_per_seq, gain_per_seq) == want, \
                     (round_, num_seqs, draft_per_seq)
+
+
+def test_one_requests_commits_through_its_row_agree_with_the_reference():
+    """A one-request commit_step goes through a row of its own (``_commit_one``: the bound
+    block pointed at it, its buffer grown past 64 tokens); mixed with the columns' path
+    (several requests) and staged calls, the drafts equal the Python reference's, and a
+    bad row (a negative or too large token, counts that disagree) applies nothing."""
+    history = [[5, 6, 7, 8, 9] * 30, [5, 6, 7, 1, 2, 3, 4] * 20]
+    drafters = [CompiledDrafter(DrafterConfig()), HistoDrafter(DrafterConfig())]
+    got = []
+    for d in drafters:
+        d.load_history("p", history)
+        d.start_request("a", "p", [3, 3])
+        d.start_request("b", "p", [3, 3], [5])
+        out = []
+        for tokens in ([5, 6], [7, 8, 9] * 40, [5], list(range(1, 130)), [6, 7]):
+            out.append(d.propose(["a"], [8]))
+            d.commit_step(["a"], [len(out[-1][0])], [0], tokens, [len(tokens)])
+            out.append(d.propose(["a", "b"], [8, 8]))
+            d.commit_step(["a", "b"], [0, 0], [0, 0], [5, 6, 7], [2, 1])
+            d.add_tokens("b", [8])  # (staged: applied before the next call)
+        if isinstance(d, CompiledDrafter):
+            before = d.propose(["a"], [8])
+            for bad in (([-1], [1]), ([2**31], [1]), ([3, 4], [1]), ([3], [-2])):
+                with pytest.raises(ValueError):
+                    d.commit_step(["a"], [0], [0], *bad)
+            assert d.propose(["a"], [8]) == before
+        out.append(d.propose(["a", "b"], [8, 8]))
+        got.append(out)
+    assert got[0] == got[1]

@@ -66,8 +66,7 @@ class BlockManager:
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding seq's leading tokens' KV. At least one token is left to compute,
         because the last token's logits are needed to sample."""
-        if self._filled:
-            self.hash_filled()
+        self.hash_filled()
         bs = self.block_size
         blocks: list[int] = []
         prev = 0
@@ -158,8 +157,7 @@ class BlockManager:
                 self.commit(seq)
 
     def free(self, seq: Sequence) -> None:
-        if self._filled:
-            self.hash_filled()
+        self.hash_filled()
         for block in reversed(seq.block_table):
             self._release(block)
         if seq.row >= 0:

@@ -169,9 +169,7 @@ class LLMEngine:
         """One scheduling + forward + verify iteration; returns the chunks that ended."""
         outputs = self._step()
         if not self.scheduler.has_work():
-            self.metrics.flush()  # idle: no next forward to export behind
-            self.block_manager.hash_filled()
-            self._verify_stats.apply()
+            self._deferred_work()  # idle: no next forward to do it behind
             self.runner.steady = None  # (its finished sequences need not be kept)
         return outputs
 
@@ -183,12 +181,10 @@ class LLMEngine:
             return outputs
         self._propose_drafts(batch)                                            # 2. draft
         logits = self.runner.run(batch.seqs)                                   # 3. forward
-        # The last step's metric exports, block hashing and verify counts, while the device
-        # computes this step's forward (on a GPU, nothing above has waited for it; the sampler's read
-        # below does), and the garbage collector's due collection.
-        self.metrics.flush()
-        self.block_manager.hash_filled()
-        self._verify_stats.apply()
+        # The last step's deferred work while the device computes this step's forward (on a
+        # GPU, nothing above has waited for it; the sampler's read below does), and the
+        # garbage collector's due collection.
+        self._deferred_work()
         if self.collector is not None:
             self.collector()
         sampling = batch.sampling_seqs()
@@ -220,6 +216,13 @@ class LLMEngine:
             self.metrics.on_tree_verdicts(verdicts, len(batch.seqs))
         self._record_step(batch, start, cost_start, num_prompt_tokens, num_draft_tokens, num_generated)
         return outputs
+
+    def _deferred_work(self) -> None:
+        """What the last step left for after the next forward's launch: its metric exports,
+        the hashing of the blocks it filled, its verify counts by slot."""
+        self.metrics.flush()
+        self.block_manager.hash_filled()
+        self._verify_stats.apply()
 
     def _plain_step(self, batch: ScheduledBatch, sampling: list[Sequence], logits, outputs: list[RequestOutput],
                     start: float, cost_start: float) -> list[RequestOutput]:

@@ -442,8 +442,7 @@ class VerifyStats:
     def drain(self, seq) -> None:
         """Adds the slot's totals into ``seq`` (as its record_verify calls would have) and
         clears the slot."""
-        if self._held:
-            self.apply()
+        self.apply()
         slot = seq.slot
         if not 0 <= slot < len(self.table) or not self.table[slot, self.STEPS]:
             return

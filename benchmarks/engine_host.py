@@ -152,8 +152,8 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
     # Other ways the engine verifies, where the measured tree has them: draftless steps
     # sampled without verdicts (sample_rows, or sample_arrays), decode-layout steps
     # accepted by array operations (verify_linear).
-    other = {name: getattr(engine_module, name) for name in ("sample_rows", "sample_arrays", "verify_linear")
-             if hasattr(engine_module, name)}
+    other = {name: getattr(engine_module, name) for name in ("sample_rows", "sample_arrays", "sample_later",
+                                                             "verify_linear") if hasattr(engine_module, name)}
     engine_module.verify = timed("verify_all", engine_module.verify)
     for name, fn in other.items():
         setattr(engine_module, name, timed("verify_all", fn))
@@ -164,6 +164,8 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
         engine.block_manager.hash_filled = timed("deferred", engine.block_manager.hash_filled)
     if hasattr(getattr(engine, "_verify_stats", None), "apply"):
         engine._verify_stats.apply = timed("deferred", engine._verify_stats.apply)
+    if hasattr(engine, "_resolve"):  # a step's tokens read and committed after the next forward's launch
+        engine._resolve = timed("resolve", engine._resolve)
     if WORKER_COLLECTOR is not None and hasattr(engine, "collector"):
         engine.collector = timed("deferred", WORKER_COLLECTOR)
     try:
@@ -185,7 +187,10 @@ def measure(model, batch: int, new_tokens: int, draft_len: int, continuations=No
                 parts = dict(schedule=s["schedule"], draft=s.get("draft", 0.0), prepare=s["prepare"],
                              forward=s["run"] - s["prepare"], verify=s["verify_all"] - s.get("sample", 0.0),
                              sample=s.get("sample", 0.0))
-                parts["deferred"] = s.get("deferred", 0.0)
+                # the last step's resolve: deferred where this step's forward fed its tokens
+                # (the overlap), the host's where it ran before this step's schedule
+                overlapped = getattr(engine.runner, "fed_device_tokens", False)
+                parts["deferred"] = s.get("deferred", 0.0) + (s.get("resolve", 0.0) if overlapped else 0.0)
                 parts["commit"] = (step_s - s["schedule"] - s.get("draft", 0.0) - s["run"] - s["verify_all"]
                                    - parts["deferred"])
                 for p in PHASES:

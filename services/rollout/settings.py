@@ -11,7 +11,7 @@ from services.common.security import TLSSettings
 
 
 # Settings of rhymerl's own engine that vLLM's never reads (refused with engine=vllm).
-VLLM_IGNORES = ("batch_invariant", "num_kv_blocks", "block_size", "measure_cost", "tree_drafts")
+VLLM_IGNORES = ("batch_invariant", "num_kv_blocks", "block_size", "measure_cost", "tree_drafts", "overlap")
 
 
 class WorkerSettings(TLSSettings):
@@ -53,6 +53,10 @@ class WorkerSettings(TLSSettings):
                            "whatever it is batched with, verified with, or where it resumes, and equal to the "
                            "trainer reference (services/rollout/engine/logprobs.py). Off: identical in "
                            "distribution only. Its cost: docs/sampling.md.")
+    overlap: bool = Field(
+        True, description="Steps without drafts launch their forward on the last step's tokens before reading "
+                          "them, and commit them while it runs (docs/architecture.md); off: each step reads its "
+                          "tokens before the next is laid out. The same samples either way.")
     measure_cost: bool = Field(
         True, description="Re-measure the forward cost curve from this worker's own step times; off: keep the "
                           "H100 table of docs/cost-model.md, so draft lengths do not depend on the machine's speed.")

@@ -13,6 +13,21 @@ thread. One step:
      a draft tree's accepted path has its KV moved into place first (engine/tree.py).
   6. finish: return a RequestOutput for each request whose chunk ended.
 The engine knows nothing about gRPC, history storage or other workers.
+
+Overlap (``overlap``, on by default; SGLang's overlap scheduler, vLLM's async
+scheduling). Without drafts, a step's tokens are not needed on the host to lay out the
+next step: its positions, KV slots and sampler rows follow from the lengths alone. So a
+step samples, queues the copy of its tokens to the host, and commits placeholders
+(``_leave``: each sequence one token longer, its blocks and counts advanced); the next
+step, when it is the same sequences decoding again (``_chains``), is scheduled and
+launched with its tokens fed from the device (``ModelRunner.run``'s ``fed``), and only
+then are the last step's tokens read and written in, its stop conditions applied and its
+chunks finished (``_resolve``) -- on a GPU while the device runs the forward. A sequence
+whose pending token ends it ran one row more in that forward, discarded. A step that
+cannot chain (an admission, a finish, a preemption to come, a chunk ending by length)
+reads the last step's tokens before its schedule, as without overlap. Drafting engines
+do not overlap: the next draft depends on the tokens. ``abort``, ``load_weights`` and
+``sync`` read a pending step's tokens first.
 """
 
 from __future__ import annotations
@@ -20,12 +35,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 import torch
 
 from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBatch
+from services.rollout.engine.step_inputs import SteadyBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
 from services.rollout.engine.drafter_protocol import Commits, Drafter, NullDrafter, commit_step
@@ -34,10 +51,10 @@ from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
 from services.rollout.engine.request import EngineRequest, RequestOutput
-from services.rollout.engine.sequence import Sequence
+from services.rollout.engine.sequence import Sequence, SequenceStatus
 from services.rollout.engine.tree import MAX_TREE_ROWS, check_tree, is_chain, kv_moves, prune, shape
-from services.rollout.engine.input_batch import VerifyStats
-from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_arrays, verify, verify_linear
+from services.rollout.engine.input_batch import PendingRead, VerifyStats
+from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_later, verify, verify_linear
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +64,39 @@ log = logging.getLogger(__name__)
 ARRAY_DRAFT_CHECKS_MIN = 8
 
 
+FINISHED = SequenceStatus.FINISHED
+# The token a sequence holds in place of one sampled but not read yet (a valid id: a layout
+# made before the read feeds it, and the forward takes the device's token instead)
+PLACEHOLDER = 0
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A step without drafts whose sampled tokens are not read yet (``LLMEngine._leave``)."""
+
+    batch: ScheduledBatch
+    seqs: list[Sequence]  # its sampling sequences, in row order, each holding a placeholder
+    tokens: torch.Tensor  # [rows] int64 on the device: what the next step feeds
+    read: PendingRead  # the tokens and logprobs, on their way to the host
+    start: float  # perf_counter and cost clock when the step began and ended
+    cost_start: float
+    end: float
+    cost_end: float
+    num_prompt_tokens: int
+    graphed: bool  # its forward replayed a CUDA graph
+    new_blocks: int  # KV blocks its sequences need for their next step
+    ends: bool  # some sequence's chunk ends with its pending token, whatever it is
+    skip_finished: bool  # some of seqs had finished already (the last step's resolve): no placeholder
+    steady: SteadyBatch | None  # its decode layout, advanced (its last tokens placeholders)
+
+
 class LLMEngine:
     def __init__(self, model, *, device="auto", max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  num_kv_blocks: int | None = None, block_size: int = 16, kv_cache_memory_fraction: float = 0.8,
                  drafter: Drafter | None = None, speculative: bool = True, max_draft_len: int = 16,
                  cost_model: CostModel | None = None, use_cuda_graphs: bool = True, worker_id: str = "local",
-                 max_model_len: int | None = None, batch_invariant: bool = False, measure_cost: bool = True):
+                 max_model_len: int | None = None, batch_invariant: bool = False, measure_cost: bool = True,
+                 overlap: bool = True):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_draft_len < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_draft_len >= 0")
         self.device = _resolve_device(device, model)
@@ -103,6 +147,10 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._aborted: list[RequestOutput] = []
         self._verify_stats = VerifyStats(max_num_seqs, max(self.max_draft_len, 1))  # linear steps' counts by slot
+        # Without drafts, a step's tokens are read during the next step, behind its forward
+        # (the module docstring); the step whose tokens wait, None when none does.
+        self.overlap = overlap
+        self._pending: PendingStep | None = None
 
     @classmethod
     def from_path(cls, model_path, device="auto", dtype=None, **kw) -> "LLMEngine":
@@ -129,6 +177,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its partial chunk comes back from the next step() as 'abort'."""
+        self._resolve_pending(self._aborted)  # (its placeholder token is no output; it may have finished)
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
@@ -141,11 +190,18 @@ class LLMEngine:
         """Drops every request (after a failed step), freeing their KV blocks; no outputs
         come back for them. Returns their ids."""
         dropped = list(self.seqs)
+        self._pending = None
         for seq in list(self.seqs.values()):
             self._remove(seq)
         self._aborted = []
         self.metrics.flush()
         return dropped
+
+    def sync(self) -> None:
+        """Reads the tokens of the step that left them on the device now (``overlap``), so
+        that every sequence's tokens and counts are whole between steps; the chunks this
+        ends come back from the next ``step()``. Steps never need it (for inspection)."""
+        self._resolve_pending(self._aborted)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
@@ -161,6 +217,7 @@ class LLMEngine:
 
     def load_weights(self, state_dict) -> None:
         """In-place weight update between steps, while idle; cached prefixes become stale."""
+        self._resolve_pending(self._aborted)  # (sampled by the old weights)
         self.model.load_weights(state_dict)
         self.block_manager.reset_prefix_cache()
 
@@ -176,11 +233,17 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         start, cost_start = time.perf_counter(), self._cost_clock()
         outputs, self._aborted = self._aborted, []
+        previous, self._pending = self._pending, None  # the last step, its tokens not read yet
+        if previous is not None and not self._chains(previous):
+            self._resolve(previous, outputs)
+            previous = None
         batch = self.scheduler.schedule(self.runner.steady)                    # 1. schedule
         if not batch.seqs:
             return outputs
+        if previous is not None and batch.seqs != previous.seqs:  # (_chains promised they are)
+            raise RuntimeError("an overlapped step's batch is not the last step's sequences")
         self._propose_drafts(batch)                                            # 2. draft
-        logits = self.runner.run(batch.seqs)                                   # 3. forward
+        logits = self.runner.run(batch.seqs, None if previous is None else previous.tokens)  # 3. forward
         # The last step's deferred work while the device computes this step's forward (on a
         # GPU, nothing above has waited for it; the sampler's read below does), and the
         # garbage collector's due collection.
@@ -189,7 +252,7 @@ class LLMEngine:
             self.collector()
         sampling = batch.sampling_seqs()
         if not self.speculative:
-            return self._plain_step(batch, sampling, logits, outputs, start, cost_start)  # 4-6 no drafts
+            return self._plain_step(batch, sampling, logits, outputs, start, cost_start, previous)  # 4-6 no drafts
         if self.runner.sampling is not None and self.runner.sampling.fed_host is not None:
             return self._linear_step(batch, logits, outputs, start, cost_start)  # 4-6 decodes, linear drafts
         verdicts = verify(logits, sampling, self.runner.sampling, self.runner.params,
@@ -225,39 +288,104 @@ class LLMEngine:
         self._verify_stats.apply()
 
     def _plain_step(self, batch: ScheduledBatch, sampling: list[Sequence], logits, outputs: list[RequestOutput],
-                    start: float, cost_start: float) -> list[RequestOutput]:
-        """Verify, commit and finish when nothing drafts: each sampling sequence appends
-        its one sampled token (what ``_commit`` does with a draftless verdict, without
-        making verdicts: this runs for every sequence of every step)."""
+                    start: float, cost_start: float, previous: PendingStep | None) -> list[RequestOutput]:
+        """Sample, commit and finish when nothing drafts. The sampler's tokens stay on the
+        device: each sampling sequence takes a placeholder token at once (``_leave``), and
+        the tokens are read into them later (``_resolve``): with ``overlap``, during the
+        next step, once its forward is launched on them (the module docstring), else now.
+        ``previous``: the last step, whose tokens this step's forward fed, resolved here
+        while that forward runs."""
+        if not sampling:  # prefill chunks alone: nothing sampled
+            self.scheduler.advance_prefills(batch, time.perf_counter() - start)
+            self._record_step(batch, start, cost_start, batch.num_prompt_tokens(), 0, 0)
+            return outputs
         runner = self.runner
-        tokens = logprobs = token_array = ()
-        if sampling:
-            token_array, logprob_array = sample_arrays(logits, runner.sampling, runner.params, runner.reader)
-            tokens, logprobs = token_array.tolist(), logprob_array.tolist()
+        tokens, read = sample_later(logits, runner.sampling, runner.params, runner.reader)
+        finished = previous is not None and self._resolve(previous, outputs)
+        pending = self._leave(batch, sampling, tokens, read, start, cost_start, finished)
+        if self.overlap:
+            self._pending = pending
+        else:
+            self._resolve(pending, outputs)
+        return outputs
+
+    def _leave(self, batch: ScheduledBatch, sampling: list[Sequence], tokens: torch.Tensor, read: PendingRead,
+               start: float, cost_start: float, finished: bool) -> PendingStep:
+        """The step's commit before its tokens are known: each sampling sequence (but those
+        the last step's resolve finished, where ``finished``) appends a placeholder token
+        and logprob and advances as ``Sequence.append_token`` would, its filled blocks
+        queued for hashing (they hold fed tokens only); ``_resolve`` writes the tokens in
+        and applies the stop conditions. Returns the step, pending."""
         elapsed = time.perf_counter() - start
         self.scheduler.advance_prefills(batch, elapsed)  # (postprocess; the loop charges the others)
-        num_prompt_tokens = batch.num_prompt_tokens()
+        num_prompt_tokens = batch.num_prompt_tokens()  # (before the loop clears the counts)
         bm = self.block_manager
         bs = bm.block_size
-        num_outputs = len(outputs)
-        for seq, token, logprob in zip(sampling, tokens, logprobs):
+        new_blocks = 0
+        ends = False
+        for seq in sampling:
+            if finished and seq.status is FINISHED:
+                continue
             seq.busy_s += elapsed
             computed = seq.num_computed_tokens
             seq.num_computed_tokens = now = computed + seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             own = seq.token_ids
-            own.append(token)
-            seq.out_logprobs.append(logprob)
-            if (len(own) >= seq.end_len or token in seq.stop_token_ids) and seq.ends_with(token):
-                outputs.append(self._finish(seq))  # (Sequence.append_token, inline)
-                continue
+            own.append(PLACEHOLDER)
+            seq.out_logprobs.append(0.0)
+            ends |= len(own) >= seq.end_len  # its chunk ends with this token, whatever it is
             if now // bs != computed // bs:  # a block filled up: hash it later (_commit_filled_block)
                 bm.commit_later(seq)
-        steady = runner.steady  # a decode layout (every sequence sampled): its next step's state
-        if steady is not None and len(outputs) == num_outputs:
-            steady.advance(1, token_array)
-        self._record_step(batch, start, cost_start, num_prompt_tokens, 0, len(sampling))
-        return outputs
+                new_blocks += len(own) > len(seq.block_table) * bs  # the next step feeds into a new block
+        steady = self.runner.steady  # a decode layout (every sequence sampled): its next step's state
+        if steady is not None and not finished:
+            steady.advance(1, steady.placeholders())
+        return PendingStep(batch, sampling, tokens, read, start, cost_start, time.perf_counter(), self._cost_clock(),
+                           num_prompt_tokens, self.runner.last_graphed, new_blocks, ends, finished, steady)
+
+    def _resolve(self, p: PendingStep, outputs: list[RequestOutput]) -> bool:
+        """Reads a pending step's tokens (the step's one wait for the device) into its
+        sequences' placeholders, finishing those whose chunk ends with theirs, and records
+        the step. Returns whether any finished."""
+        token_array, logprob_array = p.read.result()
+        num_outputs = len(outputs)
+        num_generated = 0
+        skip = p.skip_finished
+        for seq, token, logprob in zip(p.seqs, token_array.tolist(), logprob_array.tolist()):
+            if skip and seq.status is FINISHED:
+                continue
+            num_generated += 1
+            own = seq.token_ids
+            own[-1] = token
+            seq.out_logprobs[-1] = logprob
+            if (len(own) >= seq.end_len or token in seq.stop_token_ids) and seq.ends_with(token):
+                outputs.append(self._finish(seq))  # (Sequence.append_token, inline)
+        steady = p.steady
+        if steady is not None and steady.next_last is not None and steady.next_last is steady.placeholders():
+            steady.next_last = token_array  # (not consumed by an overlapped step: a next layout reads them)
+        self._record_step(p.batch, p.start, p.cost_start, p.num_prompt_tokens, 0, num_generated,
+                          ended=(p.end, p.cost_end, p.graphed))
+        return len(outputs) > num_outputs
+
+    def _chains(self, p: PendingStep) -> bool:
+        """Whether the next step can be launched on ``p``'s tokens before they are read:
+        it is ``p``'s sequences again, every one decoding its pending token, as the
+        scheduler will make it -- the running sequences are exactly ``p``'s, in order
+        (none finished or was admitted since, no prefill in flight), none ends its chunk
+        with its pending token, nothing waits that could be admitted, the token budget
+        holds them all, and the free blocks do for those that need a new one (no
+        preemption)."""
+        s = self.scheduler
+        return (not p.ends and s.running == p.seqs and len(p.seqs) <= s.max_num_batched_tokens
+                and (not s.waiting or len(s.running) >= s.max_num_seqs)
+                and p.new_blocks <= self.block_manager.num_free_blocks)
+
+    def _resolve_pending(self, outputs: list[RequestOutput]) -> None:
+        """The pending step resolved now (before an abort, a weight load, a step that
+        cannot be overlapped)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._resolve(pending, outputs)
 
     def _linear_step(self, batch: ScheduledBatch, logits, outputs: list[RequestOutput], start: float,
                      cost_start: float) -> list[RequestOutput]:
@@ -356,13 +484,16 @@ class LLMEngine:
         return output
 
     def _record_step(self, batch: ScheduledBatch, start: float, cost_start: float, num_prompt_tokens: int,
-                     num_draft_tokens: int, num_generated: int) -> None:
+                     num_draft_tokens: int, num_generated: int, ended: tuple[float, float, bool] | None = None
+                     ) -> None:
+        """The step's metrics and its cost; ``ended``: (time, cost clock, whether graphed)
+        where the step was done before now (a pending step, recorded when resolved)."""
         kind = "prefill" if num_prompt_tokens else ("verify" if num_draft_tokens else "decode")
-        step_s = time.perf_counter() - start
-        self.cost_model.observe(batch.num_tokens + num_draft_tokens, (self._cost_clock() - cost_start) * 1e3)
+        end, cost_end, graphed = ended or (time.perf_counter(), self._cost_clock(), self.runner.last_graphed)
+        self.cost_model.observe(batch.num_tokens + num_draft_tokens, (cost_end - cost_start) * 1e3)
         self.metrics.counters.num_preemptions += batch.num_preempted
-        self.metrics.on_step(kind, step_s, num_prompt_tokens, num_generated, self.num_running(),
-                             self.num_waiting(), self.kv_cache_usage(), self.runner.last_graphed)
+        self.metrics.on_step(kind, end - start, num_prompt_tokens, num_generated, self.num_running(),
+                             self.num_waiting(), self.kv_cache_usage(), graphed)
 
     # ------------------------------------------------------------------ step parts
     def _held_to_flat_part(self) -> bool:

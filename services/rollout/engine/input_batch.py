@@ -279,6 +279,10 @@ class HostReader:
     def __init__(self):
         self._buf: torch.Tensor | None = None
         self._pairs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # read_pair_later's pinned buffers by (length, turn): tokens, logprobs, the event
+        # recorded after their copies
+        self._later: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
+        self._turn = 0
 
     def read_pair(self, a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
         """``read`` of ``torch.stack((a.double(), b.double()))`` ([2, n]: two 1-d tensors of
@@ -297,6 +301,31 @@ class HostReader:
         second.copy_(b)
         return self.read(both)
 
+    def read_pair_later(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> "PendingRead":
+        """A step's sampled tokens (int64) and logprobs (float32) read without waiting: on
+        CUDA, each copied into a pinned buffer, non-blocking, behind the work that makes
+        them, an event recorded after the copies; ``PendingRead.result`` then waits for
+        those copies alone, not for what was queued after them (the next step's
+        forward). On the CPU they are the host's already (kept, not copied). The pinned
+        buffers are used by turns: a pending read stays valid through the next call (a
+        step's read is taken during the next step, after that step's own call)."""
+        if tokens.device.type != "cuda":
+            return PendingRead(tokens, logprobs, None)
+        self._turn ^= 1
+        key = tokens.shape[0], self._turn
+        entry = self._later.get(key)
+        if entry is None:
+            if len(self._later) >= self.MAX_PAIRS:
+                self._later = {}
+            n = tokens.shape[0]
+            entry = self._later[key] = (torch.empty(n, dtype=torch.int64, pin_memory=True),
+                                        torch.empty(n, dtype=torch.float32, pin_memory=True), torch.cuda.Event())
+        host_tokens, host_logprobs, event = entry
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_logprobs.copy_(logprobs, non_blocking=True)
+        event.record()
+        return PendingRead(host_tokens, host_logprobs, event)
+
     def read(self, t: torch.Tensor) -> np.ndarray:
         if t.device.type != "cuda":
             return t.numpy()
@@ -306,6 +335,23 @@ class HostReader:
         out = self._buf[:n]
         out.copy_(t.reshape(-1))  # waits for the step's work, then copies
         return out.numpy().reshape(t.shape)
+
+
+class PendingRead:
+    """A read of a step's tokens and logprobs queued by ``HostReader.read_pair_later``."""
+
+    __slots__ = ("_tokens", "_logprobs", "_event")
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, event):
+        self._tokens, self._logprobs, self._event = tokens, logprobs, event
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens (int64) and logprobs (float32), valid until the reader's second next
+        read_pair_later: on CUDA, once their copies have landed (the step's one wait for
+        the device)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tokens.numpy(), self._logprobs.numpy()
 
 
 class BlockTables:

@@ -62,6 +62,7 @@ class ModelRunner:
         self.steady: SteadyBatch | None = None
         self._keeps_steady = not tree_drafts
         self.last_graphed = False  # whether the last run replayed a CUDA graph (else eager)
+        self.fed_device_tokens = False  # whether the last run fed the step before's tokens from the device
         self.graphs: CUDAGraphs | None = None
         if use_cuda_graphs and device.type == "cuda":
             self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype, tree_drafts)
@@ -87,8 +88,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ 2-3. forward + logits
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:  # [num_sample_rows, vocab] float32
+    def run(self, seqs: list[Sequence], fed: torch.Tensor | None = None) -> torch.Tensor:  # [rows, vocab] float32
+        """``fed``: the tokens the first ``len(fed)`` rows feed, on the device (the last
+        step's samples, not read yet: the engine's overlapped decode, engine.py), in place
+        of the values the layout took from the sequences (placeholders)."""
         inputs = self.prepare(seqs)
+        self.fed_device_tokens = fed is not None
+        if fed is not None:
+            inputs.input_ids[:fed.shape[0]].copy_(fed)  # (queued after the layout's own copy)
         self.sampling = inputs.sampling
         hidden = None
         if self.graphs is not None:  # the bucket refuses steps a graph cannot hold (long prefills)

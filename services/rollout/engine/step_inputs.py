@@ -108,6 +108,7 @@ class SteadyBatch:
     generations: tuple[int, int] = (-1, -1)  # the staging buffers' generations after this step's stage
     # (each sequence's request id, stop tokens and Sequence.end_len: ``requests``)
     _requests: tuple[list[str], list[frozenset[int]], np.ndarray] | None = None
+    _placeholders: np.ndarray | None = None  # (``placeholders``)
 
     def requests(self) -> tuple[list[str], list[frozenset[int]], np.ndarray]:
         """Each sequence's request id, stop tokens and chunk end (``Sequence.end_len``, an
@@ -117,6 +118,14 @@ class SteadyBatch:
             self._requests = ([s.request_id for s in seqs], [s.stop_token_ids for s in seqs],
                               np.array([s.end_len for s in seqs], dtype=np.int64))
         return self._requests
+
+    def placeholders(self) -> np.ndarray:
+        """The last tokens of a step whose tokens are not read yet (``LLMEngine._leave``):
+        zeros, the placeholder, one per sequence (made once); a layout from them is fed the
+        device's tokens instead (``ModelRunner.run``'s ``fed``)."""
+        if self._placeholders is None:
+            self._placeholders = np.zeros(len(self.seqs), dtype=np.int64)
+        return self._placeholders
 
     def advance(self, num_committed, last_tokens: np.ndarray) -> None:
         """Every sequence committed ``num_committed`` tokens (an array, or one count for

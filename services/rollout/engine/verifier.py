@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from kernels.sampling import sample
-from services.rollout.engine.input_batch import HostReader, SlotParams, StepSampling
+from services.rollout.engine.input_batch import HostReader, PendingRead, SlotParams, StepSampling
 from services.rollout.engine.sequence import Sequence
 from services.rollout.engine.step_inputs import sampling_of
 from services.rollout.engine.tree import accept_path
@@ -74,15 +74,29 @@ def sample_arrays(logits: torch.Tensor, sampling: StepSampling, params: SlotPara
                   reader: HostReader | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``sample_rows`` as numpy arrays: int64 tokens and float64 logprobs, one per row (the
     logprobs valid until the reader's next read)."""
+    host = (reader or HostReader()).read_pair(*_sample(logits, sampling, params))  # [2, num_rows] float64
+    return host[0].astype(np.int64), host[1]
+
+
+def sample_later(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
+                 reader: HostReader) -> tuple[torch.Tensor, PendingRead]:
+    """``sample_arrays`` without waiting for the device: the sampled tokens where they
+    are ([num_rows] int64, what a next step can feed without reading them) and their read
+    to the host with their logprobs, queued (``PendingRead.result``: [2, num_rows] float64,
+    tokens then logprobs)."""
+    tokens, logprobs = _sample(logits, sampling, params)
+    return tokens, reader.read_pair_later(tokens, logprobs)
+
+
+def _sample(logits: torch.Tensor, sampling: StepSampling, params: SlotParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler over the step's rows, on the device: tokens and their logprobs."""
     assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
     temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
     if sampling.masked is not None:
         logits = logits.clone()
         logits.view(-1).index_fill_(0, sampling.masked, float("-inf"))
-    tokens, logprobs = sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
-                              truncation=truncation)
-    host = (reader or HostReader()).read_pair(tokens, logprobs)  # [2, num_rows] float64
-    return host[0].astype(np.int64), host[1]
+    return sample(logits, temperature, top_k, top_p, min_p, seeds, sampling.positions, processed,
+                  truncation=truncation)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,9 @@ a GPU, by what they are, whatever the device:
     indexing with a boolean tensor, or with a Python list, which is copied to the device).
 Calls made inside ``pause()`` are not counted: the runner pauses it around the model's
 forward, whose CPU kernels are the references of Triton kernels replayed in a CUDA graph
-on a GPU (a graph cannot hold a host read at all).
+on a GPU (a graph cannot hold a host read at all). A queued read's ``PendingRead.result``
+(input_batch.py) counts as one read, whatever it calls: on a GPU it is one wait for an
+event, then views of pinned host memory.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import traceback
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from services.rollout.engine.input_batch import PendingRead
 
 _READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 _SHAPE_FROM_VALUES = {"nonzero", "masked_select", "unique", "argwhere"}
@@ -96,9 +100,18 @@ def counting_host_reads(engine):
         with reads.pause():
             return forward(*args, **kw)
 
+    result = PendingRead.result
+
+    def one_read(pending):
+        reads.calls.append(("PendingRead.result", _caller()))
+        with reads.pause():
+            return result(pending)
+
     model.forward = paused_forward
+    PendingRead.result = one_read
     try:
         with reads:
             yield reads
     finally:
         del model.forward  # the class's method again
+        PendingRead.result = result

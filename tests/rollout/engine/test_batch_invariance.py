@@ -62,14 +62,17 @@ class Recorder:
     prefills (more than one = its KV was recomputed)."""
 
     def __init__(self, engine: LLMEngine):
-        self.rows: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        # (the probe, its length, its draft, the row's logits): keyed by context once the
+        # run is over (``rows``), since a step without drafts reads its last token after
+        # the next forward (the engine's overlap: until then the token is a placeholder)
+        self._seen: list[tuple[object, int, list[int], torch.Tensor]] = []
         self.draft_rows = 0
         self.prefills = 0
         self._run = engine.runner.run
         engine.runner.run = self.run
 
-    def run(self, seqs):
-        logits = self._run(seqs)
+    def run(self, seqs, fed=None):
+        logits = self._run(seqs, fed)
         row = 0
         for seq in seqs:
             if seq.request_id == "probe" and seq.num_computed_tokens == 0:
@@ -78,11 +81,18 @@ class Recorder:
                 continue  # a prefill chunk: no row samples
             for j in range(1 + len(seq.draft_token_ids)):
                 if seq.request_id == "probe":
-                    context = tuple(seq.token_ids + seq.draft_token_ids[:j])
-                    self.rows.setdefault(context, []).append(logits[row].clone())
+                    self._seen.append((seq, seq.num_tokens, seq.draft_token_ids[:j], logits[row].clone()))
                     self.draft_rows += j > 0
                 row += 1
         return logits
+
+    @property
+    def rows(self) -> dict[tuple[int, ...], list[torch.Tensor]]:
+        """Every logits row computed for the probe, by the context it predicts from."""
+        rows: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for seq, length, draft, logits in self._seen:
+            rows.setdefault(tuple(seq.token_ids[:length] + draft), []).append(logits)
+        return rows
 
 
 class TrueContinuationDrafter:

@@ -473,18 +473,20 @@ def test_the_steady_schedule_equals_the_per_sequence_pass_through_random_lifecyc
         running = engines[1].scheduler.running
         aborted = rng.choice(running).request_id if running and 0.15 <= event < 0.2 else None
         steps = {}
+        found = set()  # (an abort may find the request finished by its pending token: alike in both)
         for threshold, e in engines.items():
             monkeypatch.setattr(batch_scheduler, "STEADY_SCHEDULE_MIN", threshold)
             for req in joining:
                 e.add_request(req)
             if aborted is not None:
-                assert e.abort(aborted)
+                found.add(e.abort(aborted))
             schedule = e.scheduler.schedule
             e.scheduler.schedule = lambda *args, _s=schedule, _k=threshold, _steps=steps: _steps.setdefault(
                 _k, _s(*args))
             for out in e.step():
                 outputs[threshold][out.request_id] = out
             del e.scheduler.schedule
+        assert len(found) <= 1
         fast, walk = steps.get(1), steps.get(10**9)
         assert (fast is None) == (walk is None)
         if fast is not None:
@@ -812,7 +814,7 @@ def test_metric_exports_wait_for_the_next_forward_and_flush_when_idle(model):
     engine = _engine_with(model, mixed_requests()[:3], speculative=False, worker_id="deferred-test")
     generated = m.generation_tokens.labels("deferred-test")
     order = []
-    for obj, name in ((engine.runner, "run"), (engine.metrics, "flush"), (engine_module, "sample_arrays")):
+    for obj, name in ((engine.runner, "run"), (engine.metrics, "flush"), (engine_module, "sample_later")):
         real = getattr(obj, name)
 
         def spy(*args, _real=real, _name=name, **kw):
@@ -824,10 +826,13 @@ def test_metric_exports_wait_for_the_next_forward_and_flush_when_idle(model):
     while engine.has_unfinished():
         engine.step()
         exported.append((generated._value.get(), engine.metrics.counters.num_generation_tokens))
-    assert order[:3] == ["run", "flush", "sample_arrays"]
-    # while busy, the series lag the counters by exactly the last step
-    for (value, _), (_, counted_before) in zip(exported[1:-1], exported[:-2]):
-        assert value == counted_before
+    assert order[:3] == ["run", "flush", "sample_later"]
+    # while busy, the series lag the counters by at most the last step (a step's counts are
+    # taken when its tokens are read: behind the next forward, or before the next step's
+    # schedule where that step cannot be overlapped, whose exports then include them)
+    for (value, counted), (_, counted_before) in zip(exported[1:-1], exported[:-2]):
+        assert value in (counted_before, counted)
+    assert any(value < counted for value, counted in exported[:-1])
     assert exported[-1][0] == exported[-1][1] == engine.metrics.counters.num_generation_tokens > 0
     steps = sum(m.engine_step_seconds.labels("deferred-test", k)._sum.get() > 0 for k in ("prefill", "decode"))
     assert steps == 2

@@ -170,7 +170,7 @@ def test_kv_after_tree_steps_is_that_of_plain_decoding(model, batch_invariant):
     plain_out = plain_outputs(model, [req], **kw)
     drafter = TreeOracleDrafter({"r0": plain_out["r0"].token_ids}, 3, true_last=True)
     engine = _engine_with(model, [req], drafter=drafter, max_draft_len=6, **kw)
-    plain = _engine_with(model, [req], speculative=False, **kw)
+    plain = _engine_with(model, [req], speculative=False, overlap=False, **kw)  # (read mid-run)
     moved = 0
     while "r0" in engine.seqs:
         engine.step()

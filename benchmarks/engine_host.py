@@ -26,7 +26,12 @@ the engine):
             the measured tree has them: the last step's metric exports, the hashing of the
             blocks its commit filled and its verify counts summed by slot, run after this step's forward is launched (on a GPU they overlap the
             forward: the host does them while the device computes); a tree without them
-            does that work inside commit. With ``--gc worker`` (the default), also the garbage
+            does that work inside commit. On a step launched on the last step's tokens
+            straight from the device (the overlapped decode without drafts, engine.py, where
+            the measured tree has it), also that last step's read and commit
+            (``LLMEngine._resolve``), which the host does while the forward runs; where the
+            step could not be overlapped, the resolve before its schedule stays in commit.
+            With ``--gc worker`` (the default), also the garbage
             collections a worker's engine runs at the same point (its StepCollector,
             services/common/gc_tuning.py, where the measured tree has one: this process's
             collector is then set up as a worker's, start-up objects frozen and automatic
@@ -332,7 +337,8 @@ def main() -> None:
             "step, mean over the steps of the fastest run. host = schedule + draft + prepare + verify + commit "
             "(verify without the sampler, `sample`); deferred: the metric exports, block hashing and verify counts the engine "
             "runs after launching the next forward (overlapped on a GPU; a tree without them does that inside "
-            "commit), and "
+            "commit), on steps launched on the last step's tokens from the device (the overlapped decode, where "
+            "the tree has it) that last step's read and commit (`LLMEngine._resolve`), and "
             f"with --gc worker the garbage collections a worker's engine runs there (this run: --gc {args.gc}). "
             "See the docstring of benchmarks/engine_host.py.",
             f"## This tree ({commit})\n\n" + markdown_table(rows, columns)]

@@ -145,6 +145,8 @@ class LLMEngine:
         # StepCollector; the worker installs one); None: CPython collects where it allocates.
         self.collector = None
         self.seqs: dict[str, Sequence] = {}
+        # what the next step() returns first: aborted chunks, and chunks that a pending step's
+        # tokens ended when read outside a step (abort, load_weights, sync)
         self._aborted: list[RequestOutput] = []
         self._verify_stats = VerifyStats(max_num_seqs, max(self.max_draft_len, 1))  # linear steps' counts by slot
         # Without drafts, a step's tokens are read during the next step, behind its forward

@@ -187,6 +187,37 @@ def test_decode_and_verify_steps_synchronise_once(device):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_overlapped_decode_samples_what_reading_at_once_does(device, dtype):
+    """Steps without drafts launched on the last step's tokens straight from the device
+    (CUDA-graph replays fed by a device copy, the tokens read behind the next forward
+    through pinned buffers used by turns, engine.py's overlap): bit for bit the samples of
+    the engine that reads each step's tokens before the next (batch-invariant kernels),
+    with stop tokens found one step late and a second wave joining mid-run."""
+    model, _ = models(dtype)
+    reqs = requests(truncation=True)
+    reqs = [dataclasses.replace(r, stop_token_ids=frozenset({5, 11, 17}), ignore_eos=False) if i % 2 else r
+            for i, r in enumerate(reqs)]
+    late = {6: reqs[6:]}
+    kw = dict(speculative=False, batch_invariant=True)
+    plain = run_to_end(engine(model, device, reqs[:6], overlap=False, **kw), late=dict(late))
+    want = outputs(plain)
+    e = engine(model, device, reqs[:6], overlap=True, **kw)
+    fed = []
+    run = e.runner.run
+
+    def spied(seqs, tokens=None):
+        fed.append(tokens is not None)
+        return run(seqs, tokens)
+
+    e.runner.run = spied
+    got = run_to_end(e, late=dict(late))
+    assert outputs(got) == want
+    assert [o.finish_reason for o in got.values()] == [plain[rid].finish_reason for rid in got]
+    assert sum(fed) >= 10 and any(o.finish_reason == "stop" for o in plain.values())
+    graph_replays(e, device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_kv_cache_under_pressure(device, dtype):
     """Too few KV blocks for the batch: sequences are preempted and recomputed, with and
     without drafts, and every sample still equals the unconstrained run's; every block is

@@ -65,7 +65,7 @@ class ModelRunner:
         self.fed_device_tokens = False  # whether the last run fed the step before's tokens from the device
         self.graphs: CUDAGraphs | None = None
         if use_cuda_graphs and device.type == "cuda":
-            self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, cfg.hidden_size, dtype, tree_drafts)
+            self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, tree_drafts)
             with torch.inference_mode():
                 self.graphs.capture_all()
 
@@ -97,16 +97,19 @@ class ModelRunner:
         if fed is not None:
             inputs.input_ids[:fed.shape[0]].copy_(fed)  # (queued after the layout's own copy)
         self.sampling = inputs.sampling
-        hidden = None
+        logits = None
         if self.graphs is not None:  # the bucket refuses steps a graph cannot hold (long prefills)
-            hidden = self.graphs.replay(inputs)
-        self.last_graphed = hidden is not None
-        if hidden is None:
-            self.attn.metadata = inputs.metadata
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.attn)  # [num_tokens, hidden]
-        if inputs.sample_rows.numel() == 0:
+            logits = self.graphs.replay(inputs)  # [num_tokens, vocab]: every row's, the LM head in the graph
+        self.last_graphed = logits is not None
+        num_rows = inputs.sample_rows.numel()
+        if logits is not None:
+            # every row samples (a decode layout: the rows in order) or the sampling rows of them
+            return logits if num_rows == inputs.num_tokens else logits[inputs.sample_rows]
+        self.attn.metadata = inputs.metadata
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.attn)  # [num_tokens, hidden]
+        if num_rows == 0:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(hidden[inputs.sample_rows], self.attn.batch_invariant).float()
+        return self.model.compute_logits(hidden[inputs.sample_rows], self.attn.batch_invariant)
 
     @torch.inference_mode()
     def move_kv(self, src_slots: list[int], dst_slots: list[int]) -> None:
@@ -134,8 +137,7 @@ class CUDAGraphs:
     like a linear one (a tree of n nodes feeds n + 1 tokens, as an n-token draft does).
     """
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_draft_len: int, hidden_size: int,
-                 dtype: torch.dtype, tree_drafts: bool = False):
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_draft_len: int, tree_drafts: bool = False):
         self.runner = runner
         self.seq_buckets = [b for b in GRAPH_SEQ_BUCKETS if b < max_num_seqs] + [min(max_num_seqs, 256)]
         # No step feeds more than every sequence's last token plus a full draft.
@@ -150,7 +152,8 @@ class CUDAGraphs:
         self.block_tables = torch.zeros(max_seqs, runner.max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev)
-        self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=dev)
+        # the LM head runs inside the graph: its logits, every row's (float32)
+        self.logits = torch.zeros(max_tokens, runner.model.config.vocab_size, dtype=torch.float32, device=dev)
         self.tree_mask = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev) if tree_drafts else None
         self.graphs: dict[tuple[int, int, int], Callable[[], None]] = {}  # bucket -> replay
         self._keep_alive: list = []  # the captured torch.cuda.CUDAGraph objects
@@ -174,7 +177,7 @@ class CUDAGraphs:
         seqs = self.seq_buckets[bisect.bisect_left(self.seq_buckets, min(tokens, self.seq_buckets[-1]))]
         return seqs, tokens, self.max_verify_query_len
 
-    def replay(self, inputs: StepInputs) -> torch.Tensor | None:  # [num_tokens, hidden] or None: run eagerly
+    def replay(self, inputs: StepInputs) -> torch.Tensor | None:  # [num_tokens, vocab] or None: run eagerly
         md = inputs.metadata
         key = self.bucket(inputs.num_seqs, inputs.num_tokens, md.max_query_len)
         if key is None or self.failed or (md.tree_mask is not None and self.tree_mask is None):
@@ -199,7 +202,7 @@ class CUDAGraphs:
                 self.tree_mask[:num_tokens].copy_(md.tree_mask)
         self.graphs[key]()
         self.num_replays += 1
-        return self.hidden[:num_tokens]
+        return self.logits[:num_tokens]
 
     def _capture(self, seq_bucket: int, token_bucket: int, max_query_len: int) -> bool:
         runner = self.runner
@@ -215,7 +218,8 @@ class CUDAGraphs:
 
         def forward() -> None:
             runner.attn.metadata = md
-            self.hidden[:token_bucket] = runner.model.forward(ids, positions, runner.attn)
+            hidden = runner.model.forward(ids, positions, runner.attn)
+            self.logits[:token_bucket] = runner.model.compute_logits(hidden, runner.attn.batch_invariant)
 
         try:
             replay = self._record(forward)
@@ -249,6 +253,7 @@ class CUDAGraphs:
         self._keep_alive.append(graph)
         return graph.replay
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every decode bucket and, when drafts are verified, every verify bucket up
         front (largest first, so the pool is sized once): a capture costs a forward and more,

@@ -548,8 +548,7 @@ def test_graph_buffers_and_padding_match_eager(model):
     query_lens = set()
     for drafter in (None, OracleDrafter({rid: o.token_ids for rid, o in plain.items()}, wrong_every=3)):
         engine = new_engine(model, drafter=drafter, speculative=drafter is not None, max_num_seqs=8)
-        graphs = engine.runner.graphs = EagerGraphs(engine.runner, 8, engine.max_draft_len, CONFIG.hidden_size,
-                                                    torch.float32)
+        graphs = engine.runner.graphs = EagerGraphs(engine.runner, 8, engine.max_draft_len)
         graphs.capture_all()
         captured = set(graphs.graphs)
         for r in reqs:
@@ -573,7 +572,7 @@ def _with_eager_graphs(engine: LLMEngine, max_num_seqs: int) -> list[tuple[int, 
     """Gives the engine EagerGraphs (captured up front) and returns the list each forward
     appends to: (tokens fed, longest query, whether it replayed a graph)."""
     runner = engine.runner
-    runner.graphs = EagerGraphs(runner, max_num_seqs, engine.max_draft_len, CONFIG.hidden_size, torch.float32)
+    runner.graphs = EagerGraphs(runner, max_num_seqs, engine.max_draft_len)
     runner.graphs.capture_all()
     forwards, prepare, run = [], runner.prepare, runner.run
     shapes = []

@@ -210,8 +210,7 @@ def test_tree_steps_replay_the_verify_graphs(model):
     plain = plain_outputs(model, reqs)
     drafter = TreeOracleDrafter({rid: o.token_ids for rid, o in plain.items()}, 21)
     engine = new_engine(model, drafter=drafter, max_num_seqs=8)
-    graphs = engine.runner.graphs = EagerGraphs(engine.runner, 8, engine.max_draft_len, CONFIG.hidden_size,
-                                                torch.float32, tree_drafts=True)
+    graphs = engine.runner.graphs = EagerGraphs(engine.runner, 8, engine.max_draft_len, tree_drafts=True)
     graphs.capture_all()
     captured = set(graphs.graphs)
     replays = []

@@ -123,16 +123,28 @@ def _sync(device: str) -> None:
 def cuda_synchronisations(step: Callable[[], object]) -> int:
     """How many times one call of ``step`` makes the host wait for the GPU, as
     ``torch.cuda.set_sync_debug_mode("warn")`` reports them (each blocking copy, ``.item()``,
-    ``.tolist()``, explicit synchronize, ...)."""
+    ``.tolist()``, explicit synchronize, ...), plus the waits for a queued read of a step's
+    tokens (``PendingRead.result``: an event's synchronize, which the debug mode does not
+    report)."""
+    from services.rollout.engine.input_batch import PendingRead
+
+    result, waits = PendingRead.result, []
+
+    def counted(pending):
+        waits.append(pending)
+        return result(pending)
+
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
+        PendingRead.result = counted
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+            PendingRead.result = result
+    return sum("synchroniz" in str(w.message) for w in caught) + len(waits)
 
 
 def floor_dims(config: ModelConfig) -> tuple[int, ...]:

@@ -244,7 +244,8 @@ class LLMEngine:
             return outputs
         if previous is not None and batch.seqs != previous.seqs:  # (_chains promised they are)
             raise RuntimeError("an overlapped step's batch is not the last step's sequences")
-        self._propose_drafts(batch)                                            # 2. draft
+        if self.max_draft_len:
+            self._propose_drafts(batch)                                        # 2. draft
         logits = self.runner.run(batch.seqs, None if previous is None else previous.tokens)  # 3. forward
         # The last step's deferred work while the device computes this step's forward (on a
         # GPU, nothing above has waited for it; the sampler's read below does), and the
@@ -319,8 +320,10 @@ class LLMEngine:
         queued for hashing (they hold fed tokens only); ``_resolve`` writes the tokens in
         and applies the stop conditions. Returns the step, pending."""
         elapsed = time.perf_counter() - start
-        self.scheduler.advance_prefills(batch, elapsed)  # (postprocess; the loop charges the others)
-        num_prompt_tokens = batch.num_prompt_tokens()  # (before the loop clears the counts)
+        num_prompt_tokens = 0
+        if batch.num_decodes < len(batch.seqs):  # prefill chunks (a steady batch has none)
+            self.scheduler.advance_prefills(batch, elapsed)  # (postprocess; the loop charges the others)
+            num_prompt_tokens = batch.num_prompt_tokens()  # (before the loop clears the counts)
         bm = self.block_manager
         bs = bm.block_size
         new_blocks = 0
@@ -512,9 +515,7 @@ class LLMEngine:
 
     def _propose_drafts(self, batch: ScheduledBatch) -> None:
         """Give each decoding sequence a draft within the cost model's budget (the token
-        budget alone where ``_held_to_flat_part`` says no) and free KV."""
-        if self.max_draft_len == 0:
-            return
+        budget alone where ``_held_to_flat_part`` says no) and free KV (drafting engines)."""
         decodes = batch.decode_seqs
         if self._undrafted:
             decodes = [s for s in decodes if s.request_id not in self._undrafted]

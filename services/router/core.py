@@ -317,6 +317,11 @@ class Router:
                 log.info("shard %s at %s joined (capacity %d, version %d)", shard_id, info.address, info.capacity,
                          info.policy_version)
             else:
+                if (info.policy_version < shard.info.policy_version
+                        and time.monotonic() - shard.updated_at < CATCH_UP_GRACE_S):
+                    # it took a weight update its key does not show yet (rewritten within a
+                    # second): the version it answered with stands
+                    info = replace(info, policy_version=shard.info.policy_version)
                 shard.info = info
         for shard_id in [s for s in self.shards if s not in found]:
             self._remove(self.shards[shard_id], "its registry key expired")

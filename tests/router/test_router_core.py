@@ -15,6 +15,7 @@ from rhymerl.types import event_samples
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.common.ids import sample_seed
+from services.router import core as router_core
 from services.router.core import Router, duplicates_dropped, shards_caught_up, step_seed_of
 from services.router.registry import ShardAnnouncer, ShardDirectory, ShardInfo
 from services.router.server import RouterServicer
@@ -271,6 +272,27 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
                 rollout_pb2.SampleReward(prompt_id="p9", sample_index=0, reward=1.0)]))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert err.value.details().startswith("rewards[1].prompt_id")
+
+
+@run_async
+async def test_a_registry_key_that_does_not_show_a_push_yet_does_not_take_its_version_back():
+    """A shard's registry key shows a weight update within a second; a scan in between
+    (the old version in the key) must not put the shard, nor the router's stats, back
+    on the old version (CI saw the router's GetStats answer 0 right after a push that
+    every shard had taken). Past the grace, the key is believed again (a restarted
+    shard serving older weights is caught up, not hidden)."""
+    a, b = ScriptedShard("a"), ScriptedShard("b")
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            assert (await stub.PushWeights(weight_chunks(1, b"weights"))).version == 1
+            fleet.router.update_shards(dict(fleet.infos))  # the keys still say version 0
+            assert [s.info.policy_version for s in fleet.router.shards.values()] == [1, 1]
+            assert (await stub.GetStats(rollout_pb2.GetStatsRequest())).policy_version == 1
+            for shard in fleet.router.shards.values():
+                shard.updated_at -= router_core.CATCH_UP_GRACE_S
+            fleet.router.update_shards(dict(fleet.infos))
+            assert [s.info.policy_version for s in fleet.router.shards.values()] == [0, 0]
 
 
 @run_async

@@ -78,12 +78,10 @@ class PendingStep:
     seqs: list[Sequence]  # its sampling sequences, in row order, each holding a placeholder
     tokens: torch.Tensor  # [rows] int64 on the device: what the next step feeds
     read: PendingRead  # the tokens and logprobs, on their way to the host
-    start: float  # perf_counter and cost clock when the step began and ended
+    start: float  # perf_counter and cost clock when the step began
     cost_start: float
-    end: float
-    cost_end: float
+    ended: tuple[float, float, bool]  # when it ended (both clocks), whether its forward replayed a CUDA graph
     num_prompt_tokens: int
-    graphed: bool  # its forward replayed a CUDA graph
     new_blocks: int  # KV blocks its sequences need for their next step
     ends: bool  # some sequence's chunk ends with its pending token, whatever it is
     skip_finished: bool  # some of seqs had finished already (the last step's resolve): no placeholder
@@ -345,8 +343,9 @@ class LLMEngine:
         steady = self.runner.steady  # a decode layout (every sequence sampled): its next step's state
         if steady is not None and not finished:
             steady.advance(1, steady.placeholders())
-        return PendingStep(batch, sampling, tokens, read, start, cost_start, time.perf_counter(), self._cost_clock(),
-                           num_prompt_tokens, self.runner.last_graphed, new_blocks, ends, finished, steady)
+        ended = time.perf_counter(), self._cost_clock(), self.runner.last_graphed
+        return PendingStep(batch, sampling, tokens, read, start, cost_start, ended, num_prompt_tokens, new_blocks,
+                           ends, finished, steady)
 
     def _resolve(self, p: PendingStep, outputs: list[RequestOutput]) -> bool:
         """Reads a pending step's tokens (the step's one wait for the device) into its
@@ -366,10 +365,9 @@ class LLMEngine:
             if (len(own) >= seq.end_len or token in seq.stop_token_ids) and seq.ends_with(token):
                 outputs.append(self._finish(seq))  # (Sequence.append_token, inline)
         steady = p.steady
-        if steady is not None and steady.next_last is not None and steady.next_last is steady.placeholders():
+        if steady is not None and steady.next_last is steady.placeholders():
             steady.next_last = token_array  # (not consumed by an overlapped step: a next layout reads them)
-        self._record_step(p.batch, p.start, p.cost_start, p.num_prompt_tokens, 0, num_generated,
-                          ended=(p.end, p.cost_end, p.graphed))
+        self._record_step(p.batch, p.start, p.cost_start, p.num_prompt_tokens, 0, num_generated, p.ended)
         return len(outputs) > num_outputs
 
     def _chains(self, p: PendingStep) -> bool:

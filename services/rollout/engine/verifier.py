@@ -82,8 +82,8 @@ def sample_later(logits: torch.Tensor, sampling: StepSampling, params: SlotParam
                  reader: HostReader) -> tuple[torch.Tensor, PendingRead]:
     """``sample_arrays`` without waiting for the device: the sampled tokens where they
     are ([num_rows] int64, what a next step can feed without reading them) and their read
-    to the host with their logprobs, queued (``PendingRead.result``: [2, num_rows] float64,
-    tokens then logprobs)."""
+    to the host with their logprobs, queued (``PendingRead.result``: the int64 tokens and
+    float32 logprobs as numpy arrays)."""
     tokens, logprobs = _sample(logits, sampling, params)
     return tokens, reader.read_pair_later(tokens, logprobs)
 

@@ -36,7 +36,8 @@ def build_engine(settings: WorkerSettings, worker_id: str):
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
         block_size=settings.block_size, drafter=drafter, speculative=settings.speculative,
         max_draft_len=settings.max_draft_len, worker_id=worker_id, batch_invariant=settings.batch_invariant,
-        measure_cost=settings.measure_cost, overlap=settings.overlap)
+        measure_cost=settings.measure_cost, overlap=settings.overlap,
+        deferred_cost_per_step=settings.feed_tokens_per_step)
     # The drafter prices draft tokens on the engine's own cost model (its measured curve),
     # which exists only once the engine has sized it for the loaded model.
     drafter.config = dataclasses.replace(drafter.config, cost_model=engine.cost_model)

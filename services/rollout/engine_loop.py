@@ -1,9 +1,13 @@
 """Runs the engine's step loop in its own thread and bridges it to asyncio.
 
 The engine is single-threaded and knows nothing of gRPC; the servicer knows
-nothing of batching. Commands (add, abort, call-when-idle) go to the thread
-through a queue and are applied between steps; each finished chunk comes back
-to the caller's asyncio queue.
+nothing of batching. Commands (add, abort, call, call-when-idle, deferred call) go to
+the thread through a queue and are applied between steps; each finished chunk comes
+back to the caller's asyncio queue. A deferred call (``call_deferred``: work no step
+waits for, the drafter's feed) runs at once if the engine has nothing to do, else where
+it delays no forward: handed to the engine's ``defer`` (behind the next forward's
+launch, paced by its cost), or, for an engine without one (vLLM's), between steps,
+paced the same way.
 
 A failed engine step must not fail every request that shared the batch with the
 one that broke it (a "poison" request). The loop drops the batch and re-runs it
@@ -16,6 +20,7 @@ about 2 log2(batch) chunk runs for one poison request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -25,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common import metrics
+from services.rollout.engine.deferred import DeferredCalls
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +51,10 @@ class ItemFailed:
 
 
 class EngineLoop:
-    def __init__(self, engine, worker_id: str, loop: asyncio.AbstractEventLoop):
+    """``deferred_cost_per_step``: for an engine without ``defer``, the cost of deferred
+    calls run between two steps (an engine with it paces them itself)."""
+
+    def __init__(self, engine, worker_id: str, loop: asyncio.AbstractEventLoop, deferred_cost_per_step: int = 2048):
         self.engine = engine
         self.worker_id = worker_id
         self._loop = loop
@@ -56,6 +65,10 @@ class EngineLoop:
         self._suspects: deque[list[tuple]] = deque()  # (request, sink) groups to re-run alone
         self._isolating = False               # a suspect group is in the engine
         self._idle_calls: list[tuple[Callable, asyncio.Future]] = []
+        # deferred calls for an engine without ``defer``: run between steps, paced
+        self._between = DeferredCalls()
+        self._between_cost = deferred_cost_per_step
+        self._defer = getattr(engine, "defer", None)
         self._wakeup = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
@@ -89,6 +102,17 @@ class EngineLoop:
         self._send(("call", fn, future))
         return await future
 
+    def call_deferred(self, fn: Callable[[], Any], cost: int = 0) -> asyncio.Future:
+        """Runs ``fn`` in the engine thread where it delays no step (the module
+        docstring), ``cost`` its share of a step's budget (for the drafter's feed, its
+        tokens). Sent now, in order with the other commands; returns the future of its
+        result (never awaited by a step)."""
+        if cost < 0:
+            raise ValueError(f"cost: {cost} is negative")
+        future = self._loop.create_future()
+        self._send(("deferred", fn, future, cost))
+        return future
+
     @property
     def num_in_flight(self) -> int:
         return len(self._sinks) + len(self._held) + sum(map(len, self._suspects))
@@ -109,6 +133,8 @@ class EngineLoop:
                 self._run_next_suspects()
             else:
                 self._isolating = False  # the last suspect group is done
+                if self._between:
+                    self._between.run()  # (left by a step that failed)
                 if self._idle_calls:
                     self._run_idle_calls()
                 elif self._held:
@@ -138,6 +164,17 @@ class EngineLoop:
                 self._idle_calls.append((command[1], command[2]))
             elif kind == "call":
                 self._resolve(command[2], command[1])
+            elif kind == "deferred":
+                self._deferred(*command[1:])
+
+    def _deferred(self, fn: Callable[[], Any], future: asyncio.Future, cost: int) -> None:
+        call = functools.partial(self._resolve, future, fn)
+        if not self.engine.has_unfinished():
+            call()  # nothing to delay
+        elif self._defer is not None:
+            self._defer(call, cost)
+        else:
+            self._between.add(call, cost)
 
     def _add(self, request, sink: asyncio.Queue) -> None:
         try:
@@ -172,6 +209,8 @@ class EngineLoop:
             self._isolate(exc)
             return
         self._deliver(outputs)
+        if self._between:
+            self._between.run(self._between_cost if self.engine.has_unfinished() else None)
 
     def _isolate(self, exc: Exception) -> None:
         """Drops the failed batch; a lone request gets the error, a larger batch is

@@ -8,14 +8,19 @@ every prompt's responses (one task family shares phrasing). Two feeds:
    to any prompt (GetRecentResponses): what the other workers produced, which the
    scheduler stored as their samples finished.
 A response is added once, whichever feed brings it first (keyed by prompt, step, sample).
-The drafter runs on the engine thread, so responses reach it through `EngineLoop.call`.
+The drafter runs on the engine thread, so responses reach it through
+`EngineLoop.call_deferred`, in chunks of at most `chunk_tokens` tokens (a longer response
+is a chunk alone): at once while the engine has no work, else behind its forwards, a few
+chunks a step (`LLMEngine.defer`: the inserts cost about a microsecond a token, and a
+step's stream is up to 131,072 tokens). Nothing waits for them: a step's items go to the
+engine as soon as the stream is read, and its first drafts see whatever has landed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
+from functools import partial
 
 log = logging.getLogger(__name__)
 _MAX_KEYS = 1 << 16  # responses remembered as already added
@@ -29,18 +34,24 @@ class GlobalFeed:
         drafter: the engine's drafter; it must have `add_global_responses`.
         history: a HistoryClient, or None (then only the worker's own samples).
         max_responses, max_tokens: how much of the stream to read at each step start.
+        chunk_tokens: the most tokens handed to the drafter in one call (the engine
+            paces the calls by their tokens).
     """
 
-    def __init__(self, loop, drafter, history=None, max_responses: int = 512, max_tokens: int = 131072):
+    def __init__(self, loop, drafter, history=None, max_responses: int = 512, max_tokens: int = 131072,
+                 chunk_tokens: int = 1024):
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens: {chunk_tokens} < 1")
         self.loop = loop
         self.drafter = drafter
         self.history = history
         self.max_responses = max_responses
         self.max_tokens = max_tokens
+        self.chunk_tokens = chunk_tokens
         self._seen: OrderedDict[tuple[str, str, int], None] = OrderedDict()
         self._steps: OrderedDict[str, None] = OrderedDict()
-        self._tasks: set[asyncio.Task] = set()
         self.num_added = 0
+        self.num_pending = 0  # responses handed to the engine thread, not in the index yet
 
     def _is_new(self, key: tuple[str, str, int]) -> bool:
         if key in self._seen:
@@ -51,15 +62,14 @@ class GlobalFeed:
         return True
 
     def finished(self, prompt_id: str, step_id: str, sample_index: int, token_ids: list[int]) -> None:
-        """A sample finished on this worker; adds it without waiting (between two steps)."""
+        """A sample finished on this worker; adds it without waiting."""
         if not token_ids or not self._is_new((prompt_id, step_id, sample_index)):
             return
-        task = asyncio.get_running_loop().create_task(self._add([token_ids]))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._add([token_ids])
 
     async def step_started(self, step_ids: set[str]) -> None:
-        """Reads the history stream once per new step id (a failed read only costs drafts)."""
+        """Reads the history stream once per new step id (a failed read only costs drafts)
+        and hands its new responses over, without waiting for them to land."""
         new = [s for s in step_ids if s not in self._steps]
         if not new or self.history is None or self.max_responses <= 0:
             return
@@ -75,11 +85,40 @@ class GlobalFeed:
         fresh = [r.token_ids for r in reversed(recent)  # oldest first: the newest stay longest
                  if len(r.token_ids) and self._is_new((r.prompt_id, r.step_id, r.sample_index))]
         if fresh:
-            await self._add(fresh)
+            self._add(fresh)
 
-    async def _add(self, responses: list) -> None:
-        try:
-            await self.loop.call(lambda: self.drafter.add_global_responses(responses))
-            self.num_added += len(responses)
-        except Exception:  # noqa: BLE001 - a drafter bug costs drafts, never samples
-            log.exception("adding %d responses to the global draft index failed", len(responses))
+    def _add(self, responses: list) -> None:
+        """Hands ``responses`` (oldest first) to the drafter in chunks (the module
+        docstring); each is counted, or its failure logged, when it lands."""
+        for chunk, num_tokens in chunks(responses, self.chunk_tokens):
+            future = self.loop.call_deferred(partial(self.drafter.add_global_responses, chunk), num_tokens)
+            self.num_pending += len(chunk)
+            future.add_done_callback(partial(self._landed, len(chunk)))
+
+    def _landed(self, num_responses: int, future) -> None:
+        self.num_pending -= num_responses
+        if future.cancelled():
+            return
+        if future.exception() is not None:  # a drafter bug costs drafts, never samples
+            log.error("adding %d responses to the global draft index failed", num_responses,
+                      exc_info=future.exception())
+            return
+        self.num_added += num_responses
+
+
+def chunks(responses: list, most: int) -> list[tuple[list, int]]:
+    """``responses`` in order, cut into runs of at most ``most`` tokens (a longer
+    response alone), each with its token count."""
+    out: list[tuple[list, int]] = []
+    run: list = []
+    tokens = 0
+    for r in responses:
+        n = len(r)
+        if run and tokens + n > most:
+            out.append((run, tokens))
+            run, tokens = [], 0
+        run.append(r)
+        tokens += n
+    if run:
+        out.append((run, tokens))
+    return out

@@ -290,12 +290,12 @@ async def start_worker(settings: WorkerSettings, engine=None):
         from services.history.client import HistoryClient
 
         history = HistoryClient(settings.history_address, tls=settings.tls())
-    loop = EngineLoop(engine, worker_id, asyncio.get_running_loop())
+    loop = EngineLoop(engine, worker_id, asyncio.get_running_loop(), settings.feed_tokens_per_step)
     loop.start()
     feed = None
     if hasattr(engine.drafter, "add_global_responses"):
         feed = GlobalFeed(loop, engine.drafter, history, settings.global_recent_responses,
-                          settings.global_recent_tokens)
+                          settings.global_recent_tokens, chunk_tokens=max(1, settings.feed_tokens_per_step // 2))
     servicer = WorkerServicer(loop, worker_id, settings.model_path, settings.initial_version, history,
                               settings.history_epochs, settings.max_num_seqs, feed)
     server = Server([(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],

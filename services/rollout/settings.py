@@ -73,6 +73,10 @@ class WorkerSettings(TLSSettings):
         512, description="At each step start, this many of the history service's most recent responses to any "
                          "prompt feed the drafter's global index; 0: own samples only.")
     global_recent_tokens: int = Field(131072, description="At most this many tokens of those responses.")
+    feed_tokens_per_step: int = Field(
+        2048, ge=1, description="The drafter's global index takes at most this many tokens of finished and streamed "
+                                "responses per engine step, inserted while the step's forward runs (a longer "
+                                "response alone); with no request in flight, all at once (docs/architecture.md).")
     drain_timeout_s: float = Field(60.0, description="On SIGTERM, seconds to finish running work before exiting.")
     initial_version: int = Field(0, description="Policy version of the checkpoint at model_path.")
     gc_thresholds: str = Field(

@@ -5,6 +5,7 @@ in a run without it."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -87,3 +88,80 @@ def test_an_abort_while_isolating_reaches_its_caller(model):
     assert isinstance(got["r2"], AbortedChunk)
     assert isinstance(got["bad"], ItemFailed)
     assert all(hasattr(got[r.request_id], "token_ids") for r in good if r.request_id != "r2")
+
+
+class GatedEngine:
+    """Wraps an engine: its first step waits for ``gate`` (so a command is known to reach
+    the loop while the engine is busy), and every step counts itself and is flagged while
+    it runs. ``defer`` hidden: an engine without it (vLLM's)."""
+
+    def __init__(self, engine, has_defer: bool = True):
+        self.engine, self.has_defer = engine, has_defer
+        self.gate, self.stepping = threading.Event(), threading.Event()
+        self.in_step, self.num_steps = False, 0
+
+    def step(self):
+        self.in_step = True
+        try:
+            self.stepping.set()
+            assert self.gate.wait(60)
+            out = self.engine.step()
+            self.num_steps += 1
+            return out
+        finally:
+            self.in_step = False
+
+    def __getattr__(self, name):
+        if name == "defer" and not self.has_defer:
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+
+def run_deferred(engine: GatedEngine, costs: list[int]) -> tuple[list[tuple], dict]:
+    """Sends a call_deferred before any request (an idle engine: it runs at once), then a
+    request, then, once its first step runs, one call per cost; returns each call's
+    (name, ran inside a step, steps done, engine busy) and the request's output."""
+    ran: list[tuple] = []
+
+    def call(name):
+        def fn():
+            ran.append((name, engine.in_step, engine.num_steps, engine.engine.has_unfinished()))
+            return name
+        return fn
+
+    async def main():
+        loop = EngineLoop(engine, "w-test", asyncio.get_running_loop(), deferred_cost_per_step=10)
+        loop.start()
+        sink: asyncio.Queue = asyncio.Queue()
+        try:
+            first = loop.call_deferred(call("idle"), 10**6)
+            loop.submit(make_request(0, prompt_of(6), max_tokens=12, max_new_tokens=12), sink)
+            assert await asyncio.wait_for(first, 60) == "idle"
+            assert await asyncio.to_thread(engine.stepping.wait, 60)
+            futures = [loop.call_deferred(call(f"c{i}"), cost) for i, cost in enumerate(costs)]
+            engine.gate.set()
+            out = await asyncio.wait_for(sink.get(), 60)
+            assert [await asyncio.wait_for(f, 60) for f in futures] == [f"c{i}" for i in range(len(costs))]
+            return out
+        finally:
+            loop.stop()
+
+    out = asyncio.run(main())
+    return ran, out
+
+
+@pytest.mark.parametrize("has_defer", [True, False])
+def test_a_deferred_call_runs_at_once_when_idle_else_paced_where_it_delays_no_forward(model, has_defer):
+    engine = GatedEngine(new_engine(model, deferred_cost_per_step=10), has_defer)  # (the loop's: 10 too)
+    ran, out = run_deferred(engine, [6, 6, 20])
+    assert ran[0] == ("idle", False, 0, False)  # before the request was applied
+    calls = ran[1:]
+    assert [name for name, *_ in calls] == ["c0", "c1", "c2"]
+    # each paced: one a step (6 + 6 > 10; 20 alone), none run at once although sent together
+    steps = [n for _, _, n, _ in calls]
+    assert steps == sorted(steps) and len(set(steps)) == 3 and steps[0] >= (0 if has_defer else 1)
+    if has_defer:  # behind a forward: inside step(), while the engine works
+        assert all(inside and busy for _, inside, _, busy in calls)
+    else:  # between two steps, while work is left
+        assert all(not inside and busy for _, inside, _, busy in calls)
+    assert len(out.token_ids) == 12

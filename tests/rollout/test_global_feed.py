@@ -7,18 +7,45 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from services.history.recent import RecentResponse
 from services.rollout.drafter import DrafterConfig, HistoDrafter
-from services.rollout.global_feed import GlobalFeed
+from services.rollout.global_feed import GlobalFeed, chunks
 
 
 class InlineLoop:
     """Stands in for EngineLoop: runs the call at once (the engine thread is not needed
-    to check what reaches the drafter)."""
+    to check what reaches the drafter), as EngineLoop does while the engine is idle."""
 
-    async def call(self, fn):
-        return fn()
+    def __init__(self):
+        self.costs: list[int] = []
+
+    def call_deferred(self, fn, cost=0):
+        self.costs.append(cost)
+        future = asyncio.get_running_loop().create_future()
+        try:
+            future.set_result(fn())
+        except Exception as exc:  # noqa: BLE001 - as EngineLoop hands it back
+            future.set_exception(exc)
+        return future
+
+
+class HeldLoop:
+    """Stands in for a busy EngineLoop: keeps each call (fn, cost, future) until ``land``."""
+
+    def __init__(self):
+        self.held: list[tuple] = []
+
+    def call_deferred(self, fn, cost=0):
+        future = asyncio.get_running_loop().create_future()
+        self.held.append((fn, cost, future))
+        return future
+
+    def land(self):
+        held, self.held = self.held, []
+        for fn, _, future in held:
+            future.set_result(fn())
 
 
 class RecordingDrafter:
@@ -47,7 +74,7 @@ def _recent(prompt_id, step_id, sample_index, tokens):
 
 
 async def _drain():
-    for _ in range(3):  # finished() schedules its add as a task
+    for _ in range(3):  # (each call's future counts it in a callback)
         await asyncio.sleep(0)
 
 
@@ -97,7 +124,7 @@ def test_the_stream_is_read_once_per_new_step_and_added_oldest_first():
         await feed.step_started({"s2"})  # same step: no second read
 
     asyncio.run(main())
-    assert history.calls == [(7, 99)]
+    assert history.calls == [(7, 99)] and feed.num_added == 3
     # oldest first, so the global index (which forgets its oldest) keeps the newest longest
     assert drafter.batches == [[[1], [2], [3]]]
 
@@ -133,3 +160,32 @@ def test_without_a_history_client_only_own_samples_feed():
 
     asyncio.run(main())
     assert drafter.batches == [[[9, 9]]]
+
+
+def test_a_step_start_hands_the_stream_over_in_chunks_and_does_not_wait_for_them():
+    """A busy engine takes the stream a few chunks a step (LLMEngine.defer): the step's
+    items must not wait for that, and each chunk is priced by its tokens."""
+    drafter = RecordingDrafter()
+    sizes = [3, 4, 2, 9, 1, 1]  # oldest first once read; the 9-token one is longer than a chunk
+    newest_first = [_recent(f"p{i}", "s1", 0, [i] * n) for i, n in reversed(list(enumerate(sizes)))]
+    loop = HeldLoop()
+    feed = GlobalFeed(loop, drafter, FakeHistory(newest_first), chunk_tokens=7)
+
+    async def main():
+        await asyncio.wait_for(feed.step_started({"s1"}), 5)  # returns with nothing landed
+        assert [cost for _, cost, _ in loop.held] == [7, 2, 9, 2]
+        assert feed.num_added == 0 and feed.num_pending == 6 and drafter.batches == []
+        loop.land()
+        await _drain()
+
+    asyncio.run(main())
+    assert drafter.batches == [[[0] * 3, [1] * 4], [[2] * 2], [[3] * 9], [[4], [5]]]
+    assert feed.num_added == 6 and feed.num_pending == 0
+
+
+def test_chunks_keep_the_order_and_cut_at_the_budget():
+    rs = [[1] * 5, [2] * 5, [3] * 20, [4], [5] * 9]
+    assert chunks(rs, 10) == [([rs[0], rs[1]], 10), ([rs[2]], 20), ([rs[3], rs[4]], 10)]
+    assert chunks([], 10) == []
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        GlobalFeed(InlineLoop(), RecordingDrafter(), chunk_tokens=0)

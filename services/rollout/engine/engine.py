@@ -28,6 +28,10 @@ cannot chain (an admission, a finish, a preemption to come, a chunk ending by le
 reads the last step's tokens before its schedule, as without overlap. Drafting engines
 do not overlap: the next draft depends on the tokens. ``abort``, ``load_weights`` and
 ``sync`` read a pending step's tokens first.
+
+Deferred calls (``defer``): work handed to the engine thread whose result no step needs
+(the worker's drafter feed: responses into the global draft index) runs with the step's
+deferred work behind the next forward's launch, paced by its cost (engine/deferred.py).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBat
 from services.rollout.engine.step_inputs import SteadyBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
+from services.rollout.engine.deferred import DeferredCalls
 from services.rollout.engine.drafter_protocol import Commits, Drafter, NullDrafter, commit_step
 from services.common.validation import check_sampling_values
 from services.rollout.engine.logprobs import LOGPROBS_MODES
@@ -65,6 +70,10 @@ ARRAY_DRAFT_CHECKS_MIN = 8
 
 
 FINISHED = SequenceStatus.FINISHED
+# The cost ``LLMEngine.defer``'s calls may spend behind one forward: for the drafter's feed,
+# tokens inserted into its global index (about a microsecond each in the compiled core on
+# this project's CPUs: a couple of milliseconds, under a decode forward of a real model)
+DEFERRED_COST_PER_STEP = 2048
 # The token a sequence holds in place of one sampled but not read yet (a valid id: a layout
 # made before the read feeds it, and the forward takes the device's token instead)
 PLACEHOLDER = 0
@@ -94,9 +103,11 @@ class LLMEngine:
                  drafter: Drafter | None = None, speculative: bool = True, max_draft_len: int = 16,
                  cost_model: CostModel | None = None, use_cuda_graphs: bool = True, worker_id: str = "local",
                  max_model_len: int | None = None, batch_invariant: bool = False, measure_cost: bool = True,
-                 overlap: bool = True):
+                 overlap: bool = True, deferred_cost_per_step: int = DEFERRED_COST_PER_STEP):
         if max_num_seqs < 1 or max_num_batched_tokens < 1 or max_draft_len < 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, max_draft_len >= 0")
+        if deferred_cost_per_step < 1:
+            raise ValueError(f"deferred_cost_per_step: {deferred_cost_per_step} < 1")
         self.device = _resolve_device(device, model)
         self.model = model.to(self.device).eval()
         cfg = model.config
@@ -151,6 +162,10 @@ class LLMEngine:
         # (the module docstring); the step whose tokens wait, None when none does.
         self.overlap = overlap
         self._pending: PendingStep | None = None
+        # Calls handed over with ``defer`` (the drafter's global-index inserts), run with the
+        # deferred work behind each forward's launch, at most this much cost a step.
+        self._calls = DeferredCalls()
+        self.deferred_cost_per_step = deferred_cost_per_step
 
     @classmethod
     def from_path(cls, model_path, device="auto", dtype=None, **kw) -> "LLMEngine":
@@ -195,6 +210,7 @@ class LLMEngine:
             self._remove(seq)
         self._aborted = []
         self.metrics.flush()
+        self._calls.run()  # (no step runs them until new requests come)
         return dropped
 
     def sync(self) -> None:
@@ -226,7 +242,7 @@ class LLMEngine:
         """One scheduling + forward + verify iteration; returns the chunks that ended."""
         outputs = self._step()
         if not self.scheduler.has_work():
-            self._deferred_work()  # idle: no next forward to do it behind
+            self._deferred_work(drain=True)  # idle: no next forward to do it behind
             self.runner.steady = None  # (its finished sequences need not be kept)
         return outputs
 
@@ -281,12 +297,29 @@ class LLMEngine:
         self._record_step(batch, start, cost_start, num_prompt_tokens, num_draft_tokens, num_generated)
         return outputs
 
-    def _deferred_work(self) -> None:
+    def _deferred_work(self, drain: bool = False) -> None:
         """What the last step left for after the next forward's launch: its metric exports,
-        the hashing of the blocks it filled, its verify counts by slot."""
+        the hashing of the blocks it filled, its verify counts by slot; and the calls
+        handed over with ``defer``, as many as ``deferred_cost_per_step`` allows (all of
+        them with ``drain``: the engine is idle)."""
         self.metrics.flush()
         self.block_manager.hash_filled()
         self._verify_stats.apply()
+        if self._calls:
+            self._calls.run(None if drain else self.deferred_cost_per_step)
+
+    def defer(self, fn: Callable[[], object], cost: int = 0) -> None:
+        """Runs ``fn`` on this thread where it delays no step: right after a forward's
+        launch, while the device computes, in the order given, at most
+        ``deferred_cost_per_step`` of ``cost`` a step (a costlier call runs alone), all
+        that are left once the engine has no work (engine/deferred.py). For work whose
+        result nothing waits for: a worker's drafter feed. ``fn`` raising is logged, not
+        raised."""
+        self._calls.add(fn, cost)
+
+    def num_deferred(self) -> int:
+        """Calls handed to ``defer`` that have not run yet."""
+        return len(self._calls)
 
     def _plain_step(self, batch: ScheduledBatch, sampling: list[Sequence], logits, outputs: list[RequestOutput],
                     start: float, cost_start: float, previous: PendingStep | None) -> list[RequestOutput]:

@@ -21,7 +21,9 @@ MAX_PROMPTS_IN_DRAFTER = 10_000
 class DrafterHistory:
     def __init__(self, drafter, history, call, max_epochs: int = 4, max_prompts: int = MAX_PROMPTS_IN_DRAFTER):
         """drafter: the engine's drafter; history: a history client; call: runs a function
-        on the engine's thread (the drafter is not thread-safe) and awaits it."""
+        on the engine's thread (the drafter is not thread-safe) and returns an awaitable
+        of it (the worker's: ``EngineLoop.call_deferred(urgent=True)``, behind the next
+        forward's launch when the engine is busy)."""
         self.drafter = drafter
         self.history = history
         self.call = call

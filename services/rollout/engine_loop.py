@@ -102,15 +102,16 @@ class EngineLoop:
         self._send(("call", fn, future))
         return await future
 
-    def call_deferred(self, fn: Callable[[], Any], cost: int = 0) -> asyncio.Future:
+    def call_deferred(self, fn: Callable[[], Any], cost: int = 0, urgent: bool = False) -> asyncio.Future:
         """Runs ``fn`` in the engine thread where it delays no step (the module
         docstring), ``cost`` its share of a step's budget (for the drafter's feed, its
-        tokens). Sent now, in order with the other commands; returns the future of its
-        result (never awaited by a step)."""
+        tokens); ``urgent``: right after the next step's launch, ahead of the paced calls
+        (work requests wait for: ``LLMEngine.defer``). Sent now, in order with the other
+        commands; returns the future of its result (never awaited by a step)."""
         if cost < 0:
             raise ValueError(f"cost: {cost} is negative")
         future = self._loop.create_future()
-        self._send(("deferred", fn, future, cost))
+        self._send(("deferred", fn, future, cost, urgent))
         return future
 
     @property
@@ -167,14 +168,14 @@ class EngineLoop:
             elif kind == "deferred":
                 self._deferred(*command[1:])
 
-    def _deferred(self, fn: Callable[[], Any], future: asyncio.Future, cost: int) -> None:
+    def _deferred(self, fn: Callable[[], Any], future: asyncio.Future, cost: int, urgent: bool) -> None:
         call = functools.partial(self._resolve, future, fn)
         if not self.engine.has_unfinished():
             call()  # nothing to delay
         elif self._defer is not None:
-            self._defer(call, cost)
+            self._defer(call, cost, urgent)
         else:
-            self._between.add(call, cost)
+            self._between.add(call, cost, urgent)
 
     def _add(self, request, sink: asyncio.Queue) -> None:
         try:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from functools import partial
 
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -47,7 +48,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.version = version
         self.sha256 = ""  # of the pushed bytes serving ("" when loaded from a path)
         self._initial = True  # still on the checkpoint it started from
-        self.drafter_history = DrafterHistory(self.engine.drafter, history, loop.call, history_epochs) if (
+        # (a new prompt's earlier epochs load behind the next forward: its requests wait for them)
+        load = partial(loop.call_deferred, urgent=True)
+        self.drafter_history = DrafterHistory(self.engine.drafter, history, load, history_epochs) if (
             history is not None and self.engine.drafter is not None) else None
         self.max_num_seqs = max_num_seqs
         self.feed = feed  # the drafter's global index: finished samples + the history stream

@@ -139,9 +139,11 @@ def run_deferred(engine: GatedEngine, costs: list[int]) -> tuple[list[tuple], di
             assert await asyncio.wait_for(first, 60) == "idle"
             assert await asyncio.to_thread(engine.stepping.wait, 60)
             futures = [loop.call_deferred(call(f"c{i}"), cost) for i, cost in enumerate(costs)]
+            urgent = loop.call_deferred(call("urgent"), 10**6, urgent=True)  # sent last, runs first
             engine.gate.set()
             out = await asyncio.wait_for(sink.get(), 60)
             assert [await asyncio.wait_for(f, 60) for f in futures] == [f"c{i}" for i in range(len(costs))]
+            assert await asyncio.wait_for(urgent, 60) == "urgent"
             return out
         finally:
             loop.stop()
@@ -155,7 +157,11 @@ def test_a_deferred_call_runs_at_once_when_idle_else_paced_where_it_delays_no_fo
     engine = GatedEngine(new_engine(model, deferred_cost_per_step=10), has_defer)  # (the loop's: 10 too)
     ran, out = run_deferred(engine, [6, 6, 20])
     assert ran[0] == ("idle", False, 0, False)  # before the request was applied
-    calls = ran[1:]
+    # the urgent call (a history load a request waits for) behind the very next forward,
+    # ahead of the paced ones sent before it, whatever its cost
+    assert ran[1][0] == "urgent" and ran[1][1] == has_defer and ran[1][3]
+    assert ran[1][2] == ran[2][2]  # with the first paced call, in the same step
+    calls = ran[2:]
     assert [name for name, *_ in calls] == ["c0", "c1", "c2"]
     # each paced: one a step (6 + 6 > 10; 20 alone), none run at once although sent together
     steps = [n for _, _, n, _ in calls]

@@ -308,14 +308,16 @@ class LLMEngine:
         if self._calls:
             self._calls.run(None if drain else self.deferred_cost_per_step)
 
-    def defer(self, fn: Callable[[], object], cost: int = 0) -> None:
+    def defer(self, fn: Callable[[], object], cost: int = 0, urgent: bool = False) -> None:
         """Runs ``fn`` on this thread where it delays no step: right after a forward's
         launch, while the device computes, in the order given, at most
         ``deferred_cost_per_step`` of ``cost`` a step (a costlier call runs alone), all
-        that are left once the engine has no work (engine/deferred.py). For work whose
-        result nothing waits for: a worker's drafter feed. ``fn`` raising is logged, not
-        raised."""
-        self._calls.add(fn, cost)
+        that are left once the engine has no work (engine/deferred.py): work whose result
+        no step waits for, a worker's drafter feed. ``urgent``: behind the very next
+        launch, before the paced calls, whatever its cost (work a request waits for: a
+        new prompt's history loaded into the drafter). ``fn`` must not call the engine;
+        its raising is logged, not raised."""
+        self._calls.add(fn, cost, urgent)
 
     def num_deferred(self) -> int:
         """Calls handed to ``defer`` that have not run yet."""

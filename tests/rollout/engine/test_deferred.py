@@ -133,3 +133,14 @@ def test_a_reset_runs_what_was_deferred(model):
     assert ran == [0, 1, 2] and engine.num_deferred() == 0
     with pytest.raises(ValueError, match="deferred_cost_per_step"):
         new_engine(model, deferred_cost_per_step=0)
+
+
+def test_urgent_calls_run_first_and_all_at_the_next_run_whatever_the_budget():
+    calls, ran = DeferredCalls(), []
+    calls.add(lambda: ran.append("feed0"), 8)
+    calls.add(lambda: ran.append("feed1"), 8)
+    calls.add(lambda: ran.append("load0"), 10**6, urgent=True)
+    calls.add(lambda: ran.append("load1"), urgent=True)
+    assert len(calls) == 4
+    assert calls.run(10) == 3 and ran == ["load0", "load1", "feed0"]  # and one paced call still
+    assert calls.run(10) == 1 and ran[-1] == "feed1" and len(calls) == 0

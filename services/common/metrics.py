@@ -58,6 +58,10 @@ spec_num_accepted_tokens_per_pos = Counter(
 drafter_misses = Counter(NS + "drafter_no_match", "Decoding sequences that got no draft in a step", ["worker"])
 drafter_errors = Counter(NS + "drafter_errors", "Drafter calls that raised (the request decodes undrafted)",
                          ["worker"])
+drafter_feed_responses = Counter(NS + "drafter_feed_responses", "Responses the drafter's global index took "
+                                 "(finished samples and the history service's stream)", ["worker"])
+drafter_feed_pending = Gauge(NS + "drafter_feed_pending_responses", "Responses handed to the drafter's global index "
+                             "and not in it yet (paced behind the engine's forwards)", ["worker"])
 tree_drafts = Counter(NS + "spec_tree_drafts", "Draft trees verified (drafts with a branch), by batch-size bucket",
                       ["worker", "batch"])
 tree_nodes = Counter(NS + "spec_tree_nodes", "Nodes of the verified draft trees, by batch-size bucket",

@@ -22,6 +22,8 @@ import logging
 from collections import OrderedDict
 from functools import partial
 
+from services.common import metrics
+
 log = logging.getLogger(__name__)
 _MAX_KEYS = 1 << 16  # responses remembered as already added
 
@@ -36,10 +38,11 @@ class GlobalFeed:
         max_responses, max_tokens: how much of the stream to read at each step start.
         chunk_tokens: the most tokens handed to the drafter in one call (the engine
             paces the calls by their tokens).
+        worker_id: labels its series (``drafter_feed_responses``, ``drafter_feed_pending``).
     """
 
     def __init__(self, loop, drafter, history=None, max_responses: int = 512, max_tokens: int = 131072,
-                 chunk_tokens: int = 1024):
+                 chunk_tokens: int = 1024, worker_id: str = "local"):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens: {chunk_tokens} < 1")
         self.loop = loop
@@ -52,6 +55,8 @@ class GlobalFeed:
         self._steps: OrderedDict[str, None] = OrderedDict()
         self.num_added = 0
         self.num_pending = 0  # responses handed to the engine thread, not in the index yet
+        self._added_series = metrics.drafter_feed_responses.labels(worker_id)
+        self._pending_series = metrics.drafter_feed_pending.labels(worker_id)
 
     def _is_new(self, key: tuple[str, str, int]) -> bool:
         if key in self._seen:
@@ -94,9 +99,11 @@ class GlobalFeed:
             future = self.loop.call_deferred(partial(self.drafter.add_global_responses, chunk), num_tokens)
             self.num_pending += len(chunk)
             future.add_done_callback(partial(self._landed, len(chunk)))
+        self._pending_series.set(self.num_pending)
 
     def _landed(self, num_responses: int, future) -> None:
         self.num_pending -= num_responses
+        self._pending_series.set(self.num_pending)
         if future.cancelled():
             return
         if future.exception() is not None:  # a drafter bug costs drafts, never samples
@@ -104,6 +111,7 @@ class GlobalFeed:
                       exc_info=future.exception())
             return
         self.num_added += num_responses
+        self._added_series.inc(num_responses)
 
 
 def chunks(responses: list, most: int) -> list[tuple[list, int]]:

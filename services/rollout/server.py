@@ -298,7 +298,8 @@ async def start_worker(settings: WorkerSettings, engine=None):
     feed = None
     if hasattr(engine.drafter, "add_global_responses"):
         feed = GlobalFeed(loop, engine.drafter, history, settings.global_recent_responses,
-                          settings.global_recent_tokens, chunk_tokens=max(1, settings.feed_tokens_per_step // 2))
+                          settings.global_recent_tokens, chunk_tokens=max(1, settings.feed_tokens_per_step // 2),
+                          worker_id=worker_id)
     servicer = WorkerServicer(loop, worker_id, settings.model_path, settings.initial_version, history,
                               settings.history_epochs, settings.max_num_seqs, feed)
     server = Server([(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],

@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from services.history.recent import RecentResponse
 from services.rollout.drafter import DrafterConfig, HistoDrafter
@@ -169,18 +170,26 @@ def test_a_step_start_hands_the_stream_over_in_chunks_and_does_not_wait_for_them
     sizes = [3, 4, 2, 9, 1, 1]  # oldest first once read; the 9-token one is longer than a chunk
     newest_first = [_recent(f"p{i}", "s1", 0, [i] * n) for i, n in reversed(list(enumerate(sizes)))]
     loop = HeldLoop()
-    feed = GlobalFeed(loop, drafter, FakeHistory(newest_first), chunk_tokens=7)
+    feed = GlobalFeed(loop, drafter, FakeHistory(newest_first), chunk_tokens=7, worker_id="w-feed")
+
+    def series(name):  # the worker's Prometheus series
+        return REGISTRY.get_sample_value(f"rhymerl:{name}", {"worker": "w-feed"}) or 0.0
+
+    added_before = series("drafter_feed_responses_total")
 
     async def main():
         await asyncio.wait_for(feed.step_started({"s1"}), 5)  # returns with nothing landed
         assert [cost for _, cost, _ in loop.held] == [7, 2, 9, 2]
         assert feed.num_added == 0 and feed.num_pending == 6 and drafter.batches == []
+        assert series("drafter_feed_pending_responses") == 6
         loop.land()
         await _drain()
 
     asyncio.run(main())
     assert drafter.batches == [[[0] * 3, [1] * 4], [[2] * 2], [[3] * 9], [[4], [5]]]
     assert feed.num_added == 6 and feed.num_pending == 0
+    assert series("drafter_feed_pending_responses") == 0
+    assert series("drafter_feed_responses_total") - added_before == 6
 
 
 def test_chunks_keep_the_order_and_cut_at_the_budget():

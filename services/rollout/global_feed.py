@@ -11,15 +11,18 @@ A response is added once, whichever feed brings it first (keyed by prompt, step,
 The drafter runs on the engine thread, so responses reach it through
 `EngineLoop.call_deferred`, in chunks of at most `chunk_tokens` tokens (a longer response
 is a chunk alone): at once while the engine has no work, else behind its forwards, a few
-chunks a step (`LLMEngine.defer`: the inserts cost about a microsecond a token, and a
+chunks a step (`LLMEngine.defer`: the inserts cost under a microsecond a token, and a
 step's stream is up to 131,072 tokens). Nothing waits for them: a step's items go to the
 engine as soon as the stream is read, and its first drafts see whatever has landed.
+The backlog is bounded: past ``max_backlog_tokens`` (the index's own capacity,
+``DrafterConfig.global_max_tokens``: an index that keeps only its newest tokens would
+drop the older ones at once) the oldest chunks not inserted yet are dropped.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from functools import partial
 
 from services.common import metrics
@@ -38,19 +41,29 @@ class GlobalFeed:
         max_responses, max_tokens: how much of the stream to read at each step start.
         chunk_tokens: the most tokens handed to the drafter in one call (the engine
             paces the calls by their tokens).
+        max_backlog_tokens: the most tokens handed over and not inserted yet (None: the
+            drafter's ``config.global_max_tokens``, else 2^20).
         worker_id: labels its series (``drafter_feed_responses``, ``drafter_feed_pending``).
     """
 
     def __init__(self, loop, drafter, history=None, max_responses: int = 512, max_tokens: int = 131072,
-                 chunk_tokens: int = 1024, worker_id: str = "local"):
+                 chunk_tokens: int = 1024, max_backlog_tokens: int | None = None, worker_id: str = "local"):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens: {chunk_tokens} < 1")
+        if max_backlog_tokens is None:
+            max_backlog_tokens = getattr(getattr(drafter, "config", None), "global_max_tokens", 1 << 20)
+        if max_backlog_tokens < 1:
+            raise ValueError(f"max_backlog_tokens: {max_backlog_tokens} < 1")
         self.loop = loop
         self.drafter = drafter
         self.history = history
         self.max_responses = max_responses
         self.max_tokens = max_tokens
         self.chunk_tokens = chunk_tokens
+        self.max_backlog_tokens = max_backlog_tokens
+        self._backlog: deque[_Chunk] = deque()  # handed over, oldest first (landed ones leave from the left)
+        self._backlog_tokens = 0
+        self.num_dropped = 0  # responses dropped from the backlog unread
         self._seen: OrderedDict[tuple[str, str, int], None] = OrderedDict()
         self._steps: OrderedDict[str, None] = OrderedDict()
         self.num_added = 0
@@ -94,24 +107,60 @@ class GlobalFeed:
 
     def _add(self, responses: list) -> None:
         """Hands ``responses`` (oldest first) to the drafter in chunks (the module
-        docstring); each is counted, or its failure logged, when it lands."""
-        for chunk, num_tokens in chunks(responses, self.chunk_tokens):
-            future = self.loop.call_deferred(partial(self.drafter.add_global_responses, chunk), num_tokens)
-            self.num_pending += len(chunk)
-            future.add_done_callback(partial(self._landed, len(chunk)))
+        docstring); each is counted, or its failure logged, when it lands. Past the
+        backlog's bound, the oldest chunks still waiting are dropped."""
+        for responses_, num_tokens in chunks(responses, self.chunk_tokens):
+            chunk = _Chunk(responses_, num_tokens)
+            self._backlog.append(chunk)
+            self._backlog_tokens += num_tokens
+            self.num_pending += len(responses_)
+            future = self.loop.call_deferred(partial(self._insert, chunk), num_tokens)
+            future.add_done_callback(partial(self._landed, chunk))
+        while self._backlog_tokens > self.max_backlog_tokens and len(self._backlog) > 1:
+            self._settle(self._backlog.popleft())
         self._pending_series.set(self.num_pending)
 
-    def _landed(self, num_responses: int, future) -> None:
-        self.num_pending -= num_responses
+    def _insert(self, chunk: _Chunk) -> None:
+        """On the engine thread: the chunk into the index, unless dropped meanwhile."""
+        if not chunk.dropped:
+            self.drafter.add_global_responses(chunk.responses)
+
+    def _settle(self, chunk: _Chunk, landed: bool = False) -> None:
+        """The chunk leaves the backlog: landed, or (not ``landed``) dropped unread."""
+        if chunk.settled:
+            return
+        chunk.settled = True
+        chunk.dropped = not landed
+        self._backlog_tokens -= chunk.num_tokens
+        self.num_pending -= len(chunk.responses)
+        if not landed:
+            self.num_dropped += len(chunk.responses)
+
+    def _landed(self, chunk: _Chunk, future) -> None:
+        dropped = chunk.dropped
+        self._settle(chunk, landed=True)
+        while self._backlog and self._backlog[0].settled:
+            self._backlog.popleft()
         self._pending_series.set(self.num_pending)
-        if future.cancelled():
+        if future.cancelled() or dropped:
             return
         if future.exception() is not None:  # a drafter bug costs drafts, never samples
-            log.error("adding %d responses to the global draft index failed", num_responses,
+            log.error("adding %d responses to the global draft index failed", len(chunk.responses),
                       exc_info=future.exception())
             return
-        self.num_added += num_responses
-        self._added_series.inc(num_responses)
+        self.num_added += len(chunk.responses)
+        self._added_series.inc(len(chunk.responses))
+
+
+class _Chunk:
+    """Responses handed to the drafter in one call, while in the feed's backlog."""
+
+    __slots__ = ("responses", "num_tokens", "dropped", "settled")
+
+    def __init__(self, responses: list, num_tokens: int):
+        self.responses, self.num_tokens = responses, num_tokens
+        self.dropped = False  # read by the engine thread: skip the insert
+        self.settled = False  # landed or dropped: out of the backlog's counts
 
 
 def chunks(responses: list, most: int) -> list[tuple[list, int]]:

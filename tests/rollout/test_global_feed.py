@@ -198,3 +198,27 @@ def test_chunks_keep_the_order_and_cut_at_the_budget():
     assert chunks([], 10) == []
     with pytest.raises(ValueError, match="chunk_tokens"):
         GlobalFeed(InlineLoop(), RecordingDrafter(), chunk_tokens=0)
+
+
+def test_a_backlog_past_its_bound_drops_its_oldest_chunks_unread():
+    """A busy engine takes a few chunks a step; what waits beyond the index's capacity
+    (which would keep only its newest tokens anyway) is dropped, oldest first, so the
+    backlog's memory is bounded."""
+    drafter = RecordingDrafter()
+    loop = HeldLoop()
+    feed = GlobalFeed(loop, drafter, chunk_tokens=4, max_backlog_tokens=10)
+
+    async def main():
+        for i in range(6):  # six finished samples of 4 tokens: 24 tokens waiting
+            feed.finished(f"p{i}", "s0", 0, [i] * 4)
+        assert feed.num_pending == 2 and feed.num_dropped == 4  # 8 tokens kept: the two newest
+        loop.land()
+        await _drain()
+
+    asyncio.run(main())
+    assert drafter.batches == [[[4] * 4], [[5] * 4]]
+    assert feed.num_added == 2 and feed.num_pending == 0 and feed.num_dropped == 4
+    # bounded by default by the drafter's own capacity
+    assert GlobalFeed(InlineLoop(), HistoDrafter(DrafterConfig(global_max_tokens=64))).max_backlog_tokens == 64
+    with pytest.raises(ValueError, match="max_backlog_tokens"):
+        GlobalFeed(InlineLoop(), drafter, max_backlog_tokens=0)

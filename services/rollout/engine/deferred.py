@@ -2,9 +2,10 @@
 
 A worker's drafter takes every finished sample and, at each new step, the history
 service's stream of recent responses into its global index (services/rollout/global_feed.py).
-Those inserts cost about a microsecond a token in the compiled core (several in the
-Python reference): a step's stream of 131,072 tokens is over 0.1 s of host time. Run
-between two steps, they hold the next forward back that long; ``LLMEngine.defer`` runs
+Those inserts take the compiled core under a microsecond a token (several in the Python
+reference): a step's stream of 128,953 tokens took 49-68 ms of host time in
+benchmarks/results/drafter_feed.md. Run between two steps, they hold the next forward
+back that long; ``LLMEngine.defer`` runs
 them instead right after a forward's launch, beside the step's other deferred work
 (the metric exports, block hashing), while the device computes, and paces them: at most
 ``budget`` cost units a step (for the feed, tokens), so no step's host work grows by more

@@ -71,8 +71,9 @@ ARRAY_DRAFT_CHECKS_MIN = 8
 
 FINISHED = SequenceStatus.FINISHED
 # The cost ``LLMEngine.defer``'s calls may spend behind one forward: for the drafter's feed,
-# tokens inserted into its global index (about a microsecond each in the compiled core on
-# this project's CPUs: a couple of milliseconds, under a decode forward of a real model)
+# tokens inserted into its global index (under a microsecond each in the compiled core on
+# this project's CPUs: at most a couple of milliseconds, under a decode forward of a real
+# model; benchmarks/results/drafter_feed.md)
 DEFERRED_COST_PER_STEP = 2048
 # The token a sequence holds in place of one sampled but not read yet (a valid id: a layout
 # made before the read feeds it, and the forward takes the device's token instead)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.common import metrics
-from services.rollout.engine.deferred import DeferredCalls
+from services.rollout.engine.deferred import DEFERRED_COST_PER_STEP, DeferredCalls
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class EngineLoop:
     """``deferred_cost_per_step``: for an engine without ``defer``, the cost of deferred
     calls run between two steps (an engine with it paces them itself)."""
 
-    def __init__(self, engine, worker_id: str, loop: asyncio.AbstractEventLoop, deferred_cost_per_step: int = 2048):
+    def __init__(self, engine, worker_id: str, loop: asyncio.AbstractEventLoop,
+                 deferred_cost_per_step: int = DEFERRED_COST_PER_STEP):
         self.engine = engine
         self.worker_id = worker_id
         self._loop = loop

@@ -25,6 +25,12 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
+# The cost deferred calls may spend behind one forward by default: for the drafter's feed,
+# tokens inserted into its global index (under a microsecond each in the compiled core on
+# this project's CPUs: at most a couple of milliseconds, under a decode forward of a real
+# model; benchmarks/results/drafter_feed.md). RHYMERL_WORKER_FEED_TOKENS_PER_STEP sets it.
+DEFERRED_COST_PER_STEP = 2048
+
 
 class DeferredCalls:
     """Calls queued with a cost, run in order by ``run``: the urgent ones all, then the

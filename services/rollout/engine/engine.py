@@ -49,7 +49,7 @@ from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBat
 from services.rollout.engine.step_inputs import SteadyBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
-from services.rollout.engine.deferred import DeferredCalls
+from services.rollout.engine.deferred import DEFERRED_COST_PER_STEP, DeferredCalls
 from services.rollout.engine.drafter_protocol import Commits, Drafter, NullDrafter, commit_step
 from services.common.validation import check_sampling_values
 from services.rollout.engine.logprobs import LOGPROBS_MODES
@@ -70,11 +70,6 @@ ARRAY_DRAFT_CHECKS_MIN = 8
 
 
 FINISHED = SequenceStatus.FINISHED
-# The cost ``LLMEngine.defer``'s calls may spend behind one forward: for the drafter's feed,
-# tokens inserted into its global index (under a microsecond each in the compiled core on
-# this project's CPUs: at most a couple of milliseconds, under a decode forward of a real
-# model; benchmarks/results/drafter_feed.md)
-DEFERRED_COST_PER_STEP = 2048
 # The token a sequence holds in place of one sampled but not read yet (a valid id: a layout
 # made before the read feeds it, and the forward takes the device's token instead)
 PLACEHOLDER = 0

@@ -97,7 +97,6 @@ def test_deferred_calls_run_right_after_a_forward_a_budget_at_a_time_then_all_wh
     assert {r: (o.token_ids, o.logprobs) for r, o in out.items()} == \
         {r: (o.token_ids, o.logprobs) for r, o in plain.items()}
     # handed over while idle, a call waits for the next step or an idle step() drains it
-    rec.in_step = True  # (an idle step() runs it: outside _step's forward, inside step())
     engine.defer(rec.call("late"), cost=100)
     assert engine.step() == [] and rec.log[-1] == "late" and engine.num_deferred() == 0
 

@@ -162,7 +162,14 @@ def workers_row(d: Dashboard) -> Dashboard:
                                     "[$__rate_interval]))", "{{worker}} {{where}}")))
             .with_panel(graph("Prefill tokens/s", "Prompt tokens prefilled per second (re-prefills included).",
                               "short", query(f"sum by (worker) (rate(rhymerl:prompt_tokens_total{{{WORKER}}}"
-                                             "[$__rate_interval]))", "{{worker}}"))))
+                                             "[$__rate_interval]))", "{{worker}}")))
+            .with_panel(graph("Drafter feed", "Responses waiting for the drafter's global index (finished samples "
+                              "and the history stream, inserted behind the engine's forwards a few thousand tokens "
+                              "a step), and those it takes per second.", "short",
+                              query(f"sum by (worker) (rhymerl:drafter_feed_pending_responses{{{WORKER}}})",
+                                    "waiting {{worker}}"),
+                              query(f"sum by (worker) (rate(rhymerl:drafter_feed_responses_total{{{WORKER}}}"
+                                    "[$__rate_interval]))", "taken/s {{worker}}"))))
 
 
 def health_row(d: Dashboard) -> Dashboard:

@@ -117,7 +117,11 @@ class GlobalFeed:
             future = self.loop.call_deferred(partial(self._insert, chunk), num_tokens)
             future.add_done_callback(partial(self._landed, chunk))
         while self._backlog_tokens > self.max_backlog_tokens and len(self._backlog) > 1:
-            self._settle(self._backlog.popleft())
+            chunk = self._backlog.popleft()
+            if not chunk.landed:  # (a landed one left the counts when it landed)
+                chunk.dropped = True
+                self._leave(chunk)
+                self.num_dropped += len(chunk.responses)
         self._pending_series.set(self.num_pending)
 
     def _insert(self, chunk: _Chunk) -> None:
@@ -125,24 +129,19 @@ class GlobalFeed:
         if not chunk.dropped:
             self.drafter.add_global_responses(chunk.responses)
 
-    def _settle(self, chunk: _Chunk, landed: bool = False) -> None:
-        """The chunk leaves the backlog: landed, or (not ``landed``) dropped unread."""
-        if chunk.settled:
-            return
-        chunk.settled = True
-        chunk.dropped = not landed
+    def _leave(self, chunk: _Chunk) -> None:
+        """The chunk's responses and tokens out of the backlog's counts (landed or dropped)."""
         self._backlog_tokens -= chunk.num_tokens
         self.num_pending -= len(chunk.responses)
-        if not landed:
-            self.num_dropped += len(chunk.responses)
 
     def _landed(self, chunk: _Chunk, future) -> None:
-        dropped = chunk.dropped
-        self._settle(chunk, landed=True)
-        while self._backlog and self._backlog[0].settled:
+        if not chunk.dropped:  # (a dropped one left the counts when it was dropped)
+            chunk.landed = True
+            self._leave(chunk)
+        while self._backlog and self._backlog[0].landed:
             self._backlog.popleft()
         self._pending_series.set(self.num_pending)
-        if future.cancelled() or dropped:
+        if future.cancelled() or chunk.dropped:
             return
         if future.exception() is not None:  # a drafter bug costs drafts, never samples
             log.error("adding %d responses to the global draft index failed", len(chunk.responses),
@@ -155,12 +154,12 @@ class GlobalFeed:
 class _Chunk:
     """Responses handed to the drafter in one call, while in the feed's backlog."""
 
-    __slots__ = ("responses", "num_tokens", "dropped", "settled")
+    __slots__ = ("responses", "num_tokens", "dropped", "landed")
 
     def __init__(self, responses: list, num_tokens: int):
         self.responses, self.num_tokens = responses, num_tokens
         self.dropped = False  # read by the engine thread: skip the insert
-        self.settled = False  # landed or dropped: out of the backlog's counts
+        self.landed = False
 
 
 def chunks(responses: list, most: int) -> list[tuple[list, int]]:

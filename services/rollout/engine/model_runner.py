@@ -66,8 +66,7 @@ class ModelRunner:
         self.graphs: CUDAGraphs | None = None
         if use_cuda_graphs and device.type == "cuda":
             self.graphs = CUDAGraphs(self, max_num_seqs, max_draft_len, tree_drafts)
-            with torch.inference_mode():
-                self.graphs.capture_all()
+            self.graphs.capture_all()  # (in inference mode)
 
     # ------------------------------------------------------------------ 1. layout
     def prepare(self, seqs: list[Sequence]) -> StepInputs:

@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rhymerl import RolloutClient, SamplingParams
 
+from services.scheduler.watchdog import MIN_SHARE, MISSED_BEATS
 from tests.e2e.cluster import Cluster, prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,7 +61,12 @@ def test_scheduler_readiness_says_whether_a_worker_can_serve(model_dir, redis_ur
         wait_for(lambda: health(c.address, "rhymerl.v1.RolloutService") == health_pb2.HealthCheckResponse.SERVING,
                  "readiness after a worker registered")
         c.kill_worker("w0")
+        # The watchdog's own bound: silence counts at least MIN_SHARE of each round, so a
+        # scheduler whose rounds run late on a loaded machine still loses a silent worker
+        # within MISSED_BEATS beats / MIN_SHARE (60 s at the cluster's 1 s beat); the hang
+        # guard must outlast that bound, not equal it (CI once saw 60 s pass without it).
+        bound_s = MISSED_BEATS * 1.0 / MIN_SHARE
         wait_for(lambda: health(c.address, "rhymerl.v1.RolloutService")
-                 == health_pb2.HealthCheckResponse.NOT_SERVING, "unreadiness after the worker died")
+                 == health_pb2.HealthCheckResponse.NOT_SERVING, "unreadiness after the worker died", bound_s + 30)
     finally:
         c.stop()

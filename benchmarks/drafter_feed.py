@@ -49,6 +49,7 @@ from benchmarks.report import markdown_table
 from services.rollout.drafter import DrafterConfig
 from services.rollout.drafter.compiled import CompiledDrafter
 from services.rollout.engine import CostModel, LLMEngine
+from services.rollout.engine.input_batch import PendingRead
 from services.rollout.global_feed import chunks
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -78,14 +79,14 @@ def run(model, mode: str, responses: list[list[int]], batch: int, new_tokens: in
                        deferred_cost_per_step=cost_per_step)
     clock = time.thread_time_ns
     marks = {"read": None, "launch": None, "deferred": 0}
-    run_forward, read_pair, deferred_work = engine.runner.run, engine.runner.reader.read_pair, engine._deferred_work
+    run_forward, read_result, deferred_work = engine.runner.run, PendingRead.result, engine._deferred_work
 
     def timed_run(*args, **kw):
         marks["launch"] = clock()
         return run_forward(*args, **kw)
 
     def timed_read(*args, **kw):
-        out = read_pair(*args, **kw)
+        out = read_result(*args, **kw)
         marks["read"] = clock()
         return out
 
@@ -96,32 +97,36 @@ def run(model, mode: str, responses: list[list[int]], batch: int, new_tokens: in
         finally:
             marks["deferred"] += clock() - t
 
-    engine.runner.run, engine.runner.reader.read_pair, engine._deferred_work = timed_run, timed_read, timed_deferred
-    for r in requests(batch, new_tokens):
-        engine.add_request(r)
-    gc.collect()
-    exposed, deferred, landed_at, feed_exposed = [], [], None, None
-    step = 0
-    while engine.has_unfinished():
-        last_read = marks["read"]
-        if step == FEED_STEP:
-            if mode == "between":  # what EngineLoop.call did: the whole stream, between two steps
-                drafter.add_global_responses(responses)
-            else:
-                for chunk, num_tokens in chunks(responses, chunk_tokens):
-                    engine.defer(partial(drafter.add_global_responses, chunk), num_tokens)
-        marks["deferred"] = 0
-        marks["launch"] = None
-        engine.step()
-        if last_read is not None and marks["launch"] is not None and marks["launch"] > last_read:
-            gap = (marks["launch"] - last_read) / 1e6
-            exposed.append(gap)
+    engine.runner.run, engine._deferred_work = timed_run, timed_deferred
+    PendingRead.result = timed_read  # (the class's again when the run ends)
+    try:
+        for r in requests(batch, new_tokens):
+            engine.add_request(r)
+        gc.collect()
+        exposed, deferred, landed_at, feed_exposed = [], [], None, None
+        step = 0
+        while engine.has_unfinished():
+            last_read = marks["read"]
             if step == FEED_STEP:
-                feed_exposed = gap
-        deferred.append(marks["deferred"] / 1e6)
-        if step >= FEED_STEP and landed_at is None and engine.num_deferred() == 0:
-            landed_at = step - FEED_STEP + 1
-        step += 1
+                if mode == "between":  # what EngineLoop.call did: the whole stream, between two steps
+                    drafter.add_global_responses(responses)
+                else:
+                    for chunk, num_tokens in chunks(responses, chunk_tokens):
+                        engine.defer(partial(drafter.add_global_responses, chunk), num_tokens)
+            marks["deferred"] = 0
+            marks["launch"] = None
+            engine.step()
+            if last_read is not None and marks["launch"] is not None and marks["launch"] > last_read:
+                gap = (marks["launch"] - last_read) / 1e6
+                exposed.append(gap)
+                if step == FEED_STEP:
+                    feed_exposed = gap
+            deferred.append(marks["deferred"] / 1e6)
+            if step >= FEED_STEP and landed_at is None and engine.num_deferred() == 0:
+                landed_at = step - FEED_STEP + 1
+            step += 1
+    finally:
+        PendingRead.result = read_result
     return dict(mode=mode, steps=step, exposed_p50=float(np.median(exposed)), exposed_max=float(max(exposed)),
                 feed_exposed=feed_exposed, deferred_max=float(max(deferred)), steps_to_land=landed_at,
                 global_tokens=drafter.global_tokens())

@@ -22,6 +22,7 @@ from services.rollout.engine.attention import AttentionMetadata, KVCache, PagedA
 from services.rollout.loader import init_random_model, save_model
 from tests.gpu.agreement import assert_agree, outputs
 from tests.rollout.engine.host_reads import counting_host_reads
+from tests.rollout.engine.test_persistent_batch import assert_reads_hold_their_values
 from tests.rollout.engine.test_engine import CONFIG, OracleDrafter, make_request, prompt_of, reference_generate, run_to_end
 
 pytestmark = pytest.mark.gpu
@@ -184,6 +185,12 @@ def test_decode_and_verify_steps_synchronise_once(device):
         graph_replays(e, device)
         if drafter is not None:
             assert e.metrics.counters.num_drafts > 0
+
+
+def test_host_reads_hold_their_values_through_the_next_read(device):
+    """The verify step's read and the overlapped decode's (pinned buffers by length and
+    turn, an event each) on the device: exact, and a pending read intact after the next."""
+    assert_reads_hold_their_values(device)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -178,10 +178,11 @@ class BatchScheduler:
         ``BlockTables.lengths``, against their next position) get a block, in order, as the
         per-sequence pass gives them. False, with nothing changed, where that does not
         hold or the free blocks would not do for all of them (the pass then preempts)."""
-        seqs, starts = steady.seqs, steady.next_starts
-        if (starts is None or len(seqs) < STEADY_SCHEDULE_MIN or len(seqs) > self.max_num_batched_tokens
+        seqs = steady.seqs
+        if (not steady.advanced() or len(seqs) < STEADY_SCHEDULE_MIN or len(seqs) > self.max_num_batched_tokens
                 or steady.epoch != self.block_manager.tables.epoch or seqs != self.running):
             return False
+        starts = steady.next_starts_array()
         bm = self.block_manager
         tables = bm.tables
         tables.sync()

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBatch
-from services.rollout.engine.step_inputs import SteadyBatch
+from services.rollout.engine.step_inputs import SCALAR_RESTAGE_MAX, SteadyBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
 from services.rollout.engine.deferred import DEFERRED_COST_PER_STEP, DeferredCalls
@@ -64,8 +64,9 @@ from services.rollout.engine.verifier import LinearVerdicts, Verdict, sample_lat
 log = logging.getLogger(__name__)
 
 # From this many drafting sequences a step's linear drafts are checked as one array
-# (``LLMEngine._take_linear_drafts``); below, the per-sequence checks cost less than the
-# few numpy calls (benchmarks/engine_host.py at batch 1).
+# (``LLMEngine._take_linear_drafts``), and their longest drafts read from the steady
+# batch's arrays; below, the per-sequence Python costs less than the few numpy calls
+# (benchmarks/engine_host.py at batch 1).
 ARRAY_DRAFT_CHECKS_MIN = 8
 
 
@@ -285,8 +286,11 @@ class LLMEngine:
         self._send(commits)
         steady = self.runner.steady  # a decode layout (every sequence sampled): its next step's state
         if steady is not None and len(outputs) == num_outputs:
-            steady.advance(np.array([len(v.token_ids) for v in verdicts], dtype=np.int64),
-                           np.array([v.token_ids[-1] for v in verdicts], dtype=np.int64))
+            counts, last = [len(v.token_ids) for v in verdicts], [v.token_ids[-1] for v in verdicts]
+            if len(verdicts) <= SCALAR_RESTAGE_MAX:  # a few: lists, as the next layout reads them
+                steady.advance_lists(counts, last)
+            else:
+                steady.advance(np.array(counts, dtype=np.int64), np.array(last, dtype=np.int64))
         self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
         if self.tree_drafts:
             self.metrics.on_tree_verdicts(verdicts, len(batch.seqs))
@@ -558,10 +562,10 @@ class LLMEngine:
             budget = min(budget, room)
         most = self.max_draft_len + 1
         steady = None if self._undrafted else batch.steady  # the decodes: the last step's layout, advanced
-        if steady is not None:  # its arrays (a sequence's length is its next position + 1)
+        if steady is not None and len(decodes) >= ARRAY_DRAFT_CHECKS_MIN:  # its arrays (a length: next position + 1)
             request_ids, stops, end_lens = steady.requests()
             request_ids, stops = list(request_ids), list(stops)
-            max_lens = (np.minimum(end_lens - steady.next_starts - 1, most) - 1).tolist()
+            max_lens = (np.minimum(end_lens - steady.next_starts_array() - 1, most) - 1).tolist()
         else:
             max_lens = [min(most, s.end_len - len(s.token_ids)) - 1 for s in decodes]  # (max_new_tokens_left() - 1)
             request_ids, stops = [s.request_id for s in decodes], [s.stop_token_ids for s in decodes]

@@ -66,6 +66,7 @@ class Staging:
     def _alloc(self, capacity: int) -> None:
         self.host, self.dev = _pinned_pair(capacity, self.dtype, self.device)
         self.host_np = self.host.numpy()
+        self.host_view = memoryview(self.host_np)  # the same entries, written as Python ints (no numpy call)
         self.capacity = capacity
         self._views = {}
 
@@ -103,7 +104,9 @@ class Staging:
     def begin_rewrite(self) -> np.ndarray:
         """The host side, for writing new values into the last ``stage``'s parts in place
         (the same layout: its device tensors stay valid, with the new values once
-        ``end_rewrite`` has copied them over). Parts not written keep their values."""
+        ``end_rewrite`` has copied them over). Parts not written keep their values. A few
+        entries are written faster through ``host_view`` (the same memory) once this has
+        been called."""
         if self._event is not None:
             self._event.synchronize()  # the previous step's copy has read the host side
         return self.host_np
@@ -186,7 +189,7 @@ class SlotParams:
         self.dev: dict[str, torch.Tensor] = {}
         self.np: dict[str, np.ndarray] = {}
         self.flags = np.zeros((0, 3), dtype=np.bool_)  # per slot: needs a sort, min-p, processed logprobs
-        self._rows: tuple | None = None  # (row slots, the gather) of the last step
+        self._rows: tuple | None = None  # the last step's: (its StepSampling, its row slots' bytes, the gather)
         self._grow(capacity)
 
     def _grow(self, capacity: int) -> None:
@@ -237,18 +240,24 @@ class SlotParams:
         """The sampler's per-row arguments for a step's rows: (temperature, top_k, top_p,
         min_p, seeds, processed or None when no row is, (any row sorts, any row uses
         min-p)). Gathered on the device by slot; a step whose rows are the last step's
-        slots again (a steady decode batch) reuses the last gather."""
+        slots again (a steady decode batch) reuses the last gather: at once where it is
+        the last step's ``StepSampling`` again (a restaged step: the same rows, the same
+        slots), else where its slots read the same."""
         dev = self.device_params()
+        last = self._rows
+        if last is not None and last[0] is sampling:
+            return last[2]
         key = sampling.row_slots_host.tobytes()
-        if self._rows is not None and self._rows[0] == key:
-            return self._rows[1]
+        if last is not None and last[1] == key:
+            self._rows = sampling, key, last[2]
+            return last[2]
         slots = sampling.row_slots
         need_sort, need_min_p, any_processed = self.flags[sampling.row_slots_host].any(axis=0).tolist()
         rows = (dev["temperature"].index_select(0, slots), dev["top_k"].index_select(0, slots),
                 dev["top_p"].index_select(0, slots), dev["min_p"].index_select(0, slots),
                 dev["seed"].index_select(0, slots),
                 dev["processed"].index_select(0, slots) if any_processed else None, (need_sort, need_min_p))
-        self._rows = key, rows
+        self._rows = sampling, key, rows
         return rows
 
 @dataclass
@@ -270,36 +279,18 @@ class StepSampling:
 
 
 class HostReader:
-    """The step's one wait for the device: a float64 tensor copied into a persistent
-    pinned buffer (on CUDA: one copy and one stream synchronisation), returned as numpy
-    (valid until the next read)."""
+    """The step's one wait for the device: its sampled tokens and their logprobs, copied
+    into persistent pinned buffers behind the sampler (on CUDA: two non-blocking copies
+    and an event; ``PendingRead.result`` waits for that event). On the CPU there is
+    nothing to copy: the read holds the tensors themselves."""
 
-    MAX_PAIRS = 64  # read_pair's buffers kept (by length); past this the cache starts over
+    MAX_PAIRS = 64  # read_pair_later's buffers kept (by length and turn); past this the cache starts over
 
     def __init__(self):
-        self._buf: torch.Tensor | None = None
-        self._pairs: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # read_pair_later's pinned buffers by (length, turn): tokens, logprobs, the event
         # recorded after their copies
         self._later: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
         self._turn = 0
-
-    def read_pair(self, a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
-        """``read`` of ``torch.stack((a.double(), b.double()))`` ([2, n]: two 1-d tensors of
-        n values each), without making it: a and b are copied into the rows of a persistent
-        float64 buffer on their device, kept by length (two copies instead of two casts and
-        a stack: fewer calls on the step's path)."""
-        key = a.shape[0], a.device
-        pair = self._pairs.get(key)
-        if pair is None:
-            if len(self._pairs) >= self.MAX_PAIRS:
-                self._pairs = {}
-            both = a.new_empty((2, a.shape[0]), dtype=torch.float64)
-            pair = self._pairs[key] = both, both[0], both[1]
-        both, first, second = pair
-        first.copy_(a)
-        second.copy_(b)
-        return self.read(both)
 
     def read_pair_later(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> "PendingRead":
         """A step's sampled tokens (int64) and logprobs (float32) read without waiting: on
@@ -309,7 +300,7 @@ class HostReader:
         forward). On the CPU they are the host's already (kept, not copied). The pinned
         buffers are used by turns: a pending read stays valid through the next call (a
         step's read is taken during the next step, after that step's own call)."""
-        if tokens.device.type != "cuda":
+        if not tokens.is_cuda:
             return PendingRead(tokens, logprobs, None)
         self._turn ^= 1
         key = tokens.shape[0], self._turn
@@ -325,16 +316,6 @@ class HostReader:
         host_logprobs.copy_(logprobs, non_blocking=True)
         event.record()
         return PendingRead(host_tokens, host_logprobs, event)
-
-    def read(self, t: torch.Tensor) -> np.ndarray:
-        if t.device.type != "cuda":
-            return t.numpy()
-        n = t.numel()
-        if self._buf is None or self._buf.numel() < n:
-            self._buf = torch.empty(max(n, 4096), dtype=torch.float64, pin_memory=True)
-        out = self._buf[:n]
-        out.copy_(t.reshape(-1))  # waits for the step's work, then copies
-        return out.numpy().reshape(t.shape)
 
 
 class PendingRead:
@@ -368,10 +349,15 @@ class BlockTables:
     sequence held the row before. The array grows (rows, columns) on demand."""
 
     MAX_HELD = 1 << 16  # changes held before they are written anyway (a run whose steps never gather)
+    SCALAR_SYNC_MAX = 8  # up to this many held changes are written one by one (numpy calls cost more)
+    SYNC_LOG = 4  # the latest syncs' changes kept for ``changes_since``
+    SYNC_LOG_MAX_ENTRIES = 64  # a sync of more changes is not kept (changes_since answers None across it)
 
     def __init__(self, rows: int = 16, cols: int = 16):
         self.array = np.zeros((rows, cols), dtype=np.int32)
+        self.view = memoryview(self.array)  # the same: view[row, col] reads an entry as a Python int
         self.lengths = np.zeros(rows, dtype=np.int64)
+        self.lengths_view = memoryview(self.lengths)
         # Bumped whenever a row is taken or given back (an admission, a finish, an abort, a
         # preemption): a step laid out from the last step's state (step_inputs.SteadyBatch)
         # needs every sequence still in the row it had, and no other change.
@@ -380,6 +366,10 @@ class BlockTables:
         self._free = list(range(rows - 1, -1, -1))  # lowest row first
         self._entries: dict[tuple[int, int], int] = {}  # changes not yet synced: (row, column) -> block
         self._lengths: dict[int, int] = {}  # row -> its table's length, not yet synced
+        # The latest syncs' changes, (version when synced, {(row, column): block}) each, and
+        # the latest version whose changes are no longer all kept (``changes_since``)
+        self._synced: list[tuple[int, dict[tuple[int, int], int]]] = []
+        self._forgotten = -1
 
     def assign(self) -> int:
         self.epoch += 1
@@ -416,16 +406,50 @@ class BlockTables:
         self.epoch += 1
 
     def sync(self) -> None:
-        """Writes the held changes into ``array`` and ``lengths``."""
-        if self._entries:
-            rows, cols = np.array(list(self._entries), dtype=np.int64).T
-            if cols.max() >= self.array.shape[1]:
-                self._resize(self.array.shape[0], max(int(cols.max()) + 1, 2 * self.array.shape[1]))
-            self.array[rows, cols] = list(self._entries.values())
+        """Writes the held changes into ``array`` and ``lengths``: a few (a decode step's
+        new block, or none) entry by entry, more in one numpy assignment."""
+        entries = self._entries
+        if entries:
+            if len(entries) <= self.SCALAR_SYNC_MAX:
+                widest = max(col for _, col in entries)
+            else:
+                rows, cols = np.array(list(entries), dtype=np.int64).T
+                widest = int(cols.max())
+            if widest >= self.array.shape[1]:
+                self._resize(self.array.shape[0], max(widest + 1, 2 * self.array.shape[1]))
+            array = self.array
+            if len(entries) <= self.SCALAR_SYNC_MAX:
+                for at, block in entries.items():
+                    array[at] = block
+            else:
+                array[rows, cols] = list(entries.values())
             self._entries = {}
-        if self._lengths:
-            self.lengths[list(self._lengths)] = list(self._lengths.values())
+            log = self._synced
+            if len(entries) > self.SYNC_LOG_MAX_ENTRIES:
+                log.clear()
+                self._forgotten = self.version
+            else:
+                log.append((self.version, entries))
+                if len(log) > self.SYNC_LOG:
+                    self._forgotten = log.pop(0)[0]
+        held = self._lengths
+        if held:
+            if len(held) <= self.SCALAR_SYNC_MAX:
+                lengths = self.lengths
+                for row, length in held.items():
+                    lengths[row] = length
+            else:
+                self.lengths[list(held)] = list(held.values())
             self._lengths = {}
+
+    def changes_since(self, version: int) -> list[dict[tuple[int, int], int]] | None:
+        """The changes synced since the tables were at ``version`` (``version``: read after
+        a sync), in order, as {(row, column): block} each (later ones win); None where
+        they are no longer all kept. A gather of a few rows at ``version`` is brought up
+        to date by writing just these (``step_inputs._restage_scalars``)."""
+        if version < self._forgotten:
+            return None
+        return [entries for synced, entries in self._synced if synced > version]
 
     def _resize(self, rows: int, cols: int) -> None:
         array = np.zeros((rows, cols), dtype=np.int32)
@@ -434,6 +458,7 @@ class BlockTables:
         array[:old_rows, :old_cols] = self.array
         lengths[:old_rows] = self.lengths
         self.array, self.lengths = array, lengths
+        self.view, self.lengths_view = memoryview(array), memoryview(lengths)
 
 
 class VerifyStats:

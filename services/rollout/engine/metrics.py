@@ -136,19 +136,21 @@ class EngineMetrics:
         drafted = [v for v in verdicts if v.num_draft]
         if drafted:
             self.on_accepted(len(drafted), sum(v.num_draft for v in drafted), sum(v.num_accepted for v in drafted),
-                             np.array([v.num_accepted for v in drafted]))
+                             [v.num_accepted for v in drafted])
 
-    def on_accepted(self, num_drafts: int, num_draft_tokens: int, num_accepted: int, accepted: np.ndarray) -> None:
+    def on_accepted(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
+                    accepted: np.ndarray | list[int]) -> None:
         """A step's drafts: how many, their tokens, the tokens accepted, and per sequence the
-        tokens it accepted (a sequence without a draft: 0); the per-position series are
-        made from ``accepted`` when exported."""
+        tokens it accepted (a sequence without a draft: 0; an array or a list); the
+        per-position series are made from ``accepted`` when exported (behind the next
+        forward: no numpy call here)."""
         if num_drafts == 0:
             return
         self._count_verifies(num_drafts, num_draft_tokens, num_accepted)
         self._export(self._export_accepted, num_drafts, num_draft_tokens, num_accepted, accepted)
 
     def _export_accepted(self, num_drafts: int, num_draft_tokens: int, num_accepted: int,
-                         accepted: np.ndarray) -> None:
+                         accepted: np.ndarray | list[int]) -> None:
         at_least = np.bincount(accepted)[::-1].cumsum()[::-1]  # [k]: drafts that accepted >= k tokens
         self._export_verifies(num_drafts, num_draft_tokens, num_accepted, at_least[1:].tolist())
 

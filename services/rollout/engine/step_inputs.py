@@ -84,15 +84,23 @@ class SteadyBatch:
     seqs: list[Sequence]
     rows: np.ndarray  # [num_seqs] int64: each sequence's BlockTables row
     slots: np.ndarray  # [num_seqs] int64: each sequence's SlotParams slot
-    starts: np.ndarray  # [num_seqs] int64: the position of the token each sequence fed first
+    # [num_seqs] int64: the position of the token each sequence fed first (None where
+    # starts_list holds them: ``starts_array``)
+    starts: np.ndarray | None
     epoch: int  # BlockTables.epoch when laid out
-    next_starts: np.ndarray | None = None  # set by advance: the next step's starts
+    next_starts: np.ndarray | None = None  # set by advance: the next step's starts (or next_starts_list)
     # starts + 1 where the layout has no drafts, made while the step was laid out: what
     # advance(1, ...) sets next_starts to, without a numpy call after the forward (the
     # first one there costs several microseconds on a CPU, its code evicted by the
     # forward's and the sampler's)
     plus_one: np.ndarray | None = None
-    next_last: np.ndarray | None = None  # set by advance: each sequence's last token
+    # A batch of a few sequences (``_restage_scalars``, ``advance_lists``) keeps the same
+    # as lists instead, where a list is cheaper than any numpy call; an array is made
+    # from one only where asked for (``starts_array``, ``next_starts_array``).
+    starts_list: list[int] | None = None
+    next_starts_list: list[int] | None = None
+    plus_one_list: list[int] | None = None
+    next_last: np.ndarray | list[int] | None = None  # set by advance: each sequence's last token
     # What a next step of the same shape (the same query lengths; the block tables, staged
     # last, may change width) rewrites in place (``_restage_decode``), set where the step
     # was staged:
@@ -109,6 +117,7 @@ class SteadyBatch:
     # (each sequence's request id, stop tokens and Sequence.end_len: ``requests``)
     _requests: tuple[list[str], list[frozenset[int]], np.ndarray] | None = None
     _placeholders: np.ndarray | None = None  # (``placeholders``)
+    _few: FewWrites | None = None  # (``_restage_scalars``)
 
     def requests(self) -> tuple[list[str], list[frozenset[int]], np.ndarray]:
         """Each sequence's request id, stop tokens and chunk end (``Sequence.end_len``, an
@@ -130,11 +139,52 @@ class SteadyBatch:
     def advance(self, num_committed, last_tokens: np.ndarray) -> None:
         """Every sequence committed ``num_committed`` tokens (an array, or one count for
         all), the last of them ``last_tokens``; none ended its chunk."""
-        if type(num_committed) is int and num_committed == 1 and self.plus_one is not None:  # a decode step
-            self.next_starts = self.plus_one
+        if (type(num_committed) is int and num_committed == 1
+                and (self.plus_one is not None or self.plus_one_list is not None)):  # a decode step
+            self.next_starts, self.next_starts_list = self.plus_one, self.plus_one_list
         else:
-            self.next_starts = self.starts + num_committed
+            self.next_starts, self.next_starts_list = self.starts_array() + num_committed, None
         self.next_last = last_tokens
+
+    def advance_lists(self, num_committed: list[int], last_tokens: list[int]) -> None:
+        """``advance`` from lists, for a few sequences: no numpy call."""
+        starts = self.starts_list if self.starts_list is not None else self.starts.tolist()
+        self.next_starts, self.next_starts_list = None, [s + n for s, n in zip(starts, num_committed)]
+        self.next_last = last_tokens
+
+    def advanced(self) -> bool:
+        """Whether ``advance`` has set the next step's starts."""
+        return self.next_starts is not None or self.next_starts_list is not None
+
+    def starts_array(self) -> np.ndarray:
+        if self.starts is None:
+            self.starts = np.array(self.starts_list, dtype=np.int64)
+        return self.starts
+
+    def next_starts_array(self) -> np.ndarray:
+        if self.next_starts is None and self.next_starts_list is not None:
+            self.next_starts = np.array(self.next_starts_list, dtype=np.int64)
+        return self.next_starts
+
+
+@dataclass(slots=True)
+class FewWrites:
+    """What ``_restage_scalars`` reads of a steady batch of a few sequences that stays the
+    same from step to step, made at its first restage: the sequences' rows as a list and
+    where the parts it writes lie in the staged buffers (their layout is the batch's own
+    while it restages)."""
+
+    rows: list[int]
+    index: dict[int, int]  # a row's sequence's place in the batch
+    at64: tuple[int, int, int, int]  # the int64 buffer's token ids, positions, KV slots, row positions
+    lens_at: int  # the int32 buffer's sequence lengths
+
+    @classmethod
+    def of(cls, steady: SteadyBatch, staging: tuple[Staging, Staging]) -> FewWrites:
+        int64, int32 = staging
+        rows = steady.rows.tolist()
+        return cls(rows, {row: i for i, row in enumerate(rows)}, tuple(int64.bounds(i)[0] for i in (0, 1, 2, 5)),
+                   int32.bounds(0)[0])
 
 
 def new_staging(device: torch.device) -> tuple[Staging, Staging]:
@@ -314,9 +364,9 @@ def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
     (``_restage_decode``), another staged afresh (``_stage_decode``; below
     ``VECTOR_MIN_SEQS`` sequences the per-sequence path does that faster). None when the
     batch is not steady, or a small one changed shape."""
-    if steady.next_starts is None or steady.epoch != tables.epoch or seqs != steady.seqs:
+    if not steady.advanced() or steady.epoch != tables.epoch or seqs != steady.seqs:
         return None
-    starts, last = steady.next_starts, steady.next_last
+    last = steady.next_last
     drafts = [seq.draft_token_ids for seq in seqs]
     n = len(seqs)
     if not any(drafts):
@@ -324,10 +374,10 @@ def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
     elif n < VECTOR_MIN_SEQS:  # a few sequences: the interleaving in Python
         draft_lens = list(map(len, drafts))
         ids: list[int] = []
-        for token, draft in zip(last.tolist(), drafts):
+        for token, draft in zip(last if type(last) is list else last.tolist(), drafts):
             ids.append(token)
             ids.extend(draft)
-        fed = np.array(ids, dtype=np.int64)
+        fed = ids if n <= SCALAR_RESTAGE_MAX else np.array(ids, dtype=np.int64)  # (the list: _restage_scalars)
     else:
         draft_lens = list(map(len, drafts))
         if draft_lens == steady.draft_lens and steady.draft_rows is not None:  # the last step's shape
@@ -346,11 +396,14 @@ def _steady_step(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging]
     inputs = _restage_decode(steady, bs, staging, tables, fed, draft_lens)
     if inputs is not None or n < VECTOR_MIN_SEQS:
         return inputs
-    return _stage_decode(seqs, bs, staging, tables, steady.rows, starts, steady.slots, fed, draft_lens)
+    if type(fed) is list:  # (a few sequences' last tokens: SteadyBatch.advance_lists)
+        fed = np.array(fed, dtype=np.int64)
+    return _stage_decode(seqs, bs, staging, tables, steady.rows, steady.next_starts_array(), steady.slots, fed,
+                         draft_lens)
 
 
 def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
-                    fed: np.ndarray, draft_lens: list[int] | None) -> StepInputs | None:
+                    fed: np.ndarray | list[int], draft_lens: list[int] | None) -> StepInputs | None:
     """The steady step written into the last step's staged buffers in place: what a decode
     step changes (tokens, positions, KV slots, the rows' positions, lengths, and the
     block tables where one changed: staged last, they may take another width,
@@ -364,22 +417,32 @@ def _restage_decode(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
             or draft_lens != steady.draft_lens):
         return None
     tables.sync()
-    rows, starts = steady.rows, steady.next_starts
+    rows = steady.rows
+    few = len(rows) <= SCALAR_RESTAGE_MAX
+    if few and steady._few is None:
+        steady._few = FewWrites.of(steady, staging)
     retable = tables.version != steady.tables_version
+    widened = False
     if retable:
-        width = int(tables.lengths[rows].max())
+        if few:
+            lengths = tables.lengths_view
+            width = max(lengths[row] for row in steady._few.rows)
+        else:
+            width = int(tables.lengths[rows].max())
         if width != steady.width:  # the block tables (staged last) take another size
             views = int32.reshape_last((len(rows), width))
             if views is None:
                 return None
             last.metadata.block_tables, steady.width = views[2], width
-    if len(rows) <= SCALAR_RESTAGE_MAX:
-        _restage_scalars(steady, bs, staging, tables, fed, draft_lens, retable)
+            widened = True
+    if few:
+        _restage_scalars(steady, bs, staging, tables, fed, draft_lens, retable, widened)
     else:
         _restage_arrays(steady, bs, staging, tables, fed, draft_lens, retable)
     if last.sampling.fed_host is not None:
-        last.sampling.fed_host = fed
-    steady.starts, steady.next_starts, steady.next_last = starts, None, None
+        last.sampling.fed_host = np.array(fed, dtype=np.int64) if type(fed) is list else fed
+    steady.starts, steady.starts_list = steady.next_starts, steady.next_starts_list
+    steady.next_starts = steady.next_starts_list = steady.next_last = None
     steady.tables_version = tables.version
     steady.generations = int64.generation, int32.generation
     return last
@@ -389,7 +452,8 @@ def _restage_arrays(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
                     fed: np.ndarray, draft_lens: list[int] | None, retable: bool) -> None:
     """``_restage_decode``'s writes, by numpy over the batch."""
     int64, int32 = staging
-    rows, starts = steady.rows, steady.next_starts
+    rows, starts = steady.rows, steady.next_starts_array()
+    steady.next_starts_list = None  # (the array is the step's starts)
     if draft_lens is None:
         positions, row_of_token = starts, rows
     else:
@@ -420,39 +484,63 @@ def _restage_arrays(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
     else:
         np.add(starts, steady.query_lens, out=host[a:b])
         steady.plus_one = None
+    steady.plus_one_list = None
     int32.end_rewrite()
 
 
 def _restage_scalars(steady: SteadyBatch, bs: int, staging: tuple[Staging, Staging], tables: BlockTables,
-                     fed: np.ndarray, draft_lens: list[int] | None, retable: bool) -> None:
-    """``_restage_decode``'s writes for a few sequences, entry by entry: a handful of
-    numpy scalar writes cost less than the numpy calls over arrays of one or two."""
+                     fed: np.ndarray | list[int], draft_lens: list[int] | None, retable: bool,
+                     widened: bool) -> None:
+    """``_restage_decode``'s writes for a few sequences, entry by entry, as Python ints
+    through memoryviews of the buffers and the tables, from lists (the batch's starts and
+    ``plus_one`` kept as lists: ``SteadyBatch.starts_list``): right after a forward the
+    host's caches are cold, and each numpy call then costs several microseconds where a
+    memoryview's write costs a fraction (``FewWrites``). ``fed``: the tokens fed, a list
+    where the caller made one. A table that changed is written entry by entry too, from
+    the changes synced since the last gather (``BlockTables.changes_since``), unless the
+    tables took another width (``widened``) or the changes are no longer all kept."""
     int64, int32 = staging
-    table = tables.array
-    host = int64.begin_rewrite()
-    ids_at, pos_at, kv_at, row_pos_at = (int64.bounds(i)[0] for i in (0, 1, 2, 5))
-    tokens = fed.tolist()
-    lens = draft_lens or [0] * len(tokens)
+    few = steady._few
+    table = tables.view
+    int64.begin_rewrite()
+    host = int64.host_view
+    ids_at, pos_at, kv_at, row_pos_at = few.at64
+    if type(fed) is not list:
+        fed = [0] * len(few.rows) if fed is steady._placeholders else fed.tolist()
+    starts = steady.next_starts_list
+    if starts is None:
+        starts = steady.next_starts_list = steady.next_starts.tolist()
+    steady.next_starts = None  # (the list is the step's starts)
     t = 0
     ends = []
-    for start, row, k in zip(steady.next_starts.tolist(), steady.rows.tolist(), lens):
+    for start, row, k in zip(starts, few.rows, draft_lens or [0] * len(few.rows)):
         for p in range(start, start + k + 1):
-            host[ids_at + t] = tokens[t]
+            host[ids_at + t] = fed[t]
             host[pos_at + t] = p
-            host[kv_at + t] = int(table[row, p // bs]) * bs + p % bs
+            host[kv_at + t] = table[row, p // bs] * bs + p % bs
             host[row_pos_at + t] = p + 1
             t += 1
         ends.append(start + k + 1)
     int64.end_rewrite()
-    host = int32.begin_rewrite()
+    int32.begin_rewrite()
+    host = int32.host_view
     if retable:
         a, b = int32.bounds(2)
-        host[a:b] = table[steady.rows, :steady.width].reshape(-1)
-    lens_at = int32.bounds(0)[0]
+        changes = None if widened else tables.changes_since(steady.tables_version)
+        if changes is None:
+            int32.host_np[a:b] = tables.array[steady.rows, :steady.width].reshape(-1)
+        else:
+            width = steady.width
+            for entries in changes:
+                for (row, col), block in entries.items():
+                    i = few.index.get(row)
+                    if i is not None and col < width:
+                        host[a + i * width + col] = block
+    lens_at = few.lens_at
     for i, end in enumerate(ends):
         host[lens_at + i] = end
     int32.end_rewrite()
-    steady.plus_one = np.array(ends, dtype=np.int64) if draft_lens is None else None
+    steady.plus_one, steady.plus_one_list = None, ends if draft_lens is None else None  # (a decode: the next starts)
 
 
 def _stage_decode(seqs: list[Sequence], bs: int, staging: tuple[Staging, Staging], tables: BlockTables,

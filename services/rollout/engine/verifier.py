@@ -72,10 +72,9 @@ def sample_rows(logits: torch.Tensor, sampling: StepSampling, params: SlotParams
 
 def sample_arrays(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
                   reader: HostReader | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``sample_rows`` as numpy arrays: int64 tokens and float64 logprobs, one per row (the
-    logprobs valid until the reader's next read)."""
-    host = (reader or HostReader()).read_pair(*_sample(logits, sampling, params))  # [2, num_rows] float64
-    return host[0].astype(np.int64), host[1]
+    """``sample_rows`` as numpy arrays: int64 tokens and float32 logprobs, one per row,
+    read at once (valid until the reader's second next read: ``PendingRead.result``)."""
+    return (reader or HostReader()).read_pair_later(*_sample(logits, sampling, params)).result()
 
 
 def sample_later(logits: torch.Tensor, sampling: StepSampling, params: SlotParams,
@@ -90,7 +89,7 @@ def sample_later(logits: torch.Tensor, sampling: StepSampling, params: SlotParam
 
 def _sample(logits: torch.Tensor, sampling: StepSampling, params: SlotParams) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampler over the step's rows, on the device: tokens and their logprobs."""
-    assert sampling.row_slots.shape[0] == logits.shape[0], (sampling.row_slots.shape, logits.shape)
+    assert len(sampling.row_slots_host) == len(logits), (sampling.row_slots_host.shape, logits.shape)
     temperature, top_k, top_p, min_p, seeds, processed, truncation = params.rows(sampling)
     if sampling.masked is not None:
         logits = logits.clone()

@@ -85,14 +85,17 @@ def assert_rows_mirror(bm: BlockManager, running: list) -> None:
     assert not array[free].any() and not lengths[free].any(), "a free row kept its last table"
 
 
-@pytest.mark.parametrize("max_held", [1 << 16, 5])
-def test_block_table_rows_follow_every_change_and_come_back_clean(monkeypatch, max_held):
+@pytest.mark.parametrize("max_held, scalar_max", [(1 << 16, BlockTables.SCALAR_SYNC_MAX), (5, 8), (1 << 16, 0),
+                                                  (1 << 16, 1 << 16)])
+def test_block_table_rows_follow_every_change_and_come_back_clean(monkeypatch, max_held, scalar_max):
     """Random admissions (cached prefixes included), growth, truncation, frees: after each
     operation the running sequences' rows equal their tables padded with zeros, and free
     rows are all zeros. A row that kept a freed sequence's blocks fails here. With a small
     ``MAX_HELD`` the changes are also written in between, as a long run without gathers
-    writes them."""
+    writes them. ``scalar_max``: the held changes a sync writes one by one (0: every
+    sync by numpy; past any count: every sync one by one)."""
     monkeypatch.setattr(BlockTables, "MAX_HELD", max_held)
+    monkeypatch.setattr(BlockTables, "SCALAR_SYNC_MAX", scalar_max)
     rng = random.Random(7)
     bm = BlockManager(num_blocks=96, block_size=4)
     running, next_id = [], 0
@@ -127,6 +130,22 @@ def test_block_table_rows_follow_every_change_and_come_back_clean(monkeypatch, m
             assert_rows_mirror(bm, running)
     assert_rows_mirror(bm, running)
     assert next_id > 100 and bm.tables.array.shape[0] >= 8  # rows were taken back and given out again
+
+
+@pytest.mark.parametrize("scalar_max", [0, BlockTables.SCALAR_SYNC_MAX])
+def test_a_sync_widens_the_tables_for_a_longer_table(monkeypatch, scalar_max):
+    """A table longer than the array is wide: the sync widens it (one by one or by numpy),
+    the other rows kept."""
+    monkeypatch.setattr(BlockTables, "SCALAR_SYNC_MAX", scalar_max)
+    tables = BlockTables(rows=4, cols=2)
+    a, b = tables.assign(), tables.assign()
+    tables.extend(a, 0, [7, 8])
+    tables.sync()
+    tables.extend(b, 0, [1])
+    tables.extend(b, 1, [2, 3, 4, 5])
+    tables.sync()
+    assert tables.array.shape[1] >= 5 and tables.lengths[[a, b]].tolist() == [2, 5]
+    assert tables.array[a].tolist()[:3] == [7, 8, 0] and tables.array[b].tolist()[:5] == [1, 2, 3, 4, 5]
 
 
 # ---------------------------------------------------------------------- the decode layout
@@ -236,9 +255,18 @@ def test_the_decode_layout_refuses_what_it_does_not_lay_out(monkeypatch):
 
 def counting_steady_paths(monkeypatch) -> dict:
     """Counts the steps ``_steady_step`` laid out, those of them rewritten in place, and
-    those rewritten with block tables of another width (``Staging.reshape_last``)."""
-    calls = {"steady": 0, "in_place": 0, "reshaped": 0}
+    those rewritten with block tables of another width (``Staging.reshape_last``), and the
+    rewrites of a few sequences' tables from their changes alone (``changes_since``)."""
+    calls = {"steady": 0, "in_place": 0, "reshaped": 0, "changes": 0}
     steady, restage, reshape = step_inputs._steady_step, step_inputs._restage_decode, Staging.reshape_last
+    changes_since = BlockTables.changes_since
+
+    def counted_changes(self, version):
+        out = changes_since(self, version)
+        calls["changes"] += out is not None
+        return out
+
+    monkeypatch.setattr(BlockTables, "changes_since", counted_changes)
 
     def counted_reshape(self, shape):
         out = reshape(self, shape)
@@ -347,9 +375,19 @@ def test_the_steady_layout_equals_the_per_sequence_layout_through_random_lifecyc
             bm.truncate(seq, seq.num_tokens)
             assert bm.ensure_slots(seq, seq.num_tokens)  # the scheduler's, for the last token's KV
             committed.append(k)
-        if rng.random() < 0.9:  # else a chunk "ended": the engine advances nothing
-            steady.advance(np.array(committed), np.array([s.token_ids[-1] for s in batch]))
+        last = [s.token_ids[-1] for s in batch]
+        way = rng.random()
+        if way < 0.1:  # a chunk "ended": the engine advances nothing
+            pass
+        elif way < 0.4 and committed == [1] * len(batch):  # a decode's commit, as the engine's _leave
+            steady.advance(1, np.array(last))
+        elif way < 0.7 and len(batch) <= scalar_max:  # a few sequences' verify, as the engine's
+            steady.advance_lists(committed, last)
+        else:
+            steady.advance(np.array(committed), np.array(last))
     assert calls["steady"] > 20 and calls["in_place"] > 10 and calls["reshaped"] > 2, calls
+    if scalar_max:  # tables rewritten from their changes alone, not gathered again
+        assert calls["changes"] > 5, calls
 
 
 def test_a_staged_last_part_takes_another_size_in_place():
@@ -693,20 +731,29 @@ def test_array_verify_is_lossless(model, array_paths, wrong_every):
     assert not drafter.generated
 
 
-def test_read_pair_reads_what_the_stacked_read_does(monkeypatch):
-    """``HostReader.read_pair`` (two tensors copied into a kept buffer's rows) against the
-    read of their stack in float64: every length again and again (a kept buffer holds the
-    latest values), past the cache's limit."""
-    monkeypatch.setattr(HostReader, "MAX_PAIRS", 3)
+def assert_reads_hold_their_values(device: str) -> None:
+    """``HostReader.read_pair_later``, as the verify step takes it at once and the
+    overlapped decode a step later: each read's tokens (int64) and logprobs (float32) are
+    the sampler's, exact, and a pending read still holds its own after the next read of
+    the same length (the turns; on CUDA, pinned buffers), every length again and again.
+    (tests/gpu runs it on the GPU.)"""
     reader, gen = HostReader(), torch.Generator().manual_seed(0)
-    for n in [1, 5, 1, 256, 7, 5, 1, 2, 3, 4, 5]:
+    previous = None
+    for n in [1, 5, 1, 256, 7, 5, 5, 1, 2, 3, 4, 5]:
         tokens = torch.randint(0, 2**40, (n,), generator=gen)
         logprobs = -torch.rand(n, generator=gen) * 30
-        expected = torch.stack((tokens.double(), logprobs.double())).numpy().copy()
-        host = reader.read_pair(tokens, logprobs)
-        assert host.dtype == np.float64 and (host == expected).all(), n
-        assert host[0].astype(np.int64).tolist() == tokens.tolist()
-    assert len(reader._pairs) <= 3
+        pending = reader.read_pair_later(tokens.to(device), logprobs.to(device))
+        if previous is not None:
+            host_tokens, host_logprobs = previous[0].result()
+            assert host_tokens.tolist() == previous[1] and host_logprobs.tolist() == previous[2]
+        host_tokens, host_logprobs = pending.result()
+        assert host_tokens.dtype == np.int64 and host_logprobs.dtype == np.float32
+        assert host_tokens.tolist() == tokens.tolist() and host_logprobs.tolist() == logprobs.tolist()
+        previous = pending, tokens.tolist(), logprobs.tolist()
+
+
+def test_a_read_holds_its_values_through_the_next_read():
+    assert_reads_hold_their_values("cpu")
 
 
 @pytest.mark.parametrize("later", [False, True])

@@ -453,7 +453,6 @@ def _restage_arrays(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagin
     """``_restage_decode``'s writes, by numpy over the batch."""
     int64, int32 = staging
     rows, starts = steady.rows, steady.next_starts_array()
-    steady.next_starts_list = None  # (the array is the step's starts)
     if draft_lens is None:
         positions, row_of_token = starts, rows
     else:
@@ -510,7 +509,6 @@ def _restage_scalars(steady: SteadyBatch, bs: int, staging: tuple[Staging, Stagi
     starts = steady.next_starts_list
     if starts is None:
         starts = steady.next_starts_list = steady.next_starts.tolist()
-    steady.next_starts = None  # (the list is the step's starts)
     t = 0
     ends = []
     for start, row, k in zip(starts, few.rows, draft_lens or [0] * len(few.rows)):

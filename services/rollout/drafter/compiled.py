@@ -57,7 +57,7 @@ from services.rollout.drafter.request_state import DrafterStats
 LIBRARY = Path(__file__).resolve().parent / "native" / "libhisto.so"
 BUNDLED = Path(__file__).resolve().parents[3] / ".gpu-bundle" / "lib" / "libhisto.so"  # make gpu-bundle
 LIBRARY_ENV = "RHYMERL_DRAFTER_LIBRARY"  # another build of it (the tests' sanitized one)
-ABI_VERSION = 5
+ABI_VERSION = 6
 MAX_TOKEN = 2**31 - 1  # token ids the core takes: [0, MAX_TOKEN] (an int32's)
 _INT31 = 2**31 - 1
 _STATS = 6  # RHD_STAT_COUNT
@@ -75,6 +75,7 @@ _SIGNATURES = {
     "rhd_start": (ctypes.c_int, [_P, _I32, _I64, _P, _I64, _P, _I64]),
     "rhd_stop": (ctypes.c_int, [_P, _I32]),
     "rhd_set_stops": (ctypes.c_int, [_P, _I32, _P, _I32]),
+    "rhd_set_stops_many": (ctypes.c_int, [_P, _I32, _P, _P, _P]),
     "rhd_commit": (ctypes.c_int, [_P, _I32, _P, _P, _P, _P, _P, _I64]),
     "rhd_bind_commit": (ctypes.c_int, [_P, _P]),
     "rhd_commit_bound": (ctypes.c_int, [_P]),
@@ -619,10 +620,9 @@ class CompiledDrafter:
             if stop_token_ids is None:
                 stop_token_ids = repeat(_NO_STOPS, n)
             if any(map(is_not, map(cached.__getitem__, ids), stop_token_ids)):  # the stop sets changed
-                for slot, stops in zip(ids, stop_token_ids if not isinstance(stop_token_ids, repeat)
-                                       else repeat(_NO_STOPS, n)):
-                    if cached[slot] is not stops:
-                        self._set_stops(slot, stops)
+                self._set_stops_many([(slot, stops) for slot, stops in zip(
+                    ids, stop_token_ids if not isinstance(stop_token_ids, repeat) else repeat(_NO_STOPS, n))
+                    if cached[slot] is not stops])
         model = self._config.cost_model  # (_sync_curve, without its call)
         if model is not self._curve_model or (model is not None and model.version != self._curve_version):
             self._set_curve(model)
@@ -674,6 +674,26 @@ class CompiledDrafter:
         values = np.fromiter((t for t in stops if 0 <= t <= MAX_TOKEN), dtype=np.int32)
         self._check(self._lib.rhd_set_stops(self._handle, slot, _addr(values), values.size))
         self._slot_stops[slot] = stops
+
+    def _set_stops_many(self, changed: list[tuple[int, frozenset[int]]]) -> None:
+        """``_set_stops`` of several slots in one C call: a step's new requests (each one's
+        first propose hands its stop set over) cost one crossing, not one each."""
+        if len(changed) == 1:
+            self._set_stops(*changed[0])
+            return
+        flat: list[int] = []
+        offsets = [0]
+        for _, stops in changed:
+            flat.extend(t for t in stops if 0 <= t <= MAX_TOKEN)
+            offsets.append(len(flat))
+        slots = np.array([slot for slot, _ in changed], dtype=np.int32)
+        ends = np.array(offsets, dtype=np.int64)
+        values = np.array(flat, dtype=np.int32)
+        self._check(self._lib.rhd_set_stops_many(self._handle, len(changed), _addr(slots), _addr(ends),
+                                                 _addr(values)))
+        cached = self._slot_stops
+        for slot, stops in changed:
+            cached[slot] = stops
 
     # -- accounting --------------------------------------------------------------------
 

@@ -168,9 +168,24 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
             if hostile and num:
                 offsets[0] = rng.choice([0, 1, -1])
             rc = lib.rhd_add_global(h, _ptr(flat), _ptr(offsets), num)
-        elif op == 6:  # stop tokens
+        elif op == 6 and rng.random() < 0.5:  # stop tokens, one slot
             st = _i32([rng.randrange(6) for _ in range(rng.randrange(3))] or [0])
             rc = lib.rhd_set_stops(h, slot(hostile), _ptr(st), rng.choice([0, 1, -1]) if hostile else 1)
+        elif op == 6:  # stop tokens, several slots in one call (bad slots, offsets, counts, nulls)
+            num = rng.randint(0, 3)
+            flat, offsets = packed([tokens(rng.randrange(3), False) for _ in range(num)])
+            slots = _i32([slot(hostile and rng.random() < 0.4) for _ in range(num)] or [0])
+            n = num
+            if hostile:
+                kind = rng.randrange(4)
+                if kind == 0 and num:
+                    offsets[0] = rng.choice([1, -1])
+                elif kind == 1 and num:
+                    offsets[rng.randrange(1, num + 1)] = -1  # decreasing (within the array)
+                elif kind == 2:
+                    n = -1
+            stops_ptr = 0 if hostile and rng.random() < 0.2 else _ptr(flat)
+            rc = lib.rhd_set_stops_many(h, n, _ptr(slots), _ptr(offsets), stops_ptr)
         elif op == 7:  # release / queries
             rc = lib.rhd_release_prompt(h, rng.choice([1, 2, 3, -1]))
             lib.rhd_memory_tokens(h, rng.choice([1, 2, 99]))
@@ -217,6 +232,7 @@ def fuzz(seed: int, num_calls: int = 300) -> dict[int, int]:
                 lambda: lib.rhd_set_curve(h, None, None, 3),
                 lambda: lib.rhd_gain_threshold(h, 4, 1.0, 1.0, None),
                 lambda: lib.rhd_bind_trees(h, 2, 4, None, None, None, None),
+                lambda: lib.rhd_set_stops_many(h, 2, None, None, None),
             ])()
             assert rc == RC_INVAL
         assert rc in (0, 1, RC_INVAL), (op, rc, lib.rhd_last_error(h))

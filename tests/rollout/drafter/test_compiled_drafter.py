@@ -420,3 +420,45 @@ def test_one_requests_commits_through_its_row_agree_with_the_reference():
         out.append(d.propose(["a", "b"], [8, 8]))
         got.append(out)
     assert got[0] == got[1]
+
+
+def test_a_steps_new_stop_sets_go_to_the_core_in_one_call(monkeypatch):
+    """A step whose requests bring new stop sets (each request's first propose) hands them
+    all over in one ``rhd_set_stops_many`` call, one alone through ``rhd_set_stops``, none
+    when they are the same objects as before; the drafts stop as the Python reference's
+    do, out-of-range stop ids ignored, whichever way the stops arrived."""
+    history = [[5, 6, 7, 8, 9] * 10, [5, 6, 7, 1, 2, 3, 4] * 8]
+    compiled = CompiledDrafter(DrafterConfig())
+    calls = {"many": 0, "one": 0}
+    lib = compiled._lib
+    many, one = lib.rhd_set_stops_many, lib.rhd_set_stops
+
+    def counted_many(*args):
+        calls["many"] += 1
+        return many(*args)
+
+    def counted_one(*args):
+        calls["one"] += 1
+        return one(*args)
+
+    monkeypatch.setattr(lib, "rhd_set_stops_many", counted_many)
+    monkeypatch.setattr(lib, "rhd_set_stops", counted_one)
+    steps = [
+        [frozenset({7}), frozenset({8, 2**31, -1}), frozenset(), frozenset({6, 9})],  # new: one call
+        None,  # the same objects again (set below): no call
+        [frozenset({9})],  # one request's alone: rhd_set_stops
+    ]
+    got = []
+    for d in (compiled, HistoDrafter(DrafterConfig())):
+        d.load_history("p", history)
+        for r in "abcd":
+            d.start_request(r, "p", [3, 3], [5])
+        out, first = [], steps[0]
+        for stops in (first, first, steps[2]):
+            ids = list("abcd")[:len(stops)]
+            out.append(d.propose(ids, [8] * len(ids), stop_token_ids=stops))
+            d.commit_step(ids, [0] * len(ids), [0] * len(ids), [6] * len(ids), [1] * len(ids))
+        got.append(out)
+    assert got[0] == got[1]
+    assert any(len(d) for d in got[0][0])
+    assert calls == {"many": 1, "one": 1}

@@ -1791,6 +1791,23 @@ RHD_EXPORT int rhd_set_stops(void *h, int32_t slot, const int32_t *stops, int32_
   });
 }
 
+RHD_EXPORT int rhd_set_stops_many(void *h, int32_t n, const int32_t *slots, const int64_t *offsets,
+                                  const int32_t *stops) {
+  return guarded(h, [&](Drafter &d) {
+    if (n < 0 || (n > 0 && (slots == nullptr || offsets == nullptr))) invalid("bad stop arrays");
+    if (n == 0) return 0;
+    if (offsets[0] != 0) invalid("offsets must start at 0");
+    for (int32_t i = 0; i < n; ++i) {
+      if (offsets[i + 1] < offsets[i]) invalid("offsets decrease at slot %lld", (long long)i);
+      if (offsets[i + 1] - offsets[i] > INT32_MAX) invalid("slot %lld: too many stop tokens", (long long)i);
+      d.live_slot(slots[i]);
+    }
+    if (offsets[n] > 0 && stops == nullptr) invalid("null stop token array");
+    for (int32_t i = 0; i < n; ++i) d.slots[(size_t)slots[i]].stops.assign(stops + offsets[i], stops + offsets[i + 1]);
+    return 0;
+  });
+}
+
 RHD_EXPORT int rhd_commit(void *h, int32_t n, const int32_t *slots, const int32_t *drafts, const int32_t *accepted,
                           const int32_t *counts, const int32_t *tokens, int64_t num_tokens) {
   return guarded(h, [&](Drafter &d) { d.commit(n, slots, drafts, accepted, counts, tokens, num_tokens); return 0; });

@@ -16,7 +16,7 @@
 extern "C" {
 #endif
 
-#define RHD_ABI_VERSION 5
+#define RHD_ABI_VERSION 6
 #define RHD_EINVAL (-1)
 #define RHD_ENOMEM (-2)
 #define RHD_EINTERNAL (-3)
@@ -59,6 +59,9 @@ int rhd_start(void *h, int32_t slot, int64_t prompt, const int32_t *prompt_token
 /* 1 when the request's prompt index was freed with it (released and no request left). */
 int rhd_stop(void *h, int32_t slot);
 int rhd_set_stops(void *h, int32_t slot, const int32_t *stops, int32_t num);
+/* rhd_set_stops of `n` slots in one call: slot slots[i]'s stop tokens are
+ * stops[offsets[i]:offsets[i+1]]. All validated before any is set. */
+int rhd_set_stops_many(void *h, int32_t n, const int32_t *slots, const int64_t *offsets, const int32_t *stops);
 /* A step's commits, one row per request, applied in order (all validated before any is):
  * drafts[i] > 0: record_acceptance(drafts[i], accepted[i]); -1: record_tree_acceptance of a
  * path of accepted[i] nodes; 0: none. Then counts[i] >= 0: add_tokens of the next counts[i]

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from services.rollout.engine.batch_scheduler import BatchScheduler, ScheduledBatch
-from services.rollout.engine.step_inputs import SCALAR_RESTAGE_MAX, SteadyBatch
+from services.rollout.engine.step_inputs import SteadyBatch
 from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
 from services.rollout.engine.deferred import DEFERRED_COST_PER_STEP, DeferredCalls
@@ -286,11 +286,7 @@ class LLMEngine:
         self._send(commits)
         steady = self.runner.steady  # a decode layout (every sequence sampled): its next step's state
         if steady is not None and len(outputs) == num_outputs:
-            counts, last = [len(v.token_ids) for v in verdicts], [v.token_ids[-1] for v in verdicts]
-            if len(verdicts) <= SCALAR_RESTAGE_MAX:  # a few: lists, as the next layout reads them
-                steady.advance_lists(counts, last)
-            else:
-                steady.advance(np.array(counts, dtype=np.int64), np.array(last, dtype=np.int64))
+            steady.advance_lists([len(v.token_ids) for v in verdicts], [v.token_ids[-1] for v in verdicts])
         self.metrics.on_verdicts(verdicts)  # the step's drafts, counted at once
         if self.tree_drafts:
             self.metrics.on_tree_verdicts(verdicts, len(batch.seqs))

@@ -411,18 +411,14 @@ class BlockTables:
         entries = self._entries
         if entries:
             if len(entries) <= self.SCALAR_SYNC_MAX:
-                widest = max(col for _, col in entries)
-            else:
-                rows, cols = np.array(list(entries), dtype=np.int64).T
-                widest = int(cols.max())
-            if widest >= self.array.shape[1]:
-                self._resize(self.array.shape[0], max(widest + 1, 2 * self.array.shape[1]))
-            array = self.array
-            if len(entries) <= self.SCALAR_SYNC_MAX:
+                self._fit(max(col for _, col in entries))
+                array = self.array
                 for at, block in entries.items():
                     array[at] = block
             else:
-                array[rows, cols] = list(entries.values())
+                rows, cols = np.array(list(entries), dtype=np.int64).T
+                self._fit(int(cols.max()))
+                self.array[rows, cols] = list(entries.values())
             self._entries = {}
             log = self._synced
             if len(entries) > self.SYNC_LOG_MAX_ENTRIES:
@@ -450,6 +446,11 @@ class BlockTables:
         if version < self._forgotten:
             return None
         return [entries for synced, entries in self._synced if synced > version]
+
+    def _fit(self, column: int) -> None:
+        """Widens the array (at least doubling it) where ``column`` is past its columns."""
+        if column >= self.array.shape[1]:
+            self._resize(self.array.shape[0], max(column + 1, 2 * self.array.shape[1]))
 
     def _resize(self, rows: int, cols: int) -> None:
         array = np.zeros((rows, cols), dtype=np.int32)

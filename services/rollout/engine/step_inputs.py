@@ -147,7 +147,11 @@ class SteadyBatch:
         self.next_last = last_tokens
 
     def advance_lists(self, num_committed: list[int], last_tokens: list[int]) -> None:
-        """``advance`` from lists, for a few sequences: no numpy call."""
+        """``advance`` from lists: for a few sequences (those ``_restage_scalars`` lays
+        out) kept as lists, no numpy call; for more, as arrays."""
+        if len(num_committed) > SCALAR_RESTAGE_MAX:
+            self.advance(np.array(num_committed, dtype=np.int64), np.array(last_tokens, dtype=np.int64))
+            return
         starts = self.starts_list if self.starts_list is not None else self.starts.tolist()
         self.next_starts, self.next_starts_list = None, [s + n for s, n in zip(starts, num_committed)]
         self.next_last = last_tokens

@@ -58,6 +58,7 @@ RHYMERL_PYTHON = "rhymerl/python"  # the same on the Python reference (HistoDraf
 RHYMERL_TREE = "rhymerl/tree"  # draft trees at the tail (the compiled core, DrafterConfig.tree)
 RHYMERL_TREE_PYTHON = "rhymerl/tree-python"  # the same trees from the Python reference: its speed
 PEER, PEER_PER_PROMPT = "vllm-suffix", "vllm-suffix/per-prompt"
+FLOOR = "floor"  # the replay's calls with one empty C crossing each and no drafting: what timing them costs
 ORACLE, ORACLE_LONGEST = "oracle/any-context", "oracle/longest-context"
 COMMITTED = ["benchmarks/data/tiny_grpo_service.npz", "benchmarks/data/tiny_grpo_service_t07.npz",
              "benchmarks/data/smollm2_grpo.npz"]
@@ -185,6 +186,7 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
             "rhymerl_draft_per_verify": row["draft_tokens_per_step"],
         }
     trees = tree_figures(traces, stop, by_name)
+    floor = R.replay(traces, R.CrossingFloor, stop, FLOOR)
     for batch, figures in trees.pop("tree_speedup").items():
         speedup[batch].update(figures)
     peer_pp = by_name.get(PEER_PER_PROMPT)
@@ -216,7 +218,9 @@ def run_trace_set(name: str, traces: list[R.Trace], peer) -> dict:
         "drafting_us_p99": ours["propose_us_p99"],
         # issue 24: the drafter's host time per engine step, side by side in this one run
         "drafter_step_us": {"compiled": ours["drafter_step_us"], "python": python["drafter_step_us"],
-                            "peer": theirs["drafter_step_us"] if theirs else None},
+                            "peer": theirs["drafter_step_us"] if theirs else None,
+                            # the calls and one empty crossing each, no drafting (CrossingFloor)
+                            FLOOR: floor["drafter_step_us"]},
         "compiled_vs_python_identical_drafts": (sum(same) / len(same)) if same else None,
         "compiled_vs_python_num_drafts": len(same),
         "compiled_vs_python_accepted": (ours["mean_accepted_drafts_per_step"]
@@ -398,7 +402,9 @@ def _section(s: dict) -> str:
             f"inside the spans, `with_gc` in the JSON has them; µs per sequence per step over the "
             f"steps with >= 16 sequences, the whole step's ms with >= 100): the compiled core and the Python "
             f"reference (identical drafts: {fmt(100 * same if same is not None else None)}% of "
-            f"{s['compiled_vs_python_num_drafts']}) beside vLLM's suffix tree, in this one run:\n\n{steps}")
+            f"{s['compiled_vs_python_num_drafts']}) beside vLLM's suffix tree, in this one run; `floor` is the "
+            f"same replay's calls with one empty crossing into the core each and no drafting (what the clock, "
+            f"the calls and a ctypes crossing cost here, below any drafter):\n\n{steps}")
 
 
 def _markdown(summary: dict, text: str) -> str:

@@ -26,10 +26,11 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from services.rollout.drafter import NgramContext, propose_ngram
+from services.rollout.drafter import DrafterConfig, NgramContext, propose_ngram
 from services.rollout.engine.cost_model import CostModel
 from services.rollout.engine.drafter_protocol import commit_step
 from services.rollout.engine.tree import accept_path, depths, shape
@@ -222,6 +223,31 @@ class NgramDrafter:
 
     def stop_request(self, request_id: str) -> None:
         del self.contexts[request_id]
+
+
+class CrossingFloor:
+    """The floor under a drafter's timed calls in this replay: each `propose` and
+    `commit_step` crosses into the compiled core's library once through ctypes, as
+    CompiledDrafter's do (a call bound to the drafter's handle), and does nothing else: no
+    drafts, nothing committed. Its step times are what the clock reads, the Python calls
+    and one empty crossing each cost on this machine, below any drafter's (the lifecycle
+    calls go to a real CompiledDrafter, untimed)."""
+
+    def __init__(self) -> None:
+        from services.rollout.drafter.compiled import CompiledDrafter
+
+        self._real = real = CompiledDrafter(DrafterConfig())
+        self._cross = partial(real._lib.rhd_global_tokens, real._handle)  # returns a counter: no work
+        for name in ("start_request", "stop_request", "load_history", "memory_tokens", "memory_bytes",
+                     "release_prompt", "add_global_responses"):
+            setattr(self, name, getattr(real, name))
+
+    def propose(self, request_ids, max_lens, stop_token_ids=None, budget=None, num_seqs=None) -> list[list[int]]:
+        self._cross()
+        return [[] for _ in request_ids]
+
+    def commit_step(self, request_ids, num_draft, num_accepted, token_ids, num_tokens) -> None:
+        self._cross()
 
 
 def plain_ms(lengths: list[int]) -> float:

@@ -254,6 +254,7 @@ class CompiledDrafter:
         # rhd_commit's arguments go through a block bound once (one argument to convert, not eight)
         self._commit_block = np.zeros(7, dtype=np.int64)
         self._block_words = memoryview(self._commit_block)  # (one word written without numpy's overhead)
+        self._block_bytes = self._block_words.cast("B")
         self._check(lib.rhd_bind_commit(h, self._commit_block.ctypes.data))
         self._commit_bound = partial(lib.rhd_commit_bound, h)
         # one request's commit row (_commit_one) and the block pointing at it or at the columns
@@ -520,12 +521,14 @@ class CompiledDrafter:
         """The one-request row for up to `num_tokens` tokens (at least twice the last)."""
         self._row_tokens = max(num_tokens, 2 * self._row_tokens)
         self._row = np.zeros(4 + self._row_tokens, dtype=np.int32)
+        base = self._row.ctypes.data  # (once: `.ctypes` makes an object a call)
+        self._row_block = _COMMIT.pack(1, base, base + 4, base + 8, base + 12, base + 16, 0)
         self._block_at_row = False
 
     def _point_at_row(self) -> None:
-        """The bound block's columns at the one-request row (n = 1)."""
-        base = self._row.ctypes.data
-        _COMMIT.pack_into(self._commit_block, 0, 1, base, base + 4, base + 8, base + 12, base + 16, 0)
+        """The bound block's columns at the one-request row (n = 1): the words made with
+        the row, copied in."""
+        self._block_bytes[:] = self._row_block
         self._block_at_row = True
 
     def stop_request(self, request_id: str) -> None:

@@ -120,8 +120,8 @@ def test_main_writes_the_trace_sets_results(tmp_path, monkeypatch):
     assert by_name["rhymerl"]["backend"] == "compiled" and by_name["rhymerl/python"]["backend"] == "python"
     assert all(r["backend"] in ("compiled", "python", "peer", "ngram", "oracle") for r in entry["rows"])
     steps = summary["drafter_step_us"]
-    assert set(steps) == {"compiled", "python", "peer"} and steps["peer"] is None
-    for name in ("compiled", "python"):
+    assert set(steps) == {"compiled", "python", "peer", "floor"} and steps["peer"] is None
+    for name in ("compiled", "python", "floor"):
         assert set(steps[name]) >= {"propose_p50", "propose_p99", "commit_p50", "commit_p99", "step_ms_100plus",
                                     "one_seq_p99"}
         assert steps[name]["one_seq_p99"] is not None
@@ -196,3 +196,31 @@ def test_step_timings_are_net_of_collections_inside_the_spans():
     assert steps["gc_collections_in_spans"] >= 2 * steps["num_one_seq_steps"]  # a propose's and a commit's
     assert steps["gc_ms_in_spans"] > 0
     assert steps["one_seq_p99"] < steps["with_gc"]["one_seq_p99"]
+
+
+def test_the_crossing_floor_crosses_once_a_call_and_drafts_nothing():
+    """The `floor` backend of drafter.json: each engine step of the replay makes one
+    propose and one commit_step on it, each one empty crossing into the core, and it drafts
+    nothing (so every step commits one token per sequence). If this fails, the floor
+    printed beside the drafters' step times times other work than the calls' own."""
+    traces = R.synthetic_traces(num_prompts=2, num_epochs=2, num_samples=3, seed=4)
+    made = []
+
+    def make():
+        floor = R.CrossingFloor()
+        cross = floor._cross
+        floor.crossings = 0
+
+        def counted():
+            floor.crossings += 1
+            return cross()
+        floor._cross = counted
+        made.append(floor)
+        return floor
+
+    row = R.replay(traces, make, R.stop_token(traces), "floor")
+    (floor,) = made
+    engine_steps = sum(max(len(t.token_ids) for t in traces if t.epoch == e) for e in {t.epoch for t in traces})
+    assert floor.crossings == 2 * engine_steps
+    assert row["draft_tokens_per_step"] == 0 and row["num_tokens"] == row["num_verify_steps"]
+    assert row["drafter_step_us"]["num_one_seq_steps"] > 0

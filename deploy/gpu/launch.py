@@ -84,6 +84,12 @@ CAMPAIGN = [
     Part("gpu_tests", ["-m", "pytest", "-q", "-ra", "-m", "gpu", "-p", "no:cacheprovider", "tests"], 0.97,
          stop=signal.SIGINT, out_flag=False),
 ]
+# Beside the cost probe (which replays CUDA graphs: its host waits on the GPU), a CPU-only
+# measurement that costs the window no slice of its own: the compiled drafter's host time
+# per engine step on this machine's CPU, where it runs in production (about 20 s; the same
+# command in a dry run). It may run on past the probe until its own share.
+SIDE = Part("drafter_host", ["-m", "benchmarks.drafter_host", "--rounds", "3"], 0.45)
+SIDE_BESIDE = "cost_probe"
 # --dry-run (the CPU rehearsal): the same parts, tiny shapes, a checkpoint given by --model-dir.
 DRY_RUN = {
     "gpu_check": ["-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *GPU_CHECK],
@@ -234,48 +240,96 @@ def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path 
                   + (" --dry-run" if dry_run else ""), budget_s=budget_s, dry_run=dry_run,
                   environment_check_s=round(time.monotonic() - started, 1), parts=[])
     print(f"environment checked in {record['environment_check_s']:.0f} s", flush=True)
-    for part in parts:
-        deadline = started + part.ends_at * budget_s
-        args = list(DRY_RUN[part.name] if dry_run else part.args)
-        if dry_run and part.name in ("spec_sweep", "e2e"):
-            args += ["--model-dir", model_dir]
-        if part.out_flag:
-            args += ["--out", relative(out)]
-        if part.name == "e2e":  # starts no epoch after this: the last one ends inside the slice
-            args += ["--budget-s", f"{max(1.0, (deadline - time.monotonic()) * 0.65):.0f}"]
-        if part.name in TEST_PARTS:
-            args += ["--junitxml", str(out / f"{part.name}.xml")]
-        command = PY + args
-        entry = dict(name=part.name, command=shown(command), ends_by_s=round(deadline - started))
-        left = deadline - time.monotonic()
-        since = time.time()
-        if left < part.min_s:
-            entry.update(status="skipped", reason=f"{max(left, 0):.0f} s left of its slice")
-        else:
-            print(f"\n=== {part.name} (until {entry['ends_by_s']} s of {budget_s:g}) $ {entry['command']}", flush=True)
-            start = time.monotonic()
-            code, cut = run_part(command, env, left, part.stop)
-            entry.update(seconds=round(time.monotonic() - start, 1), exit=code,
-                         status="cut" if cut else "done" if code == 0 else "failed")
+    side = None  # SIDE's process while it runs
+    try:
+        for part in parts:
+            deadline = started + part.ends_at * budget_s
+            args = list(DRY_RUN[part.name] if dry_run else part.args)
+            if dry_run and part.name in ("spec_sweep", "e2e"):
+                args += ["--model-dir", model_dir]
+            if part.out_flag:
+                args += ["--out", relative(out)]
+            if part.name == "e2e":  # starts no epoch after this: the last one ends inside the slice
+                args += ["--budget-s", f"{max(1.0, (deadline - time.monotonic()) * 0.65):.0f}"]
             if part.name in TEST_PARTS:
-                try:
-                    summary = summarize_tests(out / f"{part.name}.xml", out, entry["command"], interrupted=cut,
-                                              commit=env.get("RHYMERL_COMMIT"), name=part.name)
-                    entry["tests"] = {k: summary[k] for k in ("passed", "failed", "error", "skipped")}
-                    if summary["passed"] + summary["failed"] + summary["error"] == 0:
-                        entry["reason"] = ("cut before a test ended (collecting the suite takes about 20 s)" if cut
-                                           else "no test ran (all skipped: no CUDA?)")
-                except NotReady as exc:
-                    entry["reason"] = str(exc)
-        entry["files"] = sorted(p.name for p in out.iterdir() if p.is_file() and p.stat().st_mtime >= since
-                                and not p.name.startswith("campaign."))
-        record["parts"].append(entry)
-        write_campaign(out, record)
-        print(f"=== {part.name}: {entry['status']} ({entry.get('seconds', 0):.0f} s): {' '.join(entry['files'])}",
-              flush=True)
-        if copy_to:
-            copy_results(out, run_since, copy_to)
+                args += ["--junitxml", str(out / f"{part.name}.xml")]
+            command = PY + args
+            entry = dict(name=part.name, command=shown(command), ends_by_s=round(deadline - started))
+            left = deadline - time.monotonic()
+            since = time.time()
+            if left < part.min_s:
+                entry.update(status="skipped", reason=f"{max(left, 0):.0f} s left of its slice")
+            else:
+                if part.name == SIDE_BESIDE:
+                    side = start_side(out, env, started, budget_s)
+                print(f"\n=== {part.name} (until {entry['ends_by_s']} s of {budget_s:g}) $ {entry['command']}",
+                      flush=True)
+                start = time.monotonic()
+                code, cut = run_part(command, env, left, part.stop)
+                entry.update(seconds=round(time.monotonic() - start, 1), exit=code,
+                             status="cut" if cut else "done" if code == 0 else "failed")
+                if part.name in TEST_PARTS:
+                    try:
+                        summary = summarize_tests(out / f"{part.name}.xml", out, entry["command"], interrupted=cut,
+                                                  commit=env.get("RHYMERL_COMMIT"), name=part.name)
+                        entry["tests"] = {k: summary[k] for k in ("passed", "failed", "error", "skipped")}
+                        if summary["passed"] + summary["failed"] + summary["error"] == 0:
+                            entry["reason"] = ("cut before a test ended (collecting the suite takes about 20 s)" if cut
+                                               else "no test ran (all skipped: no CUDA?)")
+                    except NotReady as exc:
+                        entry["reason"] = str(exc)
+            entry["files"] = sorted(p.name for p in out.iterdir() if p.is_file() and p.stat().st_mtime >= since
+                                    and not p.name.startswith(("campaign.", SIDE.name)))
+            record["parts"].append(entry)
+            write_campaign(out, record)
+            print(f"=== {part.name}: {entry['status']} ({entry.get('seconds', 0):.0f} s): {' '.join(entry['files'])}",
+                  flush=True)
+            if side is not None:
+                record["parts"].append(join_side(side, out))
+                side = None
+                write_campaign(out, record)
+            if copy_to:
+                copy_results(out, run_since, copy_to)
+    finally:  # stopped (a time limit's SIGTERM) while SIDE ran: it ends with the launcher
+        if side is not None and side["child"].poll() is None:
+            os.killpg(side["child"].pid, signal.SIGKILL)
     return record
+
+
+def start_side(out: Path, env: dict, started: float, budget_s: float) -> dict:
+    """Starts SIDE in the background (its output to <out>/drafter_host.log); join_side
+    waits for it until its share of the budget has passed."""
+    command = PY + SIDE.args + ["--out", relative(out)]
+    print(f"\n=== {SIDE.name} (beside {SIDE_BESIDE}, until {SIDE.ends_at * budget_s:.0f} s) $ {shown(command)}",
+          flush=True)
+    with open(out / f"{SIDE.name}.log", "w") as log:
+        child = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=log,
+                                 stderr=subprocess.STDOUT)
+    return dict(child=child, command=shown(command), since=time.time(), start=time.monotonic(),
+                deadline=started + SIDE.ends_at * budget_s, ends_by_s=round(SIDE.ends_at * budget_s))
+
+
+def join_side(side: dict, out: Path) -> dict:
+    """SIDE's campaign entry once it has ended (cut at its deadline: SIGTERM, then killed)."""
+    child = side["child"]
+    cut = False
+    try:
+        code = child.wait(max(1.0, side["deadline"] - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        cut = True
+        child.terminate()
+        try:
+            code = child.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            code = child.wait()
+    entry = dict(name=SIDE.name, command=side["command"], ends_by_s=side["ends_by_s"], beside=SIDE_BESIDE,
+                 seconds=round(time.monotonic() - side["start"], 1), exit=code,
+                 status="cut" if cut else "done" if code == 0 else "failed",
+                 files=sorted(p.name for p in out.iterdir() if p.is_file() and p.name.startswith(SIDE.name)
+                              and p.stat().st_mtime >= side["since"]))
+    print(f"=== {SIDE.name}: {entry['status']} ({entry['seconds']:.0f} s): {' '.join(entry['files'])}", flush=True)
+    return entry
 
 
 def write_campaign(out: Path, record: dict) -> None:

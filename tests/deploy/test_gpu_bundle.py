@@ -170,7 +170,8 @@ def test_the_campaign_rehearses_every_part_on_the_cpu(bundle, tmp_path):
     """`launch.py campaign --dry-run` in the GPU-like Python, offline: the environment
     check, then each part of the GPU window (engine steps, the cost probe, the speedup
     sweep over a policy widened to a tiny shape, e2e with widened pushes, the GPU tier)
-    on the CPU with tiny shapes; every part's results reach --copy-to, marked dry runs.
+    on the CPU with tiny shapes, and the drafter's host replays beside the cost probe; every
+    part's results reach --copy-to, marked dry runs.
     If this fails, the one call of the next GPU window would fail the same way."""
     from benchmarks.tiny_llm import train_sft
     from services.rollout.loader import init_random_model
@@ -192,8 +193,12 @@ def test_the_campaign_rehearses_every_part_on_the_cpu(bundle, tmp_path):
         json.loads((tmp_path / "copy" / "campaign.json").read_text())
     record = json.loads((tmp_path / "back" / "campaign.json").read_text())
     assert [(p["name"], p["status"]) for p in record["parts"]] == [
-        ("gpu_check", "done"), ("engine_steps", "done"), ("cost_probe", "done"), ("spec_sweep", "done"), ("e2e", "done"),
-        ("gpu_tests", "done")], done.stdout[-4000:]
+        ("gpu_check", "done"), ("engine_steps", "done"), ("cost_probe", "done"), ("drafter_host", "done"),
+        ("spec_sweep", "done"), ("e2e", "done"), ("gpu_tests", "done")], done.stdout[-4000:]
+    # beside the cost probe: the compiled drafter's replays on this CPU, from the bundle's Python
+    host = json.loads((tmp_path / "back" / "drafter_host.json").read_text())
+    assert host["rounds"] == 3 and all(r["drafts_different_from_recorded"] == 0
+                                       for r in host["replays"][0]["compiled"])
     for name in ("engine_steps", "cost_probe", "spec_sweep"):
         assert json.loads((tmp_path / "back" / f"{name}.json").read_text())["dry_run"] is True
     sweep = json.loads((tmp_path / "back" / "spec_sweep.json").read_text())

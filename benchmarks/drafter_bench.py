@@ -28,7 +28,6 @@ trace set is replayed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -47,7 +46,7 @@ from benchmarks.peers.suffix_decoding import (
     load_peer,
 )
 from benchmarks.provenance import cpu_name, git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 from services.rollout.drafter import DrafterConfig, HistoDrafter
 from services.rollout.drafter.compiled import CompiledDrafter
 from services.rollout.engine.cost_model import CostModel
@@ -317,10 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     text = "\n\n".join(_section(s) for s in trace_sets)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "drafter.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "drafter.md").write_text(_markdown(summary, text))
+    write_results(args.out, "drafter", summary, _markdown(summary, text))
     return summary
 
 
@@ -364,9 +360,7 @@ def _trees_only(sets, peer, peer_note: str, command: str, started: float, load_b
             + "\n\nThe drafter's propose per sequence and step on the tail (thread CPU time, steps with at most "
             f"{R.TAIL_BATCH} sequences):\n\n" + "\n".join(timing))
     print(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "drafter_trees.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "drafter_trees.md").write_text(
+    write_results(out, "drafter_trees", summary,
         f"# Draft trees on the replay's tail\n\nCommand: `{command}` (OMP_NUM_THREADS=1), commit "
         f"{summary['git_commit']}, CPU: {summary['cpu']}, wall {summary['wall_s']:.0f} s. Peer: "
         f"{summary['peer']['name']}, {peer_note}.\n\nThe lockstep replay of drafter.md; `tail` = the steps "

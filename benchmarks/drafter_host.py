@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import pickle
 import platform
@@ -32,7 +31,7 @@ from benchmarks import drafter_replay as R
 from benchmarks import drafter_steps as S
 from benchmarks.drafter_bench import COMMITTED
 from benchmarks.provenance import cpu_name, git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 from services.rollout.drafter import DrafterConfig
 from services.rollout.drafter.compiled import CompiledDrafter
 from services.rollout.engine.cost_model import CostModel
@@ -130,10 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     text = table(replays)
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "drafter_host.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "drafter_host.md").write_text(
+    write_results(args.out, "drafter_host", summary,
         f"# The compiled drafter against issue 24's targets\n\nCommand: `{summary['command']}`, commit "
         f"{summary['git_commit']}, CPU: {summary['cpu']} ({summary['cores']} cores), Python {summary['python']}, "
         f"1-min load {load_before:.1f} -> {summary['load_average_1min'][1]:.1f}. Thread CPU time, net of the "

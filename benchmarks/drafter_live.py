@@ -18,7 +18,6 @@ replay on the H100 prior, so drafted/verify differs by design; the acceptance ra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from benchmarks import drafter_replay as R
 from benchmarks.provenance import cpu_name, git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 from benchmarks.tiny_llm.checkpoint import ensure_model
 from benchmarks.tiny_llm.examples import load_example
 from services.local import LocalCluster
@@ -117,10 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
                "load_average_1min": [load_before, os.getloadavg()[0]],
                "settings": {"steps": args.steps, "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens}}
     print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "drafter_live.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "drafter_live.md").write_text(
+    write_results(args.out, "drafter_live", summary,
         f"# Drafter, live vs replay\n\nCommand: `{summary['command']}`, commit {summary['git_commit']}, "
         f"CPU {summary['cpu']}, load {load_before:.1f} -> {summary['load_average_1min'][1]:.1f} on "
         f"{os.cpu_count()} shared cores. {args.steps} GRPO steps x {args.prompts} prompts x {args.n} samples, "

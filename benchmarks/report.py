@@ -1,8 +1,18 @@
-"""Markdown tables for benchmarks/results/*.md."""
+"""Markdown tables for benchmarks/results/*.md, and writing a result's pair of files."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
+
+
+def write_results(out: str | Path, name: str, summary: dict, markdown: str) -> None:
+    """<out>/<name>.json (the summary) and <out>/<name>.md, the folder made if needed."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
 
 
 def markdown_table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> str:

@@ -14,7 +14,9 @@ GPU machine's CPU, where the drafter runs in production, beside its first part.
 Writes drafter_host.{md,json}: per replay and round, `drafter_replay.step_summary`'s
 figures (µs per sequence per step over the steps with >= 16 sequences, the step's ms with
 >= 100, the one-sequence step's p99), and the engine log's drafts checked against the
-recorded ones.
+recorded ones. (The log was recorded on Python 3.11. On 3.12, the GPU machine's, the core
+sums floats as 3.12's sum() does, as the reference does there, so a draft may differ from
+the log where a rounding decides it: counted in `drafts_different_from_recorded`.)
 """
 
 from __future__ import annotations

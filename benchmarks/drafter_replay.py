@@ -237,7 +237,7 @@ class CrossingFloor:
         from services.rollout.drafter.compiled import CompiledDrafter
 
         self._real = real = CompiledDrafter(DrafterConfig())
-        self._cross = partial(real._lib.rhd_global_tokens, real._handle)  # returns a counter: no work
+        self._cross = partial(real._lib.rhd_global_tokens, real._handle)  # (adds up two counters)
         for name in ("start_request", "stop_request", "load_history", "memory_tokens", "memory_bytes",
                      "release_prompt", "add_global_responses"):
             setattr(self, name, getattr(real, name))

@@ -13,6 +13,7 @@ CPU = [
     ["benchmarks.peers.build_suffix_decoding"],
     ["benchmarks.drafter_bench", "--traces", "benchmarks/data/tiny_grpo_service.npz",
      "benchmarks/data/tiny_grpo_service_t07.npz", "benchmarks/data/smollm2_grpo.npz"],
+    ["benchmarks.drafter_host"],  # issue 24's targets for the compiled core, every round (seconds)
     ["benchmarks.drafter_live"],
     ["benchmarks.scheduler_bench", "--live", "--extra"],
     ["benchmarks.prediction_limit"],

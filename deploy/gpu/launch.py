@@ -90,6 +90,7 @@ CAMPAIGN = [
 # command in a dry run). It may run on past the probe until its own share.
 SIDE = Part("drafter_host", ["-m", "benchmarks.drafter_host", "--rounds", "3"], 0.45)
 SIDE_BESIDE = "cost_probe"
+SIDE_DRY_RUN = ["-m", "benchmarks.drafter_host", "--rounds", "1"]  # (the rehearsal: the command, once)
 # --dry-run (the CPU rehearsal): the same parts, tiny shapes, a checkpoint given by --model-dir.
 DRY_RUN = {
     "gpu_check": ["-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider", *GPU_CHECK],
@@ -261,7 +262,7 @@ def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path 
                 entry.update(status="skipped", reason=f"{max(left, 0):.0f} s left of its slice")
             else:
                 if part.name == SIDE_BESIDE:
-                    side = start_side(out, env, started, budget_s)
+                    side = start_side(out, env, started, budget_s, dry_run)
                 print(f"\n=== {part.name} (until {entry['ends_by_s']} s of {budget_s:g}) $ {entry['command']}",
                       flush=True)
                 start = time.monotonic()
@@ -296,10 +297,10 @@ def campaign(runtime, out: Path, budget_s: float, started: float, copy_to: Path 
     return record
 
 
-def start_side(out: Path, env: dict, started: float, budget_s: float) -> dict:
+def start_side(out: Path, env: dict, started: float, budget_s: float, dry_run: bool = False) -> dict:
     """Starts SIDE in the background (its output to <out>/drafter_host.log); join_side
     waits for it until its share of the budget has passed."""
-    command = PY + SIDE.args + ["--out", relative(out)]
+    command = PY + (SIDE_DRY_RUN if dry_run else SIDE.args) + ["--out", relative(out)]
     print(f"\n=== {SIDE.name} (beside {SIDE_BESIDE}, until {SIDE.ends_at * budget_s:.0f} s) $ {shown(command)}",
           flush=True)
     with open(out / f"{SIDE.name}.log", "w") as log:

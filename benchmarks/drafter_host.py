@@ -31,12 +31,9 @@ from pathlib import Path
 
 from benchmarks import drafter_replay as R
 from benchmarks import drafter_steps as S
-from benchmarks.drafter_bench import COMMITTED
+from benchmarks.drafter_bench import COMMITTED, RHYMERL, configs
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table, write_results
-from services.rollout.drafter import DrafterConfig
-from services.rollout.drafter.compiled import CompiledDrafter
-from services.rollout.engine.cost_model import CostModel
 
 ENGINE_LOG = "benchmarks/data/drafter_steps_grpo.pkl"
 # issue 24: (figure, bound), each in step_summary's units
@@ -76,7 +73,7 @@ def measure(rounds: int, sets: list[str]) -> list[dict]:
         traces = R.load_traces(path)
         loaded.append((traces, R.stop_token(traces)))
         replays.append({"replay": f"lockstep {Path(path).stem}", "source": path, "compiled": [], "floor": []})
-    ours = lambda: CompiledDrafter(DrafterConfig(cost_model=CostModel()))  # noqa: E731 (as drafter_bench's rhymerl)
+    ours = configs(None)[RHYMERL]  # the product configuration, as drafter_bench replays it
     for _ in range(rounds):  # round after round, every replay in each (a slow spell hits them all alike)
         gc.collect()
         replays[0]["compiled"].append(engine_log_round(log))

@@ -207,8 +207,19 @@ def run_part(command: list[str], env: dict, timeout_s: float, stop: int) -> tupl
     by a non-interactive shell has SIGINT ignored, children inherit that, and a Python
     started with SIGINT ignored never raises KeyboardInterrupt (pytest would not stop and
     write its report; it would be killed 30 s later with nothing kept)."""
-    child = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True,
-                             preexec_fn=lambda: signal.signal(stop, signal.SIG_DFL))
+    return finish_part(start_part(command, env, stop), timeout_s, stop)
+
+
+def start_part(command: list[str], env: dict, stop: int, stdout=None) -> subprocess.Popen:
+    """`command` started in its own process group, `stop` at its default disposition (run_part)."""
+    return subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=stdout,
+                            stderr=None if stdout is None else subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(stop, signal.SIG_DFL))
+
+
+def finish_part(child: subprocess.Popen, timeout_s: float, stop: int) -> tuple[int, bool]:
+    """Waits for a part started by start_part at most `timeout_s`, then stops it as run_part
+    says: (exit code, whether it was cut)."""
     cut = False
     try:
         code = child.wait(timeout_s)
@@ -304,26 +315,14 @@ def start_side(out: Path, env: dict, started: float, budget_s: float, dry_run: b
     print(f"\n=== {SIDE.name} (beside {SIDE_BESIDE}, until {SIDE.ends_at * budget_s:.0f} s) $ {shown(command)}",
           flush=True)
     with open(out / f"{SIDE.name}.log", "w") as log:
-        child = subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, stdout=log,
-                                 stderr=subprocess.STDOUT)
+        child = start_part(command, env, SIDE.stop, stdout=log)
     return dict(child=child, command=shown(command), since=time.time(), start=time.monotonic(),
                 deadline=started + SIDE.ends_at * budget_s, ends_by_s=round(SIDE.ends_at * budget_s))
 
 
 def join_side(side: dict, out: Path) -> dict:
-    """SIDE's campaign entry once it has ended (cut at its deadline: SIGTERM, then killed)."""
-    child = side["child"]
-    cut = False
-    try:
-        code = child.wait(max(1.0, side["deadline"] - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        cut = True
-        child.terminate()
-        try:
-            code = child.wait(5)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            code = child.wait()
+    """SIDE's campaign entry once it has ended (cut at its deadline as every part is: finish_part)."""
+    code, cut = finish_part(side["child"], max(1.0, side["deadline"] - time.monotonic()), SIDE.stop)
     entry = dict(name=SIDE.name, command=side["command"], ends_by_s=side["ends_by_s"], beside=SIDE_BESIDE,
                  seconds=round(time.monotonic() - side["start"], 1), exit=code,
                  status="cut" if cut else "done" if code == 0 else "failed",

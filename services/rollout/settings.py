@@ -29,6 +29,9 @@ class WorkerSettings(TLSSettings):
                                "docs/vllm.md).")
     vllm_gpu_memory_utilization: float = Field(0.3, description="vLLM's gpu_memory_utilization.")
     vllm_kv_cache_gib: int = Field(2, description="VLLM_CPU_KVCACHE_SPACE on vLLM's CPU build.")
+    vllm_enforce_eager: bool = Field(
+        False, description="vLLM's enforce_eager: no torch.compile and no CUDA graphs. Starts in seconds instead of "
+                           "minutes (the compile warm-up), at a slower step on a GPU.")
     vllm_multiprocessing: bool = Field(
         False, description="Run vLLM's engine core in a process of its own (vLLM's default). Not supported: the "
                            "vLLM worker runs it in-process, and turning this on is an error at start.")

@@ -4,8 +4,8 @@ models/smollm2-135m, reached through the scheduler with the SDK, as in a deploym
 
 If this fails, a checkpoint written by `make model-smollm2` is not one vLLM serves (its
 config, tokenizer-free ids, the chat model's stop token), or vLLM's greedy policy differs
-from the one our engine and transformers run. Slow: vLLM's compile warm-up for a
-30-layer model takes minutes on a busy 2-core machine.
+from the one our engine and transformers run. vLLM runs eager (VLLM_ENFORCE_EAGER): its
+compile warm-up for a 30-layer model takes minutes on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ def test_vllm_worker_serves_the_real_checkpoint_with_our_greedy_output(checkpoin
     expected = our_greedy(checkpoint, prompts)
     cluster = LocalCluster(model_dir=str(checkpoint), num_workers=1, chunk_tokens=8, log_dir=tmp_path / "logs",
                            extra_env={"RHYMERL_WORKER_ENGINE": "vllm", "RHYMERL_WORKER_MAX_DRAFT_LEN": "4",
-                                      "RHYMERL_WORKER_MAX_NUM_SEQS": "16"})
+                                      "RHYMERL_WORKER_MAX_NUM_SEQS": "16",
+                                      # vLLM's compile warm-up of 30 layers: ~110 s here, eager ~6 s
+                                      "RHYMERL_WORKER_VLLM_ENFORCE_EAGER": "true"})
     cluster.start(timeout_s=800)
     try:
         with RolloutClient(cluster.scheduler_address, timeout_s=600) as client:

@@ -32,7 +32,9 @@ def cluster(tmp_path_factory):
     model = save_tiny_vllm_model(tmp / "model")
     c = LocalCluster(model_dir=str(model), num_workers=2, policy="rhymerl", chunk_tokens=8, log_dir=tmp / "logs",
                      extra_env={"RHYMERL_WORKER_ENGINE": "vllm", "RHYMERL_WORKER_MAX_DRAFT_LEN": "4",
-                                "RHYMERL_WORKER_MAX_NUM_SEQS": "32"},
+                                "RHYMERL_WORKER_MAX_NUM_SEQS": "32",
+                                # no compile warm-up (minutes on 2 cores); the sampler tests keep it
+                                "RHYMERL_WORKER_VLLM_ENFORCE_EAGER": "true"},
                      worker_env={"worker-1": {"RHYMERL_WORKER_SPECULATIVE": "false"}})
     c.start(timeout_s=400)
     yield c

@@ -23,6 +23,7 @@ def engine_args(settings, proposer: str | None) -> dict:
                 max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
                 gpu_memory_utilization=settings.vllm_gpu_memory_utilization,
                 distributed_executor_backend="uni", enable_prefix_caching=True, seed=0,
+                enforce_eager=settings.vllm_enforce_eager,
                 # temperature-scaled: rhymerl's logprobs (engine.check_logprobs_mode), vLLM's raw are not
                 logprobs_mode="processed_logprobs")
     k = settings.max_draft_len

@@ -94,6 +94,14 @@ def test_vllm_engine_core_process_is_refused_naming_the_setting(monkeypatch):
         WorkerSettings(engine="vllm")
 
 
+def test_enforce_eager_reaches_vllm_from_the_environment_and_is_off_by_default(monkeypatch):
+    from services.rollout.vllm_engine.builder import engine_args
+
+    assert engine_args(WorkerSettings(engine="vllm"), None)["enforce_eager"] is False
+    monkeypatch.setenv("RHYMERL_WORKER_VLLM_ENFORCE_EAGER", "true")
+    assert engine_args(WorkerSettings(engine="vllm"), "rhymerl")["enforce_eager"] is True
+
+
 def test_vllm_workers_get_intel_openmp_preloaded_once(monkeypatch, tmp_path):
     # without it vLLM's speculative steps on the CPU wait on two OpenMP runtimes (docs/vllm.md)
     from services.rollout.vllm_engine.builder import intel_openmp_env

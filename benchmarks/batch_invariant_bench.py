@@ -23,7 +23,6 @@ disturb far less than wall time; on the GPU it is wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from benchmarks.engine_run import ContinuationDrafter
 from benchmarks.provenance import cpu_name, git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 from services.rollout.engine import CostModel, EngineRequest, LLMEngine, run_to_completion
 from services.rollout.loader import init_random_model
 from services.rollout.models.config import ModelConfig
@@ -174,9 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{max(c['max_abs_diff'].values()):.2e})" for c in checks],
         "", "\"same tokens\": samples whose tokens are identical in both modes (the modes differ in the "
         "last bits of the logits, so a sampled token may flip where two scores nearly tie)."])
-    (out / "batch_invariant.md").write_text(text + "\n")
-    (out / "batch_invariant.json").write_text(json.dumps(dict(**meta, rows=rows, checks=checks,
-                                                             batch_invariant_mode=section), indent=2) + "\n")
+    write_results(out, "batch_invariant", dict(**meta, rows=rows, checks=checks, batch_invariant_mode=section),
+                  text + "\n")
     print(text)
     return section
 

@@ -15,7 +15,6 @@ each shape.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import signal
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.provenance import cpu_name, git_commit
+from benchmarks.report import write_results
 from services.common.cost_curve import H100_CURVES
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         del weights
         if device == "cuda":
             torch.cuda.empty_cache()
-        (out / "cost_probe.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / "cost_probe.md").write_text(markdown(result))
+        write_results(out, "cost_probe", result, markdown(result))
         print(f"{shape}: {entry['ms']}", flush=True)
     print(markdown(result))
     return 0

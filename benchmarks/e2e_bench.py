@@ -40,7 +40,6 @@ what it measured). Exits non-zero if no epoch completed or a sample was lost.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -50,7 +49,7 @@ import time
 from pathlib import Path
 
 from benchmarks.provenance import cpu_name, git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 from benchmarks.tiny_llm.checkpoint import ensure_model
 from benchmarks.tiny_llm.examples import load_example
 from benchmarks.tiny_llm.paired_client import PairedClient, TimedStep, identical_share
@@ -182,10 +181,7 @@ def _fmt(x, spec: str = "{:.2f}") -> str:
 
 def write(out: Path, result: dict) -> None:
     """e2e.{json,md}; e2e_smollm2.{json,md} for the real pretrained policy."""
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "e2e_smollm2" if result.get("task") == "words" else "e2e"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(result))
+    write_results(out, "e2e_smollm2" if result.get("task") == "words" else "e2e", result, markdown(result))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,6 @@ measure is null and named in "not_measured".
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from benchmarks.engine_grpo import grpo_part, trained_policy
 from benchmarks.engine_random_model import TINY, cpu_part
 from benchmarks.engine_report import HEADLINE, device_name, markdown, summarize
 from benchmarks.provenance import git_commit
+from benchmarks.report import write_results
 from services.rollout.loader import init_random_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -78,11 +78,9 @@ def main(argv: list[str] | None = None) -> dict:
                 command="python -m benchmarks.engine_bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     summary = summarize(args.device, rows, grpo, invariance)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     text = markdown(meta, summary, rows)
-    (out / "engine.md").write_text(text)
     result = dict(**meta, **summary, rows=rows)
-    (out / "engine.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_results(out, "engine", result, text)
     print(text)
     unmeasured = [k for k in HEADLINE if result.get(k) is None or result[k] == {} or (
         isinstance(result[k], dict) and None in result[k].values())]

@@ -73,7 +73,7 @@ import torch
 
 from benchmarks.engine_run import ContinuationDrafter
 from benchmarks.provenance import REPO, cpu_name, git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _clock = time.thread_time
@@ -351,9 +351,7 @@ def main() -> None:
                    ("after + deferred", "host_deferred", "{:.3f}"), ("/ before", "share_deferred", "{:.0%}"),
                    ("without draft: before", "bookkeeping_before", "{:.3f}"),
                    ("after", "bookkeeping", "{:.3f}"), ("speedup", "bookkeeping_speedup", "{:.2f}x")]))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_host.md").write_text("\n\n".join(text) + "\n")
-    (args.out / "engine_host.json").write_text(json.dumps(dict(**meta, rows=rows, before=before), indent=2) + "\n")
+    write_results(args.out, "engine_host", dict(**meta, rows=rows, before=before), "\n\n".join(text) + "\n")
     print("\n\n".join(text[3:]))
 
 

@@ -18,7 +18,6 @@ of any case; null on the CPU dry run, which has no device to wait for).
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from benchmarks.engine_gpu_steps import CASES, gpu_part, qwen_shape
 from benchmarks.engine_random_model import TINY
 from benchmarks.provenance import cpu_name, git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COLUMNS = [("model", "model", "{}"), ("batch", "batch", "{}"), ("draft", "draft", "{}"), ("step ms", "step_ms", "{}"),
@@ -103,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         counted = [r["syncs"] for r in raw if r.get("syncs") is not None]
         if counted:
             result.update(syncs_per_step=max(counted), syncs_per_step_reason=None)
-        (out / "engine_steps.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / "engine_steps.md").write_text(markdown(result))
+        write_results(out, "engine_steps", result, markdown(result))
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # a time limit: keep what is written
     if args.dry_run:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import signal
 import sys
@@ -64,7 +63,7 @@ import torch
 from benchmarks.engine_grpo import TRACES, grpo_requests
 from benchmarks.engine_run import ContinuationDrafter, run_engine
 from benchmarks.provenance import cpu_name, git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 from services.rollout.drafter import DrafterConfig
 from services.rollout.drafter.compiled import make_drafter
 from services.rollout.engine import CostModel, LLMEngine
@@ -354,9 +353,7 @@ def no_verdict(row: dict) -> str | None:
 
 def write(out: Path, result: dict) -> None:
     result["targets"] = targets(result["rows"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "spec_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "spec_sweep.md").write_text(markdown(result))
+    write_results(out, "spec_sweep", result, markdown(result))
 
 
 def parse_shape(text: str) -> tuple[str, Shape]:

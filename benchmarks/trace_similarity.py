@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.provenance import git_commit
-from benchmarks.report import markdown_table
+from benchmarks.report import markdown_table, write_results
 from benchmarks.tiny_llm.examples import load_example
 from services.common.traces import TraceRecord, read_traces
 
@@ -191,10 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "Where each trace file comes from: benchmarks/data/README.md.",
         *md_sections,
     ]
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "similarity.md").write_text("\n".join(md) + "\n")
-    (out_dir / "similarity.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_results(args.out_dir, "similarity", results, "\n".join(md) + "\n")
     return results
 
 

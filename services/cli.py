@@ -11,29 +11,47 @@ import logging
 
 import typer
 
+from services.common.grpc_server import service_up
 from services.common.settings_cli import settings_command
 from services.history.settings import HistorySettings
 from services.rollout.settings import WorkerSettings
 from services.router.settings import RouterSettings
 from services.scheduler.settings import SchedulerSettings
 
+log = logging.getLogger("rhymerl")
+
+
+def serve_or_say_why(name: str, serve) -> None:
+    """Runs the service's ``serve`` coroutine. What stops it before it serves (a port in
+    use, a model that does not load, a store it cannot reach) is said in one line and
+    exit status 1, the traceback at --log-level debug; a failure once it served keeps its
+    traceback (the log's business)."""
+    try:
+        asyncio.run(serve)
+    except Exception as exc:  # noqa: BLE001 - any failure before serving
+        if service_up():
+            raise
+        log.debug("%s could not start", name, exc_info=True)
+        raise SystemExit(f"Error: rhymerl {name} could not start: {type(exc).__name__}: {exc} "
+                         "(--log-level debug shows where)") from None
+
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="rhymerl rollout service: each sub-command is one process; --help lists its settings.")
-log = logging.getLogger("rhymerl")
 
 
 @settings_command(app, "history", HistorySettings, "Run the history service (earlier rollouts per prompt, in Redis).")
 def history(settings: HistorySettings) -> None:
     from services.history.server import serve
 
-    asyncio.run(serve(settings))
+    serve_or_say_why("history", serve(settings))
 
 
 @settings_command(app, "scheduler", SchedulerSettings, "Run the scheduler (trainers submit steps to it).")
 def scheduler(settings: SchedulerSettings) -> None:
     from services.scheduler.server import serve
 
-    asyncio.run(serve(settings))
+    serve_or_say_why("scheduler", serve(settings))
 
 
 @settings_command(app, "router", RouterSettings,
@@ -41,7 +59,7 @@ def scheduler(settings: SchedulerSettings) -> None:
 def router(settings: RouterSettings) -> None:
     from services.router.server import serve
 
-    asyncio.run(serve(settings))
+    serve_or_say_why("router", serve(settings))
 
 
 @settings_command(app, "worker", WorkerSettings, "Run a rollout worker (loads the policy, serves WorkerService).")
@@ -54,7 +72,7 @@ def worker(settings: WorkerSettings) -> None:
 
     try:
         check_drafter(settings)  # before the model loads: one line, no traceback
-        asyncio.run(serve(settings))
+        serve_or_say_why("worker", serve(settings))
     except DrafterLibraryError as exc:
         raise SystemExit(f"rhymerl worker: {exc}") from None
 

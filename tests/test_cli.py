@@ -94,6 +94,30 @@ def test_bad_values_are_refused_naming_the_option_and_variable(toy):
     assert not got
 
 
+@pytest.mark.parametrize("command,env,says", [
+    ("scheduler", {"RHYMERL_SCHEDULER_PORT": "70000"}, "--port (RHYMERL_SCHEDULER_PORT): Input should be less"),
+    ("worker", {"RHYMERL_WORKER_PORT": "-1"}, "--port (RHYMERL_WORKER_PORT): Input should be greater"),
+    ("router", {"RHYMERL_ROUTER_METRICS_PORT": "65536"}, "--metrics-port (RHYMERL_ROUTER_METRICS_PORT)"),
+    ("scheduler", {"RHYMERL_SCHEDULER_WORKERS": "garbage::"}, "'garbage::' is not host:port"),
+    ("scheduler", {"RHYMERL_SCHEDULER_MAX_SAMPLES_IN_FLIGHT": "0"}, "RHYMERL_SCHEDULER_MAX_SAMPLES_IN_FLIGHT"),
+    ("scheduler", {"RHYMERL_SCHEDULER_CHUNK_TOKENS": "-5"}, "RHYMERL_SCHEDULER_CHUNK_TOKENS"),
+    ("scheduler", {"RHYMERL_SCHEDULER_MAX_ATTEMPTS": "0"}, "RHYMERL_SCHEDULER_MAX_ATTEMPTS"),
+    ("worker", {"RHYMERL_WORKER_BLOCK_SIZE": "0"}, "RHYMERL_WORKER_BLOCK_SIZE"),
+    ("worker", {"RHYMERL_WORKER_MAX_NUM_SEQS": "0"}, "RHYMERL_WORKER_MAX_NUM_SEQS"),
+    ("worker", {"RHYMERL_WORKER_MAX_DRAFT_LEN": "-1"}, "RHYMERL_WORKER_MAX_DRAFT_LEN"),
+    ("worker", {"RHYMERL_WORKER_DEVICE": "tpu"}, "--device (RHYMERL_WORKER_DEVICE): String should match"),
+    # the TLS pair, named by the service's own variables (a shared settings class says them)
+    ("scheduler", {"RHYMERL_SCHEDULER_TLS_CERT_FILE": "/x"}, "(RHYMERL_SCHEDULER_TLS_CERT_FILE, "
+                                                             "RHYMERL_SCHEDULER_TLS_KEY_FILE) must be set together"),
+    ("worker", {"RHYMERL_WORKER_TLS_CERT_FILE": "/nonexistent.crt", "RHYMERL_WORKER_TLS_KEY_FILE": "/x.key"},
+     "--tls-cert-file (RHYMERL_WORKER_TLS_CERT_FILE): no such file: /nonexistent.crt"),
+])
+def test_a_service_with_a_bad_setting_exits_at_once_with_one_line_naming_its_variable(command, env, says):
+    result = CliRunner().invoke(app, [command], env=env, terminal_width=400)
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "Traceback" not in result.output, result.output
+
+
 @pytest.mark.parametrize("option,value", [("--batch-invariant", None), ("--num-kv-blocks", "512"),
                                           ("--block-size", "32"), ("--no-measure-cost", None)])
 def test_a_setting_vllm_never_reads_is_refused_with_engine_vllm_naming_it(option, value, monkeypatch):

@@ -34,7 +34,11 @@ CHANNEL_OPTIONS = [
 # Servers accept the clients' keepalive pings above: gRPC's default (one per 5 minutes
 # without data) answers them with GOAWAY "too_many_pings", dropping idle-then-busy
 # connections (a worker's Run stream among them).
-SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+# Not grpc.so_reuseport (on by default in gRPC's Python server): with it a second process
+# started on a port in use binds it too and the kernel splits the connections between the
+# two (a second history service with a store of its own, a second worker). Off, it fails.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                                    ("grpc.so_reuseport", 0)]
 
 
 class Server:
@@ -68,17 +72,24 @@ class Server:
         self.health_port = health_port
         self.health_server: grpc.aio.Server | None = None
         if self.credentials is not None and health_port:
-            self.health_server = grpc.aio.server()
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
 
     async def start(self, host: str, port: int) -> int:
         address = f"{host}:{port}"
-        self.port = (self.server.add_secure_port(address, self.credentials) if self.credentials
-                     else self.server.add_insecure_port(address))
+        try:
+            self.port = (self.server.add_secure_port(address, self.credentials) if self.credentials
+                         else self.server.add_insecure_port(address))
+        except RuntimeError:  # gRPC's "Failed to bind", which names no cause
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {host}:{port}")
+            raise RuntimeError(f"could not bind {address}: is another process serving on it?")
         if self.health_server is not None:
-            self.health_port = self.health_server.add_insecure_port(f"{host}:{self.health_port}")
+            try:
+                self.health_port = self.health_server.add_insecure_port(f"{host}:{self.health_port}")
+            except RuntimeError:
+                raise RuntimeError(f"could not bind the health port {host}:{self.health_port}: is another process "
+                                   "serving on it?") from None
             await self.health_server.start()
         await self.server.start()
         await self.set_serving(True)
@@ -105,8 +116,19 @@ class Server:
             await self.health_server.stop(0)
 
 
+_up = False  # this process's service has started (it reached run_until_signal)
+
+
+def service_up() -> bool:
+    """Whether this process's service got as far as serving: a failure before that is
+    a start-up failure (the command line says it in one line, settings_cli.py)."""
+    return _up
+
+
 async def run_until_signal(stop: Callable[[], Awaitable[None]]) -> None:
     """Waits for SIGTERM or SIGINT, then awaits ``stop`` (drain, deregister, close)."""
+    global _up
+    _up = True
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

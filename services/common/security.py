@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings
 
 
@@ -59,7 +59,19 @@ class TLSSettings(BaseSettings):
     tls_server_name: str = Field("", description="The name in the services' certificate (peers are reached by IP); "
                                                  "empty: the address.")
     # Kubernetes probes cannot speak TLS.
-    health_port: int = Field(0, description="With TLS: a plaintext port serving only grpc.health.v1; 0: none.")
+    health_port: int = Field(0, ge=0, le=65535, description="With TLS: a plaintext port serving only grpc.health.v1; 0: none.")
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> "TLSSettings":
+        prefix = self.model_config.get("env_prefix", "")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError(f"--tls-cert-file and --tls-key-file ({prefix}TLS_CERT_FILE, {prefix}TLS_KEY_FILE) "
+                             "must be set together")
+        for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"--{name.replace('_', '-')} ({prefix}{name.upper()}): no such file: {path}")
+        return self
 
     def tls(self) -> TLSConfig:
         return TLSConfig(self.tls_cert_file, self.tls_key_file, self.tls_ca_file, self.tls_server_name)

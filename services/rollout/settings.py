@@ -18,17 +18,18 @@ class WorkerSettings(TLSSettings):
     model_config = SettingsConfigDict(env_prefix="RHYMERL_WORKER_", protected_namespaces=())
 
     host: str = Field("0.0.0.0", description="Interface the gRPC server binds.")
-    port: int = Field(50061, description="gRPC port of WorkerService.")
-    metrics_port: int = Field(9161, description="Prometheus /metrics port; 0 turns the endpoint off.")
+    port: int = Field(50061, ge=0, le=65535, description="gRPC port of WorkerService.")
+    metrics_port: int = Field(9161, ge=0, le=65535, description="Prometheus /metrics port; 0 turns the endpoint off.")
     id: str = Field("", description="Worker id, unique in the fleet; empty: <hostname>:<port>.")
     advertise_address: str = Field("", description="Where the scheduler reaches this worker; empty: <hostname>:<port>.")
     model_path: str = Field("", description="A Hugging Face-format checkpoint directory (config.json + *.safetensors).")
-    device: str = Field("auto", description="auto (cuda when there is a GPU), cpu, cuda or cuda:N.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+                        description="auto (cuda when there is a GPU), cpu, cuda or cuda:N.")
     engine: Literal["rhymerl", "vllm"] = Field(
         "rhymerl", description="rhymerl (its own engine) or vllm (vLLM's V1 engine, `make install-vllm`; "
                                "docs/vllm.md).")
-    vllm_gpu_memory_utilization: float = Field(0.3, description="vLLM's gpu_memory_utilization.")
-    vllm_kv_cache_gib: int = Field(2, description="VLLM_CPU_KVCACHE_SPACE on vLLM's CPU build.")
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's gpu_memory_utilization.")
+    vllm_kv_cache_gib: int = Field(2, ge=1, description="VLLM_CPU_KVCACHE_SPACE on vLLM's CPU build.")
     vllm_enforce_eager: bool = Field(
         False, description="vLLM's enforce_eager: no torch.compile and no CUDA graphs. Starts in seconds instead of "
                            "minutes (the compile warm-up), at a slower step on a GPU.")
@@ -37,12 +38,12 @@ class WorkerSettings(TLSSettings):
                            "vLLM worker runs it in-process, and turning this on is an error at start.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations; auto: the checkpoint's (float32 on a CPU).")
-    max_num_seqs: int = Field(256, description="Most sequences decoding at once (the batch).")
-    max_num_batched_tokens: int = Field(2048, description="Most tokens in one forward (prefill chunks + decode + drafts).")
-    num_kv_blocks: int = Field(0, description="KV-cache blocks; 0 sizes the cache from free memory.")
-    block_size: int = Field(16, description="Tokens per KV-cache block.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences decoding at once (the batch).")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens in one forward (prefill chunks + decode + drafts).")
+    num_kv_blocks: int = Field(0, ge=0, description="KV-cache blocks; 0 sizes the cache from free memory.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
     speculative: bool = Field(True, description="Draft from history and siblings, verified by the policy (lossless).")
-    max_draft_len: int = Field(16, description="Most draft tokens per sequence and verify step.")
+    max_draft_len: int = Field(16, ge=0, description="Most draft tokens per sequence and verify step.")
     drafter: Literal["compiled", "python"] = Field(
         "compiled", description="compiled: the history drafter's C++ core (built by `make install`; a worker "
                                 "without it refuses to start); python: the reference HistoDrafter, the same "
@@ -71,17 +72,17 @@ class WorkerSettings(TLSSettings):
                                "back off up to it.")
     history_address: str = Field(
         "", description="HistoryService for drafts from earlier epochs; empty: siblings and prompt only.")
-    history_epochs: int = Field(4, description="Earlier epochs of a prompt the drafter reads.")
+    history_epochs: int = Field(4, ge=0, description="Earlier epochs of a prompt the drafter reads.")
     global_recent_responses: int = Field(
-        512, description="At each step start, this many of the history service's most recent responses to any "
+        512, ge=0, description="At each step start, this many of the history service's most recent responses to any "
                          "prompt feed the drafter's global index; 0: own samples only.")
-    global_recent_tokens: int = Field(131072, description="At most this many tokens of those responses.")
+    global_recent_tokens: int = Field(131072, ge=0, description="At most this many tokens of those responses.")
     feed_tokens_per_step: int = Field(
         2048, ge=1, description="The drafter's global index takes at most this many tokens of finished and streamed "
                                 "responses per engine step, inserted while the step's forward runs (a longer "
                                 "response alone); with no request in flight, all at once (docs/architecture.md).")
-    drain_timeout_s: float = Field(60.0, description="On SIGTERM, seconds to finish running work before exiting.")
-    initial_version: int = Field(0, description="Policy version of the checkpoint at model_path.")
+    drain_timeout_s: float = Field(60.0, ge=0, description="On SIGTERM, seconds to finish running work before exiting.")
+    initial_version: int = Field(0, ge=0, description="Policy version of the checkpoint at model_path.")
     gc_thresholds: str = Field(
         "700,10,100", description="The worker process's garbage collector: once started, every object is frozen "
                                   "(gc.freeze: the model, imports, servers are never scanned again); rhymerl's engine "

@@ -14,8 +14,8 @@ class SchedulerSettings(TLSSettings):
     model_config = SettingsConfigDict(env_prefix="RHYMERL_SCHEDULER_")
 
     host: str = Field("0.0.0.0", description="Interface the gRPC server binds.")
-    port: int = Field(50051, description="gRPC port of RolloutService (trainers) and RegistryService (workers).")
-    metrics_port: int = Field(9091, description="Prometheus /metrics port; 0 turns the endpoint off.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port of RolloutService (trainers) and RegistryService (workers).")
+    metrics_port: int = Field(9091, ge=0, le=65535, description="Prometheus /metrics port; 0 turns the endpoint off.")
     history_address: str = Field(
         "localhost:50052",
         description="HistoryService address; empty disables history (no length prediction, no drafts from history).")
@@ -23,10 +23,10 @@ class SchedulerSettings(TLSSettings):
                                          "themselves).")
     policy: Literal[tuple(POLICIES)] = Field("static", description="Placement policy.")
     chunk_tokens: int = Field(
-        0, description="Divided rollout (seer, rhymerl): a request runs at most this many tokens per chunk; 0: the "
+        0, ge=0, description="Divided rollout (seer, rhymerl): a request runs at most this many tokens per chunk; 0: the "
                        "policy default. static and histopipe run whole requests.")
     worker_timeout_s: float = Field(
-        30.0, description="A worker silent this long (no heartbeat; a static worker: no answered poll) is dropped "
+        30.0, gt=0, description="A worker silent this long (no heartbeat; a static worker: no answered poll) is dropped "
                           "from the fleet (its work was re-queued when it missed its third beat).")
     heartbeat_s: float = Field(
         5.0, gt=0, description="The workers' heartbeat interval: every registered worker re-registers this often (the "
@@ -34,7 +34,7 @@ class SchedulerSettings(TLSSettings):
                                "marked lost (its chunks run elsewhere); static workers are polled this often instead. "
                                "Each beat costs the scheduler O(1).")
     health_port: int = Field(
-        50053, ge=0, description="Plaintext port of the scheduler's health process: grpc.health.v1 (liveness \"\" and "
+        50053, ge=0, le=65535, description="Plaintext port of the scheduler's health process: grpc.health.v1 (liveness \"\" and "
                                  "readiness, as on the gRPC port) answered by a process of its own, never waiting for "
                                  "the scheduler's busy event loop; what the kubelet's probes should ask, with or "
                                  "without TLS. 0: none (health on the gRPC port only).")
@@ -43,13 +43,13 @@ class SchedulerSettings(TLSSettings):
                                 "scheduler's event loop has not turned for this long: a hung scheduler is restarted "
                                 "by its liveness probe; lag shorter than this is not a failure. 0: never.")
     max_steps_retained: int = Field(
-        64, description="Finished steps kept in memory for idempotent re-submission (the oldest go first; the step "
+        64, ge=0, description="Finished steps kept in memory for idempotent re-submission (the oldest go first; the step "
                         "log still has them).")
     max_retained_bytes: int = Field(
-        512 * 1024 * 1024, description="At most this many bytes of memory for those steps (their samples, kept "
+        512 * 1024 * 1024, ge=0, description="At most this many bytes of memory for those steps (their samples, kept "
                                        "serialized and counted with their object overhead: what they really cost).")
     max_samples_in_flight: int = Field(
-        262_144, description="Most samples admitted and unfinished over all steps (RESOURCE_EXHAUSTED beyond): what "
+        262_144, ge=1, description="Most samples admitted and unfinished over all steps (RESOURCE_EXHAUSTED beyond): what "
                              "bounds the scheduler's memory (about 1 KiB per sample plus its tokens).")
     redis_url: str = Field(
         "", description="Redis for the step log: every finished sample is kept there, so a step re-submitted after a "
@@ -60,9 +60,9 @@ class SchedulerSettings(TLSSettings):
                         "worker that restarts after a push is brought to that version by the scheduler; a volume "
                         "that outlives the container keeps that working across scheduler restarts. Empty: a private "
                         "temporary directory, removed at exit.")
-    step_log_ttl_s: float = Field(86_400.0, description="How long a step's log outlives its last sample.")
+    step_log_ttl_s: float = Field(86_400.0, gt=0, description="How long a step's log outlives its last sample.")
     step_log_hold_s: float = Field(
-        30.0, description="While the step log's Redis does not answer, finished samples wait for it this long "
+        30.0, ge=0, description="While the step log's Redis does not answer, finished samples wait for it this long "
                           "(retried) before they go to the trainer unlogged: a sample the trainer saw unlogged is "
                           "generated again by a restarted scheduler, at another version after a push. 0: samples "
                           "never wait (Redis down: no log, as if none were configured).")
@@ -72,7 +72,7 @@ class SchedulerSettings(TLSSettings):
                                    "waits only for the chunks in flight; samples spanning it report per-token "
                                    "versions).")
     weight_push_stall_s: float = Field(
-        300.0, description="A weight push (or load) ends when it stops making progress this long: a trainer that "
+        300.0, gt=0, description="A weight push (or load) ends when it stops making progress this long: a trainer that "
                            "sends no chunk fails it (DEADLINE_EXCEEDED); a worker that takes no chunk, or does not "
                            "answer this long after the last one (checking and loading the weights), is left out of "
                            "it (it gets no work until brought to the version), and a push no worker took fails "
@@ -86,7 +86,7 @@ class SchedulerSettings(TLSSettings):
         "", description="Bearer tokens trainers must send to RolloutService (comma-separated; in Kubernetes from a "
                         "Secret). Empty: no auth (a trusted network only).")
     max_attempts: int = Field(
-        3, description="A sample whose chunk fails this many times (an engine error on it, a malformed result) "
+        3, ge=1, description="A sample whose chunk fails this many times (an engine error on it, a malformed result) "
                        "finishes as ABORT with the last error, instead of looping forever.")
     fair_share: Literal["matched", "equal", "work_conserving"] = Field(
         "matched", description="Sharing the worker slots between running steps (fair_share.py). matched: an equal "
@@ -94,7 +94,7 @@ class SchedulerSettings(TLSSettings):
                                "(a small step beside a huge one runs in small batches; the huge step slows down "
                                "meanwhile). equal: an equal split only. work_conserving: a step may take every slot "
                                "the others do not need (full batches, the most throughput).")
-    history_epochs: int = Field(4, description="Epochs of history used for length prediction.")
+    history_epochs: int = Field(4, ge=0, description="Epochs of history used for length prediction.")
     record_events: str = Field(
         "", description="A JSON-lines file every policy call and decision is appended to, for offline replay "
                         "(python -m services.scheduler.simulator.replay FILE); empty: not recorded.")
@@ -122,6 +122,15 @@ class SchedulerSettings(TLSSettings):
     @classmethod
     def _three_thresholds(cls, value: str) -> str:
         parse_thresholds(value, "gc_thresholds")
+        return value
+
+    @field_validator("workers")
+    @classmethod
+    def _host_ports(cls, value: str) -> str:
+        for entry in (w.strip() for w in value.split(",")):
+            host, _, port = entry.rpartition(":")
+            if entry and (not host or not port.isdigit() or not 1 <= int(port) <= 65535):
+                raise ValueError(f"{entry!r} is not host:port (a port in [1, 65535])")
         return value
 
     def gc_threshold_values(self) -> tuple[int, int, int] | None:

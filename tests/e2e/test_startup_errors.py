@@ -1,0 +1,77 @@
+"""A service that cannot start says why in one line and exits; one already serving on the
+port keeps it.
+
+Real `rhymerl` processes. A second process on a port in use used to bind it too (gRPC's
+Python server shares ports by default, SO_REUSEPORT) and the kernel split the
+connections between the two: two history services, each with a store of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.redis_server import free_port
+
+RHYMERL = [sys.executable, "-m", "services.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(args: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(RHYMERL + args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def serving(port: int, timeout_s: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with grpc.insecure_channel(f"localhost:{port}") as channel:
+            try:
+                answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+        time.sleep(0.2)
+    return False
+
+
+def one_error_line(stderr: str) -> str:
+    """The one line that says why (log lines before it are allowed; a traceback is not)."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+def test_a_second_service_on_a_port_in_use_exits_naming_it_and_the_first_keeps_serving():
+    port = free_port()
+    first = subprocess.Popen(RHYMERL + ["history", "--port", str(port), "--metrics-port", "0"], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert serving(port)
+        second = run(["history", "--port", str(port), "--metrics-port", "0"])
+        assert second.returncode == 1
+        line = one_error_line(second.stderr)
+        assert line.startswith("Error: rhymerl history could not start:") and f"0.0.0.0:{port}" in line, line
+        assert first.poll() is None and serving(port, 10.0)
+    finally:
+        first.terminate()
+        first.wait(timeout=30)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--model-path", "/nonexistent/model"], "/nonexistent/model/config.json"),
+    ([], "RHYMERL_WORKER_MODEL_PATH is required"),
+])
+def test_a_worker_that_cannot_load_its_model_says_why_in_one_line(args, says):
+    done = run(["worker", "--metrics-port", "0", "--port", str(free_port()), *args])
+    assert done.returncode == 1
+    assert says in one_error_line(done.stderr)

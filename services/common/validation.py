@@ -8,12 +8,18 @@ refuses (vLLM's logprobs modes) stays with that engine.
 from __future__ import annotations
 
 import math
+import struct
 
 from rhymerl.v1 import common_pb2
 
 from services.common.errors import InvalidArgument
 
 MAX_N = 4096
+# The smallest temperature sampled at (0 is greedy). Below it logits / T overflows float32
+# (from about 1e-38 every logprob came back NaN); vLLM turns temperatures under the same
+# 1e-5 into greedy decoding, which would leave a sample's logprobs unlike its T's: refused.
+MIN_TEMPERATURE = 1e-5
+_MIN_TEMPERATURE_F32 = struct.unpack("f", struct.pack("f", MIN_TEMPERATURE))[0]  # as SamplingParams' float carries it
 
 
 def check_sampling(p: common_pb2.SamplingParams, field: str = "sampling", vocab_size: int = 0) -> None:
@@ -30,6 +36,9 @@ def check_sampling_values(temperature: float, top_p: float, top_k: int, min_p: f
     prefix = f"{field}." if field else ""
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidArgument(f"must be a finite number >= 0, got {temperature}", f"{prefix}temperature")
+    if 0 < temperature < _MIN_TEMPERATURE_F32:
+        raise InvalidArgument(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature:g}",
+                              f"{prefix}temperature")
     if not 0.0 <= top_p <= 1.0:
         raise InvalidArgument(f"must be in [0, 1], got {top_p}", f"{prefix}top_p")
     if top_k < 0:

@@ -1,5 +1,6 @@
 """The request checks every boundary shares (services/common/validation.py)."""
 
+import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
@@ -9,6 +10,8 @@ from services.common.validation import check_length, check_sampling_values
 @pytest.mark.parametrize("kw,field", [
     (dict(temperature=float("nan")), "sampling.temperature"),
     (dict(temperature=-0.1), "sampling.temperature"),
+    (dict(temperature=1e-38), "sampling.temperature"),  # logits / T overflows: NaN logprobs
+    (dict(temperature=9e-6), "sampling.temperature"),
     (dict(top_p=1.5), "sampling.top_p"),
     (dict(top_k=-1), "sampling.top_k"),
     (dict(min_p=-0.1), "sampling.min_p"),
@@ -20,6 +23,11 @@ def test_each_out_of_range_value_names_its_field(kw, field):
     with pytest.raises(InvalidArgument, match=f"^{field}: ") as err:
         check_sampling_values(**args)
     assert err.value.field == field and isinstance(err.value, ValueError)
+
+
+def test_greedy_and_the_smallest_sampled_temperature_pass():
+    for temperature in (0.0, 1e-5, float(np.float32(1e-5)), 1.0, 100.0):  # (1e-5 as a proto's float32 too)
+        check_sampling_values(temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=8, min_tokens=0)
 
 
 def test_length_names_the_prompt_when_it_leaves_no_room_else_max_tokens():

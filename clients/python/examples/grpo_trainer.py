@@ -29,10 +29,11 @@ version the update was pushed as (`-> vN`).
 --record PATH writes every rollout as a trace file (a compressed .npz; layout in
 `write_traces` below, the same as services/common/traces.py reads), after every step,
 and keeps the run's state beside it (PATH.state.pt: the trained parameters, the
-optimizer, the trace so far). --resume continues such a run from its last finished step,
-against a fresh service: the policy it had reached is pushed first, and the epochs that
-follow are the ones the uninterrupted run would have made (a long recording can span
-several sittings).
+optimizer, the trace so far). PATH's directory is created if missing; a PATH that cannot
+be written fails before the first step, in one line. --resume continues such a run from
+its last finished step, against a fresh service: the policy it had reached is pushed
+first, and the epochs that follow are the ones the uninterrupted run would have made (a
+long recording can span several sittings).
 """
 
 # No `from __future__ import annotations`: a launcher may load this file with
@@ -40,7 +41,9 @@ several sittings).
 # @dataclass on Python < 3.12.
 import argparse
 import dataclasses
+import errno
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -229,6 +232,7 @@ def write_traces(path: str, rows: list[dict]) -> None:
         return np.concatenate([np.asarray(a, dtype=dtype) for a in arrays]) if arrays else np.zeros(0, dtype)
 
     prompts, responses = [r["prompt"] for r in rows], [r["response"] for r in rows]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{path}.tmp")  # renamed when whole: a run killed mid-write keeps the previous file
     with open(tmp, "wb") as f:
         np.savez_compressed(
@@ -258,11 +262,37 @@ def state_path(record: str) -> Path:
     return Path(f"{record}.state.pt")
 
 
+class RecordPathError(OSError):
+    """The trace file a run records to (or the run's state beside it) cannot be written."""
+
+
+def prepare_record_path(record: str) -> None:
+    """Before the first step (and any weight push): creates the directory of `record` when
+    it is missing, and checks that the trace and the run's state beside it can be written
+    there (their temporary files are created and removed). RecordPathError, naming the
+    path and the reason, otherwise."""
+    path = Path(record)
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), record)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = state_path(record)
+        for probe in (Path(f"{record}.tmp"), state.with_name(state.name + ".tmp")):
+            existed = probe.exists()
+            with open(probe, "ab"):
+                pass
+            if not existed:
+                probe.unlink()
+    except OSError as err:
+        raise RecordPathError(f"record: cannot write the trace file {record!r}: {err}") from err
+
+
 def save_state(config: "GRPOConfig", model, optimizer, step: int, version: int, trace_rows: list[dict],
                stats: list[dict], history: dict) -> None:
     """After step `step`: the trained parameters, the optimizer, the trace and the counters,
     written to a temporary file and renamed (a run killed mid-write keeps the previous state)."""
     path = state_path(config.record)
+    path.parent.mkdir(parents=True, exist_ok=True)
     params = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     state = dict(next_step=step + 1, version=version, params=params, optimizer=optimizer.state_dict(),
                  trace_rows=trace_rows, stats=stats, history=history,
@@ -356,6 +386,8 @@ def run(
     if config.task not in TASKS:
         raise ValueError(f"task: unknown {config.task!r}, expected one of {sorted(TASKS)}")
     problem_set = TASKS[config.task]
+    if config.record:
+        prepare_record_path(config.record)  # a bad path fails here, not after a step's push
 
     torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -472,6 +504,8 @@ def main(argv: list[str] | None = None) -> None:
     client = RolloutClient(args.address, timeout_s=args.timeout, max_retries=3)
     try:
         run(client, args.model_dir, config)
+    except RecordPathError as err:  # raised before the first step: one line, no traceback
+        raise SystemExit(f"grpo_trainer.py: error: --{err}") from None
     finally:
         client.close()
 

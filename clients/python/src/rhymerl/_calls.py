@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from rhymerl.types import Prompt, SamplingParams
+from rhymerl.types import Prompt, SamplingParams, derived_prompt_id
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 # Safe to retry: the step id makes a re-submitted step idempotent, and a weight
@@ -75,9 +75,16 @@ def remaining_s(deadline: float) -> float:
 
 def step_request(step_id: str, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
                  policy_version: int) -> rollout_pb2.SubmitStepRequest:
+    """The SubmitStep request; a prompt without an id is sent under the id the service
+    would derive from its tokens (``Prompt.resolved_id``), so every sample names a prompt
+    the SDK knows, whatever the service's derivation (history keys and seeds are the
+    same as for an unnamed prompt)."""
+    messages = [p.to_proto() for p in prompts]  # first: malformed tokens fail as before
+    for message in messages:
+        if not message.prompt_id:
+            message.prompt_id = derived_prompt_id(message.token_ids)
     return rollout_pb2.SubmitStepRequest(
-        step_id=step_id, policy_version=policy_version, n=n, sampling=sampling.to_proto(),
-        prompts=[p.to_proto() for p in prompts])
+        step_id=step_id, policy_version=policy_version, n=n, sampling=sampling.to_proto(), prompts=messages)
 
 
 def rewards_request(step_id: str, rewards) -> rollout_pb2.ReportRewardsRequest:
@@ -85,9 +92,15 @@ def rewards_request(step_id: str, rewards) -> rollout_pb2.ReportRewardsRequest:
         rollout_pb2.SampleReward(prompt_id=p, sample_index=i, reward=float(r)) for p, i, r in rewards])
 
 
-def in_order(samples: list, prompts) -> list:
-    """Samples in the order of their prompts in the request, then of sample_index."""
-    position = {p.prompt_id: i for i, p in enumerate(prompts)}
+def prompt_ids(request: rollout_pb2.SubmitStepRequest) -> list[str]:
+    """The ids of a ``step_request``'s prompts, in request order (none empty)."""
+    return [p.prompt_id for p in request.prompts]
+
+
+def in_order(samples: list, ids: Sequence[str]) -> list:
+    """Samples in the order of their prompt's id in ``ids`` (the request's, from
+    ``prompt_ids``: an unnamed prompt's derived one included), then of sample_index."""
+    position = {pid: i for i, pid in enumerate(ids)}
     return sorted(samples, key=lambda s: (position.get(s.prompt_id, len(position)), s.sample_index))
 
 

@@ -35,8 +35,13 @@ class AsyncRolloutClient:
     async def submit_step(self, step_id: str, prompts: Sequence[Prompt], n: int,
                           sampling: SamplingParams = SamplingParams(), policy_version: int = 0
                           ) -> AsyncIterator[Sample]:
-        """Yields each sample once, in completion order; sets ``last_summary``."""
-        request = _calls.step_request(step_id, prompts, n, sampling, policy_version)
+        """Yields each sample once, in completion order; sets ``last_summary``. A prompt
+        sent without a prompt_id is known by the id derived from its tokens
+        (``Prompt.resolved_id``), which its samples carry."""
+        async for sample in self._stream(_calls.step_request(step_id, prompts, n, sampling, policy_version)):
+            yield sample
+
+    async def _stream(self, request: rollout_pb2.SubmitStepRequest) -> AsyncIterator[Sample]:
         seen: set[tuple[str, int]] = set()
         self.last_summary = None
         for attempt in range(self.max_retries + 1):
@@ -59,8 +64,12 @@ class AsyncRolloutClient:
 
     async def rollout(self, step_id: str, prompts: Sequence[Prompt], n: int,
                       sampling: SamplingParams = SamplingParams(), policy_version: int = 0) -> StepResult:
-        samples = [s async for s in self.submit_step(step_id, prompts, n, sampling, policy_version)]
-        return StepResult(samples=_calls.in_order(samples, prompts), summary=self.last_summary)
+        """See ``RolloutClient.rollout``: the samples in the order of ``prompts`` (whatever
+        their ids: an unnamed prompt is sent under its derived id), then of sample_index."""
+        request = _calls.step_request(step_id, prompts, n, sampling, policy_version)
+        samples = [s async for s in self._stream(request)]
+        ids = _calls.prompt_ids(request)
+        return StepResult(samples=_calls.in_order(samples, ids), summary=self.last_summary, prompt_ids=ids)
 
     async def cancel_step(self, step_id: str) -> int:
         response = await self._call(self._stub.CancelStep, rollout_pb2.CancelStepRequest(step_id=step_id))

@@ -50,9 +50,13 @@ class RolloutClient:
                     ) -> Iterator[Sample]:
         """Yields each sample as it finishes (completion order); sets ``last_summary``.
 
-        Each (prompt_id, sample_index) is yielded exactly once, also across retries.
+        Each (prompt_id, sample_index) is yielded exactly once, also across retries. A
+        prompt sent without a prompt_id is known by the id derived from its tokens
+        (``Prompt.resolved_id``), which its samples carry.
         """
-        request = _calls.step_request(step_id, prompts, n, sampling, policy_version)
+        yield from self._stream(_calls.step_request(step_id, prompts, n, sampling, policy_version))
+
+    def _stream(self, request: rollout_pb2.SubmitStepRequest) -> Iterator[Sample]:
         seen: set[tuple[str, int]] = set()
         self.last_summary = None
         for attempt in range(self.max_retries + 1):
@@ -77,9 +81,17 @@ class RolloutClient:
                 sampling: SamplingParams = SamplingParams(), policy_version: int = 0) -> StepResult:
         """Runs a whole step and returns every sample with the step's summary, in the
         order of ``prompts`` and, per prompt, of ``sample_index`` (``submit_step``
-        yields them as they finish)."""
-        samples = list(self.submit_step(step_id, prompts, n, sampling, policy_version))
-        return StepResult(samples=_calls.in_order(samples, prompts), summary=self.last_summary)
+        yields them as they finish).
+
+        The order holds whatever the prompt ids: a prompt with an empty ``prompt_id`` is
+        sent under the id the service would derive from its tokens (``Prompt.resolved_id``),
+        and its samples carry that id. To map results back to ``prompts``: the result's
+        ``groups[i]`` are the samples of ``prompts[i]``, ``prompt_ids[i]`` its id (the key
+        of ``by_prompt`` and the id ``report_rewards`` / ``report_logprobs`` take)."""
+        request = _calls.step_request(step_id, prompts, n, sampling, policy_version)
+        samples = list(self._stream(request))
+        ids = _calls.prompt_ids(request)
+        return StepResult(samples=_calls.in_order(samples, ids), summary=self.last_summary, prompt_ids=ids)
 
     def cancel_step(self, step_id: str) -> int:
         return self._call(self._stub.CancelStep, rollout_pb2.CancelStepRequest(step_id=step_id)).num_cancelled

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rhymerl.v1 import common_pb2, rollout_pb2
@@ -53,12 +56,31 @@ class SamplingParams:
             ignore_eos=self.ignore_eos, logprobs_mode=LOGPROBS_MODES[self.logprobs_mode])
 
 
+def derived_prompt_id(token_ids: Sequence[int]) -> str:
+    """The id the service gives a prompt sent without one: ``"h"`` + the hex blake2b
+    (12-byte digest) of its tokens as little-endian int32 (services/common/ids.py,
+    ``prompt_id_from_tokens``). A pure function of the tokens, stable across runs."""
+    data = struct.pack(f"<{len(token_ids)}i", *token_ids)
+    return "h" + hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt as token ids; prompt_id keys its history across epochs."""
+    """A prompt as token ids; prompt_id keys its history across epochs.
+
+    prompt_id may be empty: the prompt is then known by the id derived from its tokens
+    (``resolved_id``), which the SDK sends in its place; its samples, and the calls that
+    name them (rewards, logprobs), carry that id.
+    """
 
     prompt_id: str
     token_ids: list[int]
+
+    @property
+    def resolved_id(self) -> str:
+        """The id the prompt's samples carry: ``prompt_id``, or when it is empty the one
+        derived from the tokens (``derived_prompt_id``, the service's derivation)."""
+        return self.prompt_id or derived_prompt_id(self.token_ids)
 
     def to_proto(self) -> common_pb2.Prompt:
         return common_pb2.Prompt(prompt_id=self.prompt_id, token_ids=list(self.token_ids))
@@ -148,17 +170,34 @@ class StepSummary:
 
 @dataclass
 class StepResult:
-    """All samples of a step, sorted by (prompt order, sample index), and its summary."""
+    """All samples of a step, sorted by (prompt order, sample index), and its summary.
+
+    ``prompt_ids``: the request's prompts' ids in request order (``Prompt.resolved_id``:
+    for a prompt sent without an id, the one derived from its tokens), as the samples
+    carry them. ``by_prompt``: the samples of each prompt by that id, in request order,
+    each list by sample_index. ``groups``: the same lists by position, ``groups[i]`` the
+    samples of ``prompts[i]``.
+    """
 
     samples: list[Sample]
     summary: StepSummary | None = None
     by_prompt: dict[str, list[Sample]] = field(default_factory=dict)
+    prompt_ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for s in self.samples:
             self.by_prompt.setdefault(s.prompt_id, []).append(s)
         for group in self.by_prompt.values():
             group.sort(key=lambda s: s.sample_index)
+
+    @property
+    def groups(self) -> list[list[Sample]]:
+        """Per prompt of the request, by position: its samples by sample_index ([] for a
+        prompt with none). Without ``prompt_ids`` (a result built by hand), the groups
+        of ``by_prompt`` in its order."""
+        if not self.prompt_ids:
+            return list(self.by_prompt.values())
+        return [self.by_prompt.get(pid, []) for pid in self.prompt_ids]
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,12 @@
 A push is streamed through: each chunk from the trainer is forwarded to every worker
 as it arrives (the scheduler never holds the whole model). Workers check size,
 SHA-256 and finiteness themselves and switch only when the payload is complete.
+What can be refused before the payload's end is refused here, before it reaches a
+worker: the header (with the workers' own check, before any stream to one opens) and
+bytes past its ``total_bytes``. A worker's refusal in the middle of the stream races
+with the chunks still being forwarded to it: gRPC could then end its call as
+"INTERNAL: Internal error from Core" instead, and the trainer got UNAVAILABLE (which
+the SDK retries) for a push that can never succeed.
 
 When a push applies, by ``mode``:
   - ``after_steps`` (synchronous RL): it waits for the steps running when it arrived
@@ -34,6 +40,7 @@ from rhymerl.v1 import common_pb2
 from services.common import metrics
 from services.common.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, RhymerlError,
                                     Unavailable)
+from services.rollout import weight_receiver
 from services.scheduler.core import SchedulerCore
 from services.scheduler.step_log import RecordUnreadable
 from services.scheduler.weight_store import Incoming, WeightStore
@@ -43,6 +50,10 @@ log = logging.getLogger(__name__)
 MODES = ("after_steps", "between_chunks")
 STALL_S = 300.0  # the scheduler's weight_push_stall_s default
 _END = object()
+# The largest payload a worker takes (services/rollout/server.py's MAX_WEIGHT_BYTES, the
+# same number: importing it from there would load torch into the scheduler).
+MAX_WEIGHT_BYTES = 1 << 40
+_HEX = frozenset("0123456789abcdefABCDEF")
 # A worker's answer about the payload itself (its size, checksum, values, version):
 # the trainer gets it as it is. Any other failure (a worker gone, its connection closed,
 # a call the scheduler gave up on) is the fleet's, not the payload's: UNAVAILABLE.
@@ -71,14 +82,14 @@ class WeightFanout:
         in_progress = metrics.weight_pushes_in_progress.labels(component="scheduler")
         in_progress.inc()
         try:
-            return await self._push(_paced(chunks, self.stall_s))
+            async with contextlib.aclosing(_paced(chunks, self.stall_s)) as paced:
+                return await self._push(paced)
         finally:
             in_progress.dec()
 
     async def _push(self, chunks: AsyncIterator[common_pb2.WeightChunk]) -> common_pb2.WeightUpdateResponse:
         first = await anext(chunks, None)
-        if first is None or not first.HasField("header"):
-            raise InvalidArgument("the first message must be a header", "header")
+        await check_header(first)  # before the lock, the window, or any worker's stream
         header = first.header
         sha256 = header.sha256.lower()
         async with self._lock:
@@ -93,9 +104,13 @@ class WeightFanout:
                         return self._ack()
                     feeds = [_Feed(w, self.core.link.stub(w).PushWeights, first, self.stall_s) for w in workers]
                     try:
+                        size = 0
                         async for chunk in chunks:
                             if chunk.HasField("header"):
                                 raise InvalidArgument("only the first message may be a header", "header")
+                            size += len(chunk.data)
+                            if size > header.total_bytes:  # refused here: the workers never see these bytes
+                                raise InvalidArgument(f"more than total_bytes ({header.total_bytes}) received", "data")
                             if incoming is not None:
                                 await incoming.write(chunk.data)
                             await asyncio.gather(*(f.put(chunk) for f in feeds))
@@ -349,6 +364,18 @@ class _Feed(_WorkerCall):
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=4)
         self.stall_s = stall_s
         super().__init__(worker, push(_forward(first, self.queue)))
+        self.task.add_done_callback(self._end_requests)
+
+    def _end_requests(self, _task) -> None:
+        """Once the call has ended (answered, failed, cancelled), so does its request
+        stream. gRPC reads it in a task of its own, which a call that ended early (a
+        worker killed or refusing mid-stream) left waiting on this queue for good: it
+        was destroyed pending when collected, and the stream (``_forward``), closed
+        while it still ran, failed again ("aclose(): asynchronous generator is already
+        running"), both logged as asyncio ERRORs."""
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queue.put_nowait(_END)
 
     async def put(self, item) -> None:
         if self.ended:
@@ -385,6 +412,23 @@ def _no_worker_took(version: int, calls: list[_WorkerCall]) -> RhymerlError:
             return _as_error(err)
     what = "; ".join(f"{c.worker.worker_id}: {c.failure()}" for c in calls)
     return Unavailable(f"no worker took version {version} ({what}); the previous version keeps serving")
+
+
+async def check_header(first: common_pb2.WeightChunk | None) -> None:
+    """Refuses a push's first message as a worker would (INVALID_ARGUMENT naming the
+    field), with the workers' own check: ``weight_receiver.receive``, given the header
+    alone, checks it, then finds the data missing (DATA_LOSS: the header passed).
+    Stricter on one point: the SHA-256 must be hex (no payload could match another), as
+    the weight store names its files by it."""
+    async def header_only():
+        yield first
+    try:
+        async with contextlib.aclosing(header_only()) as chunks:
+            await weight_receiver.receive(chunks, MAX_WEIGHT_BYTES)
+    except DataLoss:
+        pass  # the header passed; the data is the rest of the push
+    if not _HEX.issuperset(first.header.sha256):
+        raise InvalidArgument("must be a hex SHA-256 (64 characters)", "header.sha256")
 
 
 async def _forward(first: common_pb2.WeightChunk, q: asyncio.Queue) -> AsyncIterator[common_pb2.WeightChunk]:

@@ -7,6 +7,12 @@ before it can fetch the epochs, and a write must check, append and evict
 atomically; both happen inside the script, next to the data. The key layout
 is in keys.py, the scripts in scripts.py, the records in records.py. This module
 knows nothing about gRPC.
+
+Every field a client sends is checked before anything is written (a refused call writes
+nothing), and every size it controls is bounded: ids are at most ``MAX_ID_BYTES`` bytes
+(the scheduler's own bound), token ids and sample indices fit an int32, and one call
+carries at most ``MAX_PER_PROMPT`` rollouts (or rewards) of one prompt, so no single
+script keeps Redis busy for long (Redis serves nobody else while a script runs).
 """
 
 from __future__ import annotations
@@ -24,9 +30,19 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.validation import MAX_N
 from services.history.keys import HistoryKeys
 from services.history.records import Epoch, Reward, Rollout, epoch_from_reply
 from services.history.scripts import GET_HISTORY, PUT_REWARDS, PUT_ROLLOUTS, Script
+
+# The scheduler's bound on prompt and step ids (services/scheduler/intake.py MAX_ID_BYTES,
+# tests/history/test_store.py holds them equal): every id it writes here passes.
+MAX_ID_BYTES = 256
+MAX_TOKEN_ID = 2**31 - 1  # token ids are int32s >= 0 (what the workers' drafters take)
+MAX_SAMPLE_INDEX = 2**31 - 1  # an int32, as in the protos and the packed lengths
+# Rollouts (or rewards) of one prompt in one call: the most samples of a prompt in a step
+# (the scheduler writes a step per call). Each prompt's part of a call is one Lua script.
+MAX_PER_PROMPT = MAX_N
 
 
 class HistoryStore:
@@ -75,15 +91,20 @@ class HistoryStore:
         step's samples long before K newer steps of the same prompt exist.
 
         Raises:
-            InvalidArgument: a rollout has an empty id or a negative sample index.
+            InvalidArgument: a rollout has an empty or too long id, a sample index or a
+                token id out of range, or a prompt has more than MAX_PER_PROMPT rollouts
+                in the call; nothing of the call is written.
             Unavailable: Redis cannot be reached.
         """
         groups: dict[str, dict[str, tuple[int, list]]] = {}  # prompt -> step -> (version, [index, tokens]*)
+        per_prompt: dict[str, int] = {}
         for n, r in enumerate(rollouts):
             _check_ids(f"rollouts[{n}]", r.prompt_id, r.step_id, r.sample_index)
+            _count(per_prompt, r.prompt_id, f"rollouts[{n}]", "rollouts")
+            packed = _packed_tokens(f"rollouts[{n}].token_ids", r.token_ids)
             steps = groups.setdefault(r.prompt_id, {})
             _, samples = steps.setdefault(r.step_id, (int(r.policy_version), []))
-            samples += [int(r.sample_index), np.asarray(r.token_ids, dtype="<i4").tobytes()]
+            samples += [int(r.sample_index), packed]
         calls = []
         for prompt_id, steps in groups.items():
             stem = self.keys.epoch_stem(prompt_id)
@@ -95,10 +116,17 @@ class HistoryStore:
         return sum(await self._run(self._put_rollouts, calls))
 
     async def put_rewards(self, rewards: Sequence[Reward]) -> int:
-        """Stores rewards beside their rollouts; returns how many were new."""
+        """Stores rewards beside their rollouts; returns how many were new.
+
+        Raises:
+            InvalidArgument: as put_rollouts (ids, sample index, MAX_PER_PROMPT).
+            Unavailable: Redis cannot be reached.
+        """
         groups: dict[str, tuple[list, list]] = {}  # prompt -> (epoch keys, [index, packed reward]*)
+        per_prompt: dict[str, int] = {}
         for n, r in enumerate(rewards):
             _check_ids(f"rewards[{n}]", r.prompt_id, r.step_id, r.sample_index)
+            _count(per_prompt, r.prompt_id, f"rewards[{n}]", "rewards")
             keys, args = groups.setdefault(r.prompt_id, ([], []))
             keys.append(self.keys.epoch(r.prompt_id, r.step_id))
             args += [int(r.sample_index), struct.pack("<f", r.reward)]
@@ -112,12 +140,19 @@ class HistoryStore:
 
         Returns one list per requested prompt, in request order (empty if none
         is stored). Without tokens, no token bytes leave Redis.
+
+        Raises:
+            InvalidArgument: max_epochs < 0, or a prompt id empty, too long or repeated
+                (a repeat would only multiply the reply).
+            Unavailable: Redis cannot be reached.
         """
         if max_epochs < 0:
             raise InvalidArgument(f"must be >= 0, got {max_epochs}", field="max_epochs")
+        first: dict[str, int] = {}
         for n, prompt_id in enumerate(prompt_ids):
-            if not prompt_id:
-                raise InvalidArgument("must be non-empty", field=f"prompt_ids[{n}]")
+            _check_id(prompt_id, f"prompt_ids[{n}]")
+            if first.setdefault(prompt_id, n) != n:
+                raise InvalidArgument(f"repeats prompt_ids[{first[prompt_id]}]", field=f"prompt_ids[{n}]")
         calls = [([self.keys.epochs(p)], [self.keys.epoch_stem(p), max_epochs, int(include_tokens)])
                  for p in prompt_ids]
         replies = await self._run(self._get_history, calls)
@@ -135,6 +170,8 @@ class HistoryStore:
             if isinstance(result, ResponseError):
                 if str(result).startswith("OOM"):
                     raise ResourceExhausted(f"{self.where} is out of memory: {result}")
+                if str(result).startswith("BUSY"):  # another client's script still runs
+                    raise Unavailable(f"{self.where} is busy: {result}")
                 raise result
         return results
 
@@ -153,10 +190,41 @@ class HistoryStore:
             raise Unavailable(f"{self.where} is unreachable: {exc}") from exc
 
 
+def _check_id(value: str, field: str) -> None:
+    """A prompt or step id: non-empty, at most MAX_ID_BYTES bytes of UTF-8."""
+    if not value:
+        raise InvalidArgument("must be non-empty", field=field)
+    size = len(value.encode())
+    if size > MAX_ID_BYTES:
+        raise InvalidArgument(f"must be at most {MAX_ID_BYTES} bytes, got {size}", field=field)
+
+
 def _check_ids(where: str, prompt_id: str, step_id: str, sample_index: int) -> None:
-    if not prompt_id:
-        raise InvalidArgument("must be non-empty", field=f"{where}.prompt_id")
-    if not step_id:
-        raise InvalidArgument("must be non-empty", field=f"{where}.step_id")
-    if sample_index < 0:
-        raise InvalidArgument(f"must be >= 0, got {sample_index}", field=f"{where}.sample_index")
+    _check_id(prompt_id, f"{where}.prompt_id")
+    _check_id(step_id, f"{where}.step_id")
+    if not 0 <= sample_index <= MAX_SAMPLE_INDEX:
+        raise InvalidArgument(f"must be in [0, {MAX_SAMPLE_INDEX}], got {sample_index}", field=f"{where}.sample_index")
+
+
+def _count(per_prompt: dict[str, int], prompt_id: str, where: str, what: str) -> None:
+    """One more entry of ``prompt_id`` in the call; at most MAX_PER_PROMPT."""
+    num = per_prompt[prompt_id] = per_prompt.get(prompt_id, 0) + 1
+    if num > MAX_PER_PROMPT:
+        raise InvalidArgument(f"more than {MAX_PER_PROMPT} {what} of this prompt in one call (send them in "
+                              f"several)", field=f"{where}.prompt_id")
+
+
+def _packed_tokens(field: str, token_ids) -> bytes:
+    """Token ids packed as little-endian int32; InvalidArgument naming the first one out of
+    [0, MAX_TOKEN_ID] (``field[i]``): a worker's drafter refuses such a response."""
+    try:
+        arr = np.asarray(token_ids)
+        if arr.dtype.kind not in "iu":  # [] (float64), or Python ints past int64: refused below
+            arr = np.asarray(token_ids, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgument(f"token ids must be integers ({exc})", field=field) from None
+    arr = arr.reshape(-1)
+    if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        n = int(np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))[0])
+        raise InvalidArgument(f"token id {int(arr[n])} is out of range [0, {MAX_TOKEN_ID}]", field=f"{field}[{n}]")
+    return arr.astype("<i4", copy=False).tobytes()

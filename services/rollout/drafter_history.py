@@ -6,6 +6,11 @@ round trip and loaded into the drafter, newest first (age 0). An epoch whose rew
 not match its responses one to one (rewards not reported yet) is loaded with NaN rewards,
 so reward weighting treats it as unscored. The drafter keeps the ``max_prompts`` most
 recently used prompts; older ones are released. This module knows nothing about gRPC.
+
+History only speeds drafting up, so bad history never fails a step: a response the drafter
+refuses (a token id outside [0, 2^31 - 1], as older history services stored unchecked) is
+skipped, and if the drafter still refuses the prompt's history, that prompt drafts without
+it; either way with one WARNING line per prompt and step.
 """
 
 from __future__ import annotations
@@ -13,9 +18,23 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 MAX_PROMPTS_IN_DRAFTER = 10_000
+MAX_TOKEN_ID = 2**31 - 1  # the drafter's token ids: [0, MAX_TOKEN_ID] (drafter/compiled.py's MAX_TOKEN)
+
+
+def first_bad_token(tokens) -> int | None:
+    """The first token id of a response outside [0, MAX_TOKEN_ID] (None: all in range, or
+    not integers at all: the drafter then words its own refusal)."""
+    try:
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    bad = np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))
+    return int(arr[bad[0]]) if bad.size else None
 
 
 class DrafterHistory:
@@ -53,9 +72,33 @@ class DrafterHistory:
                 ages += [age] * len(epoch.responses)
                 scored = len(epoch.rewards) == len(epoch.responses)
                 rewards += list(epoch.rewards) if scored else [float("nan")] * len(epoch.responses)
-            self.drafter.load_history(prompt_id, responses, epoch_ages=ages, rewards=rewards)
-            self._loaded[prompt_id] = step_id
+            self._load_one(prompt_id, responses, ages, rewards)
+            self._loaded[prompt_id] = step_id  # (even if refused: the next batch of the step does not retry)
             self._loaded.move_to_end(prompt_id)
         while len(self._loaded) > self.max_prompts:
             old, _ = self._loaded.popitem(last=False)
             self.drafter.release_prompt(old)
+
+    def _load_one(self, prompt_id: str, responses: list, ages: list, rewards: list) -> None:
+        """One prompt's history into the drafter; never raises. Checked only once the drafter
+        refused it (the common case costs no second pass over millions of tokens): the
+        responses with a bad token id are then skipped and the rest loaded."""
+        try:
+            self.drafter.load_history(prompt_id, responses, epoch_ages=ages, rewards=rewards)
+            return
+        except Exception as exc:  # noqa: BLE001 - drafts are a speed-up: bad history costs them, never samples
+            refusal = exc
+        bad = [(n, t) for n, t in enumerate(map(first_bad_token, responses)) if t is not None]
+        if bad:
+            skip = {n for n, _ in bad}
+            keep = [n for n in range(len(responses)) if n not in skip]
+            try:
+                self.drafter.load_history(prompt_id, [responses[n] for n in keep],
+                                          epoch_ages=[ages[n] for n in keep], rewards=[rewards[n] for n in keep])
+                log.warning("history of prompt %r: skipped %d of %d responses with a token id out of range "
+                            "[0, %d] (first: %d)", prompt_id, len(bad), len(responses), MAX_TOKEN_ID, bad[0][1])
+                return
+            except Exception as exc:  # noqa: BLE001 - as above
+                refusal = exc
+        log.warning("history of prompt %r not loaded (%d responses): the drafter refused it: %s: %s",
+                    prompt_id, len(responses), type(refusal).__name__, refusal)

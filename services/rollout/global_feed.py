@@ -26,6 +26,7 @@ from collections import OrderedDict, deque
 from functools import partial
 
 from services.common import metrics
+from services.rollout.drafter_history import MAX_TOKEN_ID, first_bad_token
 
 log = logging.getLogger(__name__)
 _MAX_KEYS = 1 << 16  # responses remembered as already added
@@ -125,9 +126,26 @@ class GlobalFeed:
         self._pending_series.set(self.num_pending)
 
     def _insert(self, chunk: _Chunk) -> None:
-        """On the engine thread: the chunk into the index, unless dropped meanwhile."""
-        if not chunk.dropped:
+        """On the engine thread: the chunk into the index, unless dropped meanwhile. If the
+        drafter refuses it, its responses with a token id it cannot take (stored unchecked
+        by older history services) are skipped with one WARNING and the rest added."""
+        if chunk.dropped:
+            return
+        try:
             self.drafter.add_global_responses(chunk.responses)
+            return
+        except ValueError:
+            bad = [n for n, r in enumerate(chunk.responses) if first_bad_token(r) is not None]
+            if not bad:
+                raise  # not the responses' fault: a drafter bug, logged when the chunk lands
+        skip = set(bad)
+        chunk.num_skipped = len(bad)
+        log.warning("global draft index: skipped %d of %d streamed responses with a token id out of range "
+                    "[0, %d] (first: %d)", len(bad), len(chunk.responses), MAX_TOKEN_ID,
+                    first_bad_token(chunk.responses[bad[0]]))
+        kept = [r for n, r in enumerate(chunk.responses) if n not in skip]
+        if kept:
+            self.drafter.add_global_responses(kept)
 
     def _leave(self, chunk: _Chunk) -> None:
         """The chunk's responses and tokens out of the backlog's counts (landed or dropped)."""
@@ -147,19 +165,21 @@ class GlobalFeed:
             log.error("adding %d responses to the global draft index failed", len(chunk.responses),
                       exc_info=future.exception())
             return
-        self.num_added += len(chunk.responses)
-        self._added_series.inc(len(chunk.responses))
+        num_added = len(chunk.responses) - chunk.num_skipped
+        self.num_added += num_added
+        self._added_series.inc(num_added)
 
 
 class _Chunk:
     """Responses handed to the drafter in one call, while in the feed's backlog."""
 
-    __slots__ = ("responses", "num_tokens", "dropped", "landed")
+    __slots__ = ("responses", "num_tokens", "dropped", "landed", "num_skipped")
 
     def __init__(self, responses: list, num_tokens: int):
         self.responses, self.num_tokens = responses, num_tokens
         self.dropped = False  # read by the engine thread: skip the insert
         self.landed = False
+        self.num_skipped = 0  # responses the drafter refused (set by the engine thread before it lands)
 
 
 def chunks(responses: list, most: int) -> list[tuple[list, int]]:

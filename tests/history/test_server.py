@@ -124,6 +124,14 @@ async def test_metrics_count_requests_hits_and_new_rollouts(clean_redis):
         history_pb2.RolloutReward(step_id="s")]), "rewards[0].prompt_id"),
     ("GetHistory", history_pb2.GetHistoryRequest(prompt_ids=["p"], max_epochs=-1), "max_epochs"),
     ("GetHistory", history_pb2.GetHistoryRequest(prompt_ids=["p", ""]), "prompt_ids[1]"),
+    ("PutRollouts", history_pb2.PutRolloutsRequest(rollouts=[
+        history_pb2.Rollout(prompt_id="p", step_id="s" * 257, token_ids=[1])]), "rollouts[0].step_id"),
+    ("PutRewards", history_pb2.PutRewardsRequest(rewards=[
+        history_pb2.RolloutReward(prompt_id="p" * 300, step_id="s")]), "rewards[0].prompt_id"),
+    ("PutRewards", history_pb2.PutRewardsRequest(rewards=[
+        history_pb2.RolloutReward(prompt_id="p", step_id="s" * 100_000)]), "rewards[0].step_id"),
+    ("GetHistory", history_pb2.GetHistoryRequest(prompt_ids=["p", "x" * 100_000]), "prompt_ids[1]"),
+    ("GetHistory", history_pb2.GetHistoryRequest(prompt_ids=["p", "q", "p"]), "prompt_ids[2]"),
     ("GetRecentResponses", history_pb2.GetRecentResponsesRequest(max_responses=0, max_tokens=10), "max_responses"),
     ("GetRecentResponses", history_pb2.GetRecentResponsesRequest(max_responses=5, max_tokens=1 << 30),
      "max_tokens"),
@@ -137,6 +145,71 @@ async def test_invalid_requests_get_invalid_argument_naming_the_field(clean_redi
             await getattr(stub, method)(request_, timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert err.value.details().startswith(field + ": ")
+
+
+async def expect_refused_and_nothing_written(redis_url: str, method: str, request_, field: str, caplog) -> str:
+    """Calls ``method``; expects INVALID_ARGUMENT naming ``field`` first, no key written
+    (neither an epoch nor the recent-responses stream) and no traceback logged."""
+    import redis.asyncio as aioredis
+
+    async with history_service(redis_url) as address, channel(address) as chan:
+        stub = history_pb2_grpc.HistoryServiceStub(chan)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await getattr(stub, method)(request_, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith(field + ": "), err.value.details()
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await client.keys("*") == []
+    finally:
+        await client.aclose()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    return err.value.details()
+
+
+@run_async
+async def test_an_out_of_range_token_id_is_refused_naming_it_and_nothing_is_written(clean_redis, caplog):
+    """Breaks if PutRollouts stores a token id no worker's drafter takes (one such entry
+    failed every step of its prompt, on every worker, for the history TTL) or half-writes
+    the call: its clean rollouts of other prompts must not be stored either."""
+    rollouts = [history_pb2.Rollout(prompt_id=f"clean{i}", step_id="old0", sample_index=0, token_ids=[1, 2, 3])
+                for i in range(3)]
+    rollouts.append(history_pb2.Rollout(prompt_id="poison1", step_id="old0", sample_index=0,
+                                        token_ids=[28, 12, -5, 99999, 7]))
+    details = await expect_refused_and_nothing_written(
+        clean_redis, "PutRollouts", history_pb2.PutRolloutsRequest(rollouts=rollouts), "rollouts[3].token_ids[2]",
+        caplog)
+    assert "-5" in details and "[0, 2147483647]" in details
+
+
+@run_async
+async def test_a_100000_character_prompt_id_is_refused_naming_it_and_nothing_is_written(clean_redis, caplog):
+    """Breaks if an id past the scheduler's 256-byte bound comes back INTERNAL (it overflowed
+    the recent stream's uint16 length, after the epoch was already written)."""
+    request_ = history_pb2.PutRolloutsRequest(rollouts=[
+        history_pb2.Rollout(prompt_id="x" * 100_000, step_id="s", sample_index=0, token_ids=[1, 2])])
+    details = await expect_refused_and_nothing_written(clean_redis, "PutRollouts", request_,
+                                                       "rollouts[0].prompt_id", caplog)
+    assert "at most 256 bytes" in details
+
+
+@run_async
+async def test_one_call_carries_at_most_max_per_prompt_rollouts_or_rewards_of_a_prompt(clean_redis, caplog):
+    """Breaks if one call may hold a prompt's Lua script (and so all of Redis) for long:
+    1.5 million rewards of one prompt in one call once blocked Redis ~1 minute, every
+    other caller getting BUSY. A step's worth (MAX_PER_PROMPT) is still one call."""
+    from services.history.store import MAX_PER_PROMPT
+
+    over = [history_pb2.Rollout(prompt_id="p", step_id=f"s{i % 3}", sample_index=i, token_ids=[1])
+            for i in range(MAX_PER_PROMPT + 1)]
+    await expect_refused_and_nothing_written(clean_redis, "PutRollouts", history_pb2.PutRolloutsRequest(rollouts=over),
+                                             f"rollouts[{MAX_PER_PROMPT}].prompt_id", caplog)
+    rewards = [history_pb2.RolloutReward(prompt_id="p", step_id="s", sample_index=i) for i in range(MAX_PER_PROMPT + 1)]
+    await expect_refused_and_nothing_written(clean_redis, "PutRewards", history_pb2.PutRewardsRequest(rewards=rewards),
+                                             f"rewards[{MAX_PER_PROMPT}].prompt_id", caplog)
+    async with history_service(clean_redis) as address, HistoryClient(address) as client:
+        step = [("p", "s", i, 0, [i]) for i in range(MAX_PER_PROMPT)] + [("q", "s", 0, 0, [1])]
+        assert await client.put_rollouts(step) == MAX_PER_PROMPT + 1
 
 
 @run_async

@@ -45,7 +45,7 @@ async def open_store(url: str, num_epochs: int = 4, **client_kwargs):
 def tokens(prompt: str, step: str, sample_index: int, length: int) -> np.ndarray:
     """Distinct, reproducible token ids for one sample."""
     seed = abs(hash((prompt, step, sample_index))) % 2**32
-    return np.random.default_rng(seed).integers(-2**31, 2**31 - 1, size=length, dtype=np.int32)
+    return np.random.default_rng(seed).integers(0, 2**31 - 1, size=length, dtype=np.int32, endpoint=True)
 
 
 async def all_keys(store: HistoryStore) -> list[str]:
@@ -255,6 +255,22 @@ async def test_a_reward_sent_before_its_rollout_is_kept(clean_redis):
     (lambda s: s.put_rewards([Reward("p", "s", 0, 1.0)] * 3 + [Reward("p", "", 0, 1.0)]), "rewards[3].step_id"),
     (lambda s: s.get_history(["p"], max_epochs=-1), "max_epochs"),
     (lambda s: s.get_history(["p", "q", ""]), "prompt_ids[2]"),
+    # every size a client controls is bounded (ids: the scheduler's 256 bytes, counted in UTF-8)
+    (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, [1]), Rollout("é" * 129, "s", 0, 0, [1])]),
+     "rollouts[1].prompt_id"),
+    (lambda s: s.put_rollouts([Rollout("p", "s" * 257, 0, 0, [1])]), "rollouts[0].step_id"),
+    (lambda s: s.put_rollouts([Rollout("p", "s", 2**31, 0, [1])]), "rollouts[0].sample_index"),
+    (lambda s: s.put_rewards([Reward("p" * 100_000, "s", 0, 1.0)]), "rewards[0].prompt_id"),
+    (lambda s: s.get_history(["p", "q" * 257]), "prompt_ids[1]"),
+    (lambda s: s.get_history(["p", "q", "p"]), "prompt_ids[2]"),
+    # token ids: int32s >= 0, named by position, whatever sequence type brings them
+    (lambda s: s.put_rollouts([Rollout("q", "s", 0, 0, [1])] * 2 + [Rollout("p", "s", 0, 0, [4, 5, -1])]),
+     "rollouts[2].token_ids[2]"),
+    (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, np.array([7, -2**31], dtype=np.int32))]),
+     "rollouts[0].token_ids[1]"),
+    (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, [0, 2**31])]), "rollouts[0].token_ids[1]"),
+    (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, [1, 2**80])]), "rollouts[0].token_ids"),
+    (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, ["a"])]), "rollouts[0].token_ids"),
 ])
 @run_async
 async def test_invalid_arguments_name_the_field_and_write_nothing(clean_redis, call, field):
@@ -264,6 +280,48 @@ async def test_invalid_arguments_name_the_field_and_write_nothing(clean_redis, c
             await call(store)
         assert err.value.field == field and str(err.value).startswith(field + ": ")
         assert await all_keys(store) == []
+
+
+@run_async
+async def test_the_largest_allowed_fields_are_stored(clean_redis):
+    """Breaks if the bounds refuse what the scheduler sends: 256-byte ids, token ids up to
+    2^31 - 1, sample indices up to 2^31 - 1, empty responses."""
+    prompt, step = "p" * 256, "é" * 128
+    async with open_store(clean_redis) as store:
+        rollouts = [Rollout(prompt, step, 2**31 - 1, 0, [0, 2**31 - 1]), Rollout(prompt, step, 0, 0, [])]
+        assert await store.put_rollouts(rollouts) == 2
+        assert await store.put_rewards([Reward(prompt, step, 2**31 - 1, 1.0)]) == 1
+        [[epoch]] = await store.get_history([prompt])
+        assert epoch.step_id == step and epoch.sample_indices.tolist() == [0, 2**31 - 1]
+        assert [r.tolist() for r in epoch.responses] == [[], [0, 2**31 - 1]]
+
+
+def test_the_id_bound_is_the_schedulers():
+    """Breaks if the two bounds drift apart: a step the scheduler accepts would then lose
+    its history writes (or the store would accept ids the scheduler never sends)."""
+    from services.history.store import MAX_ID_BYTES
+    from services.scheduler.intake import MAX_ID_BYTES as SCHEDULER_MAX_ID_BYTES
+
+    assert MAX_ID_BYTES == SCHEDULER_MAX_ID_BYTES
+
+
+@run_async
+async def test_a_redis_busy_with_a_script_gives_unavailable():
+    """Breaks if Redis answering BUSY (a script still running past its time limit) comes
+    back as an internal error with a traceback instead of a retryable UNAVAILABLE."""
+    with EmbeddedRedis() as server:
+        async with open_store(server.url) as store:
+            await store.client.config_set("lua-time-limit", 50)
+            other = aioredis.Redis.from_url(server.url)
+            spin = "local t = redis.call('TIME') repeat local n = redis.call('TIME') until n[1] - t[1] >= 2"
+            busy = asyncio.create_task(other.eval(spin, 0))
+            try:
+                await asyncio.sleep(0.5)  # past the time limit: Redis answers others BUSY
+                with pytest.raises(Unavailable, match="busy"):
+                    await store.get_history(["p"])
+            finally:
+                await busy
+                await other.aclose()
 
 
 @run_async

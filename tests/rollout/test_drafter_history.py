@@ -73,3 +73,39 @@ def test_a_failed_lookup_loads_nothing():
     drafter = _Drafter()
     asyncio.run(DrafterHistory(drafter, _Down(), _call).load([_item("p", "s")]))
     assert drafter.loaded == {}
+
+
+def test_history_the_compiled_drafter_refuses_costs_its_responses_never_the_batch(caplog):
+    """Breaks if a stored response with a token id the drafter cannot take (a negative one,
+    as older history services stored unchecked) raises out of load, which fails the
+    worker's whole Link batch: the prompt's other responses load, one WARNING says so."""
+    from services.rollout.drafter import DrafterConfig
+    from services.rollout.drafter.compiled import make_drafter
+
+    drafter = make_drafter("compiled", DrafterConfig())
+    history = _History({"bad": [_epoch("s1", [[28, 12, -5, 99], [5, 6, 7]], [1.0, 0.0])],
+                        "good": [_epoch("s1", [[1, 2, 3]], [])]})
+    caplog.set_level("WARNING")
+    loader = DrafterHistory(drafter, history, _call)
+    asyncio.run(loader.load([_item("bad", "s2"), _item("good", "s2")]))
+    assert drafter.has_prompt("bad") and drafter.has_prompt("good")
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "'bad'" in record.getMessage() and "skipped 1 of 2" in record.getMessage()
+    asyncio.run(loader.load([_item("bad", "s2")]))  # the step's next batch: no retry, no second line
+    assert len(caplog.records) == 1 and len(history.calls) == 1
+
+
+def test_history_a_drafter_refuses_whole_is_dropped_with_one_warning(caplog):
+    class _Refusing(_Drafter):
+        def load_history(self, prompt_id, responses, epoch_ages, rewards):
+            if prompt_id == "p":
+                raise RuntimeError("drafter full")
+            super().load_history(prompt_id, responses, epoch_ages, rewards)
+
+    drafter = _Refusing()
+    caplog.set_level("WARNING")
+    history = _History({"p": [_epoch("s1", [[1]], [])], "q": [_epoch("s1", [[2]], [])]})
+    asyncio.run(DrafterHistory(drafter, history, _call).load([_item("p", "s2"), _item("q", "s2")]))
+    assert list(drafter.loaded) == ["q"]
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "'p' not loaded" in record.getMessage()

@@ -222,3 +222,26 @@ def test_a_backlog_past_its_bound_drops_its_oldest_chunks_unread():
     assert GlobalFeed(InlineLoop(), HistoDrafter(DrafterConfig(global_max_tokens=64))).max_backlog_tokens == 64
     with pytest.raises(ValueError, match="max_backlog_tokens"):
         GlobalFeed(InlineLoop(), drafter, max_backlog_tokens=0)
+
+
+def test_streamed_responses_the_compiled_drafter_refuses_are_skipped_alone(caplog):
+    """Breaks if one bad response in the history stream (a negative token id, as stored
+    before PutRollouts checked them) loses its whole chunk or logs an error per step: the
+    chunk's other responses must still reach the index, with one WARNING."""
+    from services.rollout.drafter.compiled import make_drafter
+
+    drafter = make_drafter("compiled", DrafterConfig(min_gain=0.0))
+    newest_first = [_recent("p2", "s0", 0, [9, 10, 11]), _recent("p1", "s0", 0, [28, 12, -5, 99]),
+                    _recent("p0", "s0", 0, [5, 6, 7, 8])]
+    feed = GlobalFeed(InlineLoop(), drafter, FakeHistory(newest_first))
+
+    async def main():
+        await feed.step_started({"s1"})
+        await _drain()
+
+    caplog.set_level("WARNING")
+    asyncio.run(main())
+    assert feed.num_added == 2 and feed.num_pending == 0
+    assert drafter.global_tokens() >= 7
+    assert [r.levelname for r in caplog.records] == ["WARNING"], caplog.text
+    assert "skipped 1 of 3" in caplog.records[0].getMessage() and "-5" in caplog.records[0].getMessage()

@@ -13,7 +13,6 @@ import asyncio
 import gc
 import hashlib
 import logging
-import threading
 import time
 
 import grpc
@@ -23,6 +22,7 @@ from rhymerl import RolloutClient
 from rhymerl.v1 import common_pb2, rollout_pb2_grpc
 
 from tests.e2e.cluster import Cluster, expect_status
+from tests.e2e.test_push_faults import HeldPush
 from tests.e2e.test_weight_pushes import weights
 
 pytestmark = pytest.mark.timeout(300)
@@ -144,30 +144,6 @@ def test_bad_headers_are_invalid_argument_every_time_and_reach_no_worker(cluster
     assert opened.count == 0
     collect_garbage(cluster)
     assert asyncio_errors(caplog) == []
-
-
-class HeldPush:
-    """A trainer's PushWeights whose chunks after the header wait for ``release``."""
-
-    def __init__(self, address: str, version: int, data: bytes):
-        self.gate = threading.Event()
-        self.channel = grpc.insecure_channel(address)
-        header = common_pb2.WeightHeader(version=version, total_bytes=len(data),
-                                         sha256=hashlib.sha256(data).hexdigest())
-
-        def chunks():
-            yield common_pb2.WeightChunk(header=header)
-            self.gate.wait()
-            for start in range(0, len(data), 16 * 1024):
-                yield common_pb2.WeightChunk(data=data[start:start + 16 * 1024])
-        self.call = rollout_pb2_grpc.RolloutServiceStub(self.channel).PushWeights.future(chunks(), timeout=120)
-
-    def release(self):
-        self.gate.set()
-        try:
-            return self.call.result()
-        finally:
-            self.channel.close()
 
 
 def test_a_worker_stream_that_ends_mid_push_is_torn_down_cleanly(cluster, caplog):

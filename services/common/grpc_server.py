@@ -37,8 +37,8 @@ CHANNEL_OPTIONS = [
 # Not grpc.so_reuseport (on by default in gRPC's Python server): with it a second process
 # started on a port in use binds it too and the kernel splits the connections between the
 # two (a second history service with a store of its own, a second worker). Off, it fails.
-SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-                                    ("grpc.so_reuseport", 0)]
+NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000), *NO_PORT_SHARING]
 
 
 class Server:
@@ -72,7 +72,7 @@ class Server:
         self.health_port = health_port
         self.health_server: grpc.aio.Server | None = None
         if self.credentials is not None and health_port:
-            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.health_server = grpc.aio.server(options=NO_PORT_SHARING)
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
 
     async def start(self, host: str, port: int) -> int:

@@ -15,6 +15,8 @@ from rhymerl.v1 import common_pb2
 from services.common.errors import InvalidArgument
 
 MAX_N = 4096
+# Step and prompt ids are copied into every sample, history key and step-log entry.
+MAX_ID_BYTES = 256
 # The smallest temperature sampled at (0 is greedy). Below it logits / T overflows float32
 # (from about 1e-38 every logprob came back NaN); vLLM turns temperatures under the same
 # 1e-5 into greedy decoding, which would leave a sample's logprobs unlike its T's: refused.
@@ -49,6 +51,15 @@ def check_sampling_values(temperature: float, top_p: float, top_k: int, min_p: f
         raise InvalidArgument(f"must be >= 1, got {max_tokens}", f"{prefix}max_tokens")
     if min_tokens < 0 or min_tokens > max_tokens:
         raise InvalidArgument(f"must be in [0, max_tokens], got {min_tokens}", f"{prefix}min_tokens")
+
+
+def check_id(value: str, field: str) -> None:
+    """A step or prompt id: non-empty, at most MAX_ID_BYTES bytes of UTF-8."""
+    if not value:
+        raise InvalidArgument("must be non-empty", field)
+    size = len(value.encode())
+    if size > MAX_ID_BYTES:
+        raise InvalidArgument(f"must be at most {MAX_ID_BYTES} bytes, got {size}", field)
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str,

@@ -9,8 +9,8 @@ is in keys.py, the scripts in scripts.py, the records in records.py. This module
 knows nothing about gRPC.
 
 Every field a client sends is checked before anything is written (a refused call writes
-nothing), and every size it controls is bounded: ids are at most ``MAX_ID_BYTES`` bytes
-(the scheduler's own bound), token ids and sample indices fit an int32, and one call
+nothing), and every size it controls is bounded: ids as the scheduler's
+(``services.common.validation.check_id``), token ids and sample indices an int32, and one call
 carries at most ``MAX_PER_PROMPT`` rollouts (or rewards) of one prompt, so no single
 script keeps Redis busy for long (Redis serves nobody else while a script runs).
 """
@@ -30,14 +30,11 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.common.validation import MAX_N
+from services.common.validation import MAX_N, check_id
 from services.history.keys import HistoryKeys
 from services.history.records import Epoch, Reward, Rollout, epoch_from_reply
 from services.history.scripts import GET_HISTORY, PUT_REWARDS, PUT_ROLLOUTS, Script
 
-# The scheduler's bound on prompt and step ids (services/scheduler/intake.py MAX_ID_BYTES,
-# tests/history/test_store.py holds them equal): every id it writes here passes.
-MAX_ID_BYTES = 256
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32s >= 0 (what the workers' drafters take)
 MAX_SAMPLE_INDEX = 2**31 - 1  # an int32, as in the protos and the packed lengths
 # Rollouts (or rewards) of one prompt in one call: the most samples of a prompt in a step
@@ -150,7 +147,7 @@ class HistoryStore:
             raise InvalidArgument(f"must be >= 0, got {max_epochs}", field="max_epochs")
         first: dict[str, int] = {}
         for n, prompt_id in enumerate(prompt_ids):
-            _check_id(prompt_id, f"prompt_ids[{n}]")
+            check_id(prompt_id, f"prompt_ids[{n}]")
             if first.setdefault(prompt_id, n) != n:
                 raise InvalidArgument(f"repeats prompt_ids[{first[prompt_id]}]", field=f"prompt_ids[{n}]")
         calls = [([self.keys.epochs(p)], [self.keys.epoch_stem(p), max_epochs, int(include_tokens)])
@@ -190,18 +187,9 @@ class HistoryStore:
             raise Unavailable(f"{self.where} is unreachable: {exc}") from exc
 
 
-def _check_id(value: str, field: str) -> None:
-    """A prompt or step id: non-empty, at most MAX_ID_BYTES bytes of UTF-8."""
-    if not value:
-        raise InvalidArgument("must be non-empty", field=field)
-    size = len(value.encode())
-    if size > MAX_ID_BYTES:
-        raise InvalidArgument(f"must be at most {MAX_ID_BYTES} bytes, got {size}", field=field)
-
-
 def _check_ids(where: str, prompt_id: str, step_id: str, sample_index: int) -> None:
-    _check_id(prompt_id, f"{where}.prompt_id")
-    _check_id(step_id, f"{where}.step_id")
+    check_id(prompt_id, f"{where}.prompt_id")
+    check_id(step_id, f"{where}.step_id")
     if not 0 <= sample_index <= MAX_SAMPLE_INDEX:
         raise InvalidArgument(f"must be in [0, {MAX_SAMPLE_INDEX}], got {sample_index}", field=f"{where}.sample_index")
 

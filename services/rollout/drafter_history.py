@@ -20,10 +20,11 @@ from collections import OrderedDict
 
 import numpy as np
 
+from services.rollout.drafter.compiled import MAX_TOKEN as MAX_TOKEN_ID  # the drafters' token ids: [0, it]
+
 log = logging.getLogger(__name__)
 
 MAX_PROMPTS_IN_DRAFTER = 10_000
-MAX_TOKEN_ID = 2**31 - 1  # the drafter's token ids: [0, MAX_TOKEN_ID] (drafter/compiled.py's MAX_TOKEN)
 
 
 def first_bad_token(tokens) -> int | None:

@@ -22,6 +22,7 @@ from services.common.errors import InvalidArgument, grpc_errors
 from services.common.gc_tuning import StepCollector, tune_gc
 from services.common.grpc_server import Server, run_until_signal
 from services.rollout import weight_receiver
+from services.rollout.weight_receiver import MAX_WEIGHT_BYTES
 from services.rollout.drafter_history import DrafterHistory
 from services.rollout.engine_choice import build_engine
 from services.rollout.engine_loop import AbortedChunk, EngineLoop, ItemFailed
@@ -33,7 +34,6 @@ from services.rollout.work_item import to_engine_request
 log = logging.getLogger(__name__)
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, None: common_pb2.FINISH_REASON_UNSPECIFIED}
-MAX_WEIGHT_BYTES = 1 << 40
 _END = object()  # the scheduler closed its side of a Link stream
 
 

@@ -16,6 +16,8 @@ from rhymerl.v1 import common_pb2
 
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 
+MAX_WEIGHT_BYTES = 1 << 40  # the largest payload a worker takes (and the scheduler forwards)
+
 
 @dataclass(frozen=True)
 class Payload:

@@ -45,10 +45,10 @@ from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, RhymerlError, Unavailable
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig
-from services.common.validation import check_length, check_sampling, check_token_ids
+from services.common.validation import MAX_ID_BYTES, check_id, check_length, check_sampling, check_token_ids
 from services.common.ids import prompt_id_from_tokens, sample_seed
 from services.router.registry import ShardInfo
-from services.scheduler.intake import MAX_ID_BYTES, check_id, check_step
+from services.scheduler.intake import check_step
 from services.scheduler.step import fingerprint
 from services.scheduler.weight_store import WeightStore
 

@@ -14,14 +14,10 @@ from rhymerl.v1 import rollout_pb2
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.ids import prompt_id_from_tokens, sample_seeds
 from services.common.packed import varint
-from services.common.validation import MAX_N, check_length, check_sampling, check_token_ids
+from services.common.validation import MAX_N, check_id, check_length, check_sampling, check_token_ids
 from services.scheduler.policies.base import Request
 from services.scheduler.step import SampleProgress
 from services.scheduler.worker_link import prompt_field
-
-# Step and prompt ids are copied into every sample, history key and step-log entry.
-MAX_ID_BYTES = 256
-
 
 @dataclass(frozen=True)
 class Fleet:
@@ -29,14 +25,6 @@ class Fleet:
 
     vocab_size: int
     max_model_len: int
-
-
-def check_id(value: str, field: str) -> None:
-    if not value:
-        raise InvalidArgument("must be non-empty", field)
-    size = len(value.encode())
-    if size > MAX_ID_BYTES:
-        raise InvalidArgument(f"must be at most {MAX_ID_BYTES} bytes, got {size}", field)
 
 
 def check_step(req: rollout_pb2.SubmitStepRequest, serving_version: int) -> None:

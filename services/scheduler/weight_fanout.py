@@ -41,6 +41,7 @@ from services.common import metrics
 from services.common.errors import (DataLoss, DeadlineExceeded, FailedPrecondition, InvalidArgument, RhymerlError,
                                     Unavailable)
 from services.rollout import weight_receiver
+from services.rollout.weight_receiver import MAX_WEIGHT_BYTES
 from services.scheduler.core import SchedulerCore
 from services.scheduler.step_log import RecordUnreadable
 from services.scheduler.weight_store import Incoming, WeightStore
@@ -50,9 +51,6 @@ log = logging.getLogger(__name__)
 MODES = ("after_steps", "between_chunks")
 STALL_S = 300.0  # the scheduler's weight_push_stall_s default
 _END = object()
-# The largest payload a worker takes (services/rollout/server.py's MAX_WEIGHT_BYTES, the
-# same number: importing it from there would load torch into the scheduler).
-MAX_WEIGHT_BYTES = 1 << 40
 _HEX = frozenset("0123456789abcdefABCDEF")
 # A worker's answer about the payload itself (its size, checksum, values, version):
 # the trainer gets it as it is. Any other failure (a worker gone, its connection closed,

@@ -299,10 +299,10 @@ async def test_the_largest_allowed_fields_are_stored(clean_redis):
 def test_the_id_bound_is_the_schedulers():
     """Breaks if the two bounds drift apart: a step the scheduler accepts would then lose
     its history writes (or the store would accept ids the scheduler never sends)."""
-    from services.history.store import MAX_ID_BYTES
-    from services.scheduler.intake import MAX_ID_BYTES as SCHEDULER_MAX_ID_BYTES
+    from services.history import store
+    from services.scheduler import intake
 
-    assert MAX_ID_BYTES == SCHEDULER_MAX_ID_BYTES
+    assert store.check_id is intake.check_id  # one check, one bound (services/common/validation.py)
 
 
 @run_async

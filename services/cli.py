@@ -10,9 +10,11 @@ import asyncio
 import logging
 
 import typer
+from pydantic_settings import BaseSettings
 
+from services.common.errors import BindError
 from services.common.grpc_server import service_up
-from services.common.settings_cli import settings_command
+from services.common.settings_cli import env_var, settings_command
 from services.history.settings import HistorySettings
 from services.rollout.settings import WorkerSettings
 from services.router.settings import RouterSettings
@@ -21,17 +23,23 @@ from services.scheduler.settings import SchedulerSettings
 log = logging.getLogger("rhymerl")
 
 
-def serve_or_say_why(name: str, serve) -> None:
+def serve_or_say_why(name: str, serve, settings_cls: type[BaseSettings] | None = None) -> None:
     """Runs the service's ``serve`` coroutine. What stops it before it serves (a port in
     use, a model that does not load, a store it cannot reach) is said in one line and
     exit status 1, the traceback at --log-level debug; a failure once it served keeps its
-    traceback (the log's business)."""
+    traceback (the log's business). A port it could not bind is named with the option
+    and environment variable (of ``settings_cls``) that set it."""
     try:
         asyncio.run(serve)
     except Exception as exc:  # noqa: BLE001 - any failure before serving
         if service_up():
             raise
         log.debug("%s could not start", name, exc_info=True)
+        if isinstance(exc, BindError) and settings_cls is not None and exc.setting in settings_cls.model_fields:
+            option = "--" + exc.setting.replace("_", "-")
+            off = "" if exc.setting == "port" else ", or 0 for none"
+            raise SystemExit(f"Error: rhymerl {name} could not start: {exc}; set {option} "
+                             f"({env_var(settings_cls, exc.setting)}) to a free port{off}") from None
         raise SystemExit(f"Error: rhymerl {name} could not start: {type(exc).__name__}: {exc} "
                          "(--log-level debug shows where)") from None
 
@@ -44,14 +52,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 def history(settings: HistorySettings) -> None:
     from services.history.server import serve
 
-    serve_or_say_why("history", serve(settings))
+    serve_or_say_why("history", serve(settings), HistorySettings)
 
 
 @settings_command(app, "scheduler", SchedulerSettings, "Run the scheduler (trainers submit steps to it).")
 def scheduler(settings: SchedulerSettings) -> None:
     from services.scheduler.server import serve
 
-    serve_or_say_why("scheduler", serve(settings))
+    serve_or_say_why("scheduler", serve(settings), SchedulerSettings)
 
 
 @settings_command(app, "router", RouterSettings,
@@ -59,7 +67,7 @@ def scheduler(settings: SchedulerSettings) -> None:
 def router(settings: RouterSettings) -> None:
     from services.router.server import serve
 
-    serve_or_say_why("router", serve(settings))
+    serve_or_say_why("router", serve(settings), RouterSettings)
 
 
 @settings_command(app, "worker", WorkerSettings, "Run a rollout worker (loads the policy, serves WorkerService).")
@@ -72,7 +80,7 @@ def worker(settings: WorkerSettings) -> None:
 
     try:
         check_drafter(settings)  # before the model loads: one line, no traceback
-        serve_or_say_why("worker", serve(settings))
+        serve_or_say_why("worker", serve(settings), WorkerSettings)
     except DrafterLibraryError as exc:
         raise SystemExit(f"rhymerl worker: {exc}") from None
 

@@ -146,3 +146,27 @@ def test_top_help_shows_each_command_whole_and_log_level_has_its_variable():
     top = CliRunner().invoke(app, ["--help"], terminal_width=80, env={"COLUMNS": "80"}).output
     assert "Run the history service (earlier rollouts per prompt, in Redis)." in re.sub(r"\s+", " ", top)
     assert "in..." not in top  # cut short, as it was
+
+
+def test_the_readmes_sharded_schedulers_on_one_machine_bind_ports_of_their_own():
+    """The README's scale-out commands, run as written on one machine: no two processes
+    bind the same port (a second scheduler once kept the first's health and metrics
+    ports, and could not start). Ports an option does not set are the defaults."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [block] = [b for b in re.findall(r"```bash\n(.*?)```", readme, re.DOTALL) if "--shard-registry-url" in b]
+    owners: dict[int, str] = {}
+    commands = [line.split("#")[0] for line in block.splitlines() if line.startswith("rhymerl ")]
+    assert [c.split()[1] for c in commands].count("scheduler") >= 2
+    for i, line in enumerate(commands):
+        command = line.split()[1]
+        cls = COMMANDS[command]
+        given = {name.replace("-", "_"): value for name, value in re.findall(r"--([a-z-]+)\s+(\S+)", line)}
+        assert set(given) <= set(cls.model_fields), line
+        for field in ("port", "metrics_port", "health_port"):
+            port = int(given.get(field, cls.model_fields[field].default))
+            if port:
+                who = f"line {i + 1} ({command}) --{field.replace('_', '-')}"
+                assert port not in owners, f"{who} binds {port}, as {owners[port]} does"
+                owners[port] = who

@@ -115,6 +115,19 @@ def test_sharding_needs_a_shared_redis_and_leaves_the_default_layout_alone(rende
     assert "rhymerl.io/shard" not in deployments(default_objects, "worker")[0]["spec"]["selector"]["matchLabels"]
 
 
+def test_the_router_serves_metrics_on_its_own_default_port(sharded):
+    """The chart's router.metricsPort is the router's default (RHYMERL_ROUTER_METRICS_PORT),
+    and its container and Service expose it as `metrics` (what the PodMonitor scrapes)."""
+    [router] = deployments(sharded, "router")
+    default = RouterSettings.model_fields["metrics_port"].default
+    assert default != 9090  # Prometheus's own port
+    c = container(router, "router")
+    assert env_of(c)["RHYMERL_ROUTER_METRICS_PORT"] == str(default)
+    assert {"name": "metrics", "containerPort": default} in c["ports"]
+    [service] = [s for s in by_kind(sharded, "Service").values() if component(s) == "router"]
+    assert any(p["name"] == "metrics" and p["port"] == default for p in service["spec"]["ports"])
+
+
 def test_prometheus_scrapes_the_router_too(render):
     monitor = next(o for o in render(set={**SHARDED, "metrics.podMonitor.enabled": True}) if o["kind"] == "PodMonitor")
     assert "router" in monitor["spec"]["selector"]["matchExpressions"][0]["values"]

@@ -59,6 +59,17 @@ class DataLoss(RhymerlError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class BindError(RuntimeError):
+    """A port a service was told to serve on could not be bound (another process serves
+    on it, or it is privileged). ``setting`` is the settings field that names the port
+    ("port", "metrics_port", "health_port"): the command line says which option and
+    environment variable to change (services/cli.py)."""
+
+    def __init__(self, what: str, address: str, reason: str, setting: str):
+        self.address, self.setting = address, setting
+        super().__init__(f"could not bind the {what} {address}: {reason}")
+
+
 def _status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RhymerlError):
         return exc.code, str(exc)

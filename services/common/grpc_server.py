@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.errors import BindError
 from services.common.malformed import MalformedRequests
 from services.common.security import TLSConfig
 
@@ -39,6 +40,7 @@ CHANNEL_OPTIONS = [
 # two (a second history service with a store of its own, a second worker). Off, it fails.
 NO_PORT_SHARING = [("grpc.so_reuseport", 0)]
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 10_000), *NO_PORT_SHARING]
+NOT_BOUND = "in use, or not this machine's address"  # why a bind failed: gRPC's error names no cause
 
 
 class Server:
@@ -83,13 +85,12 @@ class Server:
         except RuntimeError:  # gRPC's "Failed to bind", which names no cause
             self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {address}: is another process serving on it?")
+            raise BindError("gRPC port", address, NOT_BOUND, "port")
         if self.health_server is not None:
             try:
                 self.health_port = self.health_server.add_insecure_port(f"{host}:{self.health_port}")
             except RuntimeError:
-                raise RuntimeError(f"could not bind the health port {host}:{self.health_port}: is another process "
-                                   "serving on it?") from None
+                raise BindError("health port", f"{host}:{self.health_port}", NOT_BOUND, "health_port") from None
             await self.health_server.start()
         await self.server.start()
         await self.set_serving(True)

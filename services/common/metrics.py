@@ -6,6 +6,7 @@ what it updates; a metric that a process never touches is still registered (at
 zero), which keeps dashboards and recording rules valid on every target.
 """
 
+import errno
 import itertools
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -162,11 +163,22 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         return
 
 
+def _bind_reason(exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return "in use by another process"
+    return exc.strerror or str(exc)
+
+
 def serve_metrics(port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer | None:
     """Starts the /metrics HTTP endpoint in a daemon thread (port 0 disables it)."""
     if not port:
         return None
-    server = ThreadingHTTPServer((addr, port), _MetricsHandler)
+    try:
+        server = ThreadingHTTPServer((addr, port), _MetricsHandler)
+    except OSError as exc:  # "[Errno 98] Address already in use", naming no port
+        from services.common.errors import BindError
+
+        raise BindError("metrics port", f"{addr}:{port}", _bind_reason(exc), "metrics_port") from exc
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

@@ -12,7 +12,8 @@ class RouterSettings(TLSSettings):
 
     host: str = Field("0.0.0.0", description="Interface the gRPC server binds.")
     port: int = Field(50050, ge=0, le=65535, description="gRPC port of RolloutService (trainers submit steps here).")
-    metrics_port: int = Field(9090, ge=0, le=65535, description="Prometheus /metrics port; 0 turns the endpoint off.")
+    # not 9090 (Prometheus's own port), nor another service's default (tests/deploy/test_observability.py)
+    metrics_port: int = Field(9089, ge=0, le=65535, description="Prometheus /metrics port; 0 turns the endpoint off.")
     registry_url: str = Field(
         "", description="Redis the scheduler shards announce themselves in (their RHYMERL_SCHEDULER_SHARD_REGISTRY_URL): "
                         "the router serves with every shard whose key is alive. Required.")

@@ -154,6 +154,33 @@ def test_prometheus_scrapes_every_service_on_its_metrics_port():
     assert config["rule_files"] == ["rules.yml"]
 
 
+# Defaults of the monitoring stack a service runs beside (the router's metrics port was
+# once 9090: next to a Prometheus it could not start, or answered its scrapes). Not
+# Pushgateway's 9091: the scheduler's metrics port since its first release (this stack
+# has no Pushgateway).
+MONITORING_PORTS = {9090: "Prometheus", 9093: "Alertmanager", 9094: "Alertmanager (cluster)", 3000: "Grafana"}
+
+
+def test_no_default_port_is_another_services_or_the_monitoring_stacks():
+    """Every service's default ports are distinct (one machine runs them all: `make run`,
+    docker-compose) and none is Prometheus's, Alertmanager's or Grafana's."""
+    from services.history.settings import HistorySettings
+    from services.rollout.settings import WorkerSettings
+    from services.router.settings import RouterSettings
+    from services.scheduler.settings import SchedulerSettings
+
+    ports: dict[int, str] = {}
+    for cls in (HistorySettings, SchedulerSettings, RouterSettings, WorkerSettings):
+        for name, field in cls.model_fields.items():
+            if name.endswith("port") and field.default:
+                where = f"{cls.__name__}.{name}"
+                assert field.default not in ports, f"{where} and {ports[field.default]} both default to {field.default}"
+                assert field.default not in MONITORING_PORTS, \
+                    f"{where} defaults to {field.default}, {MONITORING_PORTS[field.default]}'s port"
+                ports[field.default] = where
+    assert len(ports) >= 9  # the four gRPC and metrics ports and the scheduler's health port at least
+
+
 # --- Grafana ----------------------------------------------------------------------------
 
 def test_committed_dashboard_is_what_the_generator_writes():

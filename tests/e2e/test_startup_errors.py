@@ -9,6 +9,7 @@ connections between the two: two history services, each with a store of its own.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -61,10 +62,29 @@ def test_a_second_service_on_a_port_in_use_exits_naming_it_and_the_first_keeps_s
         assert second.returncode == 1
         line = one_error_line(second.stderr)
         assert line.startswith("Error: rhymerl history could not start:") and f"0.0.0.0:{port}" in line, line
+        assert "set --port (RHYMERL_HISTORY_PORT) to a free port" in line, line
         assert first.poll() is None and serving(port, 10.0)
     finally:
         first.terminate()
         first.wait(timeout=30)
+
+
+def test_a_scheduler_whose_metrics_port_is_taken_says_which_and_what_to_set():
+    """Two schedulers on one machine (the README's shards) once collided on the metrics
+    port with "OSError: [Errno 98] Address already in use", naming neither the port nor
+    the setting. (The health port's case: tests/scheduler/test_health_off_loop.py; the
+    child waits for it a while, as a restarted one must.)"""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run(["scheduler", "--port", str(free_port()), "--metrics-port", str(port), "--health-port", "0",
+                    "--history-address", ""])
+    assert done.returncode == 1, done.stderr
+    line = one_error_line(done.stderr)
+    assert line == (f"Error: rhymerl scheduler could not start: could not bind the metrics port 0.0.0.0:{port}: in "
+                    "use by another process; set --metrics-port (RHYMERL_SCHEDULER_METRICS_PORT) to a free port, or "
+                    "0 for none"), line
 
 
 @pytest.mark.parametrize("args,says", [

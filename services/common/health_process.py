@@ -18,17 +18,24 @@ on a port of its own, and never waits for the service's loop:
   restarted by its liveness probe as before, while seconds of lag are not a failure.
 - The service's death closes the pipe: the child reports NOT_SERVING and exits, so
   nothing answers for a dead process. A child that died is started again by the
-  service at its next tick.
+  service at its next tick, unless the service is stopping.
+- The child ignores SIGINT and SIGTERM: Ctrl-C, or a SIGTERM to the whole process group
+  (``kill -TERM -PGID``, a process supervisor), reaches the service too, which drains
+  with its health still answered (NOT_SERVING) and then closes the pipe. A child that
+  died of either signal anyway (one sent before it could ignore them) is not restarted
+  and is no error: its service is being stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,17 +58,22 @@ class HealthProcess:
         tick_s: how often the state is re-sent (the loop's sign of life).
     """
 
-    def __init__(self, host: str, port: int, services: Sequence[str], stall_s: float, tick_s: float = 1.0):
+    def __init__(self, host: str, port: int, services: Sequence[str], stall_s: float, tick_s: float = 1.0,
+                 bind_wait_s: float = BIND_WAIT_S, setting: str = "health_port"):
         self.host, self.port, self.stall_s, self.tick_s = host, port, stall_s, tick_s
+        self.bind_wait_s, self.setting = bind_wait_s, setting  # setting: what names the port (services/cli.py)
         self.names = list(services)
         self.status = dict.fromkeys(self.names, NOT_SERVING)
         self.proc: subprocess.Popen | None = None
         self._ticker: asyncio.Task | None = None
+        self._stopping = False
 
     async def start(self) -> int:
-        """Starts the child; returns the port it serves on (RuntimeError if it cannot)."""
+        """Starts the child; returns the port it serves on (``BindError`` when the port is
+        taken, RuntimeError when the child fails otherwise)."""
         argv = [sys.executable, "-m", "services.common.health_process", "--host", self.host,
-                "--port", str(self.port), "--stall-s", str(self.stall_s), "--", *[n or "-" for n in self.names]]
+                "--port", str(self.port), "--stall-s", str(self.stall_s), "--bind-wait-s", str(self.bind_wait_s),
+                "--", *[n or "-" for n in self.names]]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
             line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), START_TIMEOUT_S)
@@ -70,6 +82,12 @@ class HealthProcess:
         if not line.startswith(b"ready "):
             proc.kill()
             proc.wait()
+            self._close_pipes(proc)
+            if line.startswith(b"unbound "):  # the child could not bind the port: one line says it
+                from services.common.errors import BindError
+
+                raise BindError("health port", f"{self.host}:{self.port}", line.decode().split(" ", 1)[1].strip(),
+                                self.setting)
             raise RuntimeError(f"the health process could not serve on {self.host}:{self.port} "
                                f"(exit status {proc.returncode}; its error is in this process's log)")
         os.set_blocking(proc.stdin.fileno(), False)
@@ -95,21 +113,35 @@ class HealthProcess:
         except (BlockingIOError, BrokenPipeError, OSError):
             pass  # the child is behind (the next tick repairs it) or gone (the ticker restarts it)
 
+    def stopping(self) -> None:
+        """The service has begun to stop: a child that dies from now on is not restarted
+        (the group's SIGTERM may reach it first) and the statuses keep being published."""
+        self._stopping = True
+
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
-            if self.proc is not None and self.proc.poll() is not None:
-                log.error("the health process exited (status %s); starting it again", self.proc.returncode)
+            if self.proc is not None and self.proc.poll() is None:
+                self._publish()
+                continue
+            if self.proc is not None:  # it died (None: a restart failed, tried again now)
+                status = self.proc.returncode
                 self._close_pipes(self.proc)
                 self.proc = None
-                try:
-                    await self.start()
-                except RuntimeError as exc:
-                    log.error("%s; trying again", exc)
-                continue
-            self._publish()
+                if self._stopping or status in (-signal.SIGTERM, -signal.SIGINT):
+                    log.info("the health process exited (%s) as the service stops; not starting it again",
+                             _exit_status(status))
+                    return
+                log.error("the health process exited (%s); starting it again", _exit_status(status))
+            elif self._stopping:
+                return
+            try:
+                await self.start()
+            except RuntimeError as exc:
+                log.error("%s; trying again", exc)
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
@@ -132,31 +164,67 @@ class HealthProcess:
                 pass
 
 
+def _exit_status(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            pass
+    return f"status {returncode}"
+
+
 # --- the child ------------------------------------------------------------------------
 
-def _bind(host: str, port: int):
+def _in_use(host: str, port: int) -> bool:
+    """Whether another socket listens on host:port, asked with a plain socket: gRPC's
+    own failed bind logs an error line per attempt, and a port held for BIND_WAIT_S
+    would fill the service's log with them. gRPC's bind still decides."""
+    if not port:
+        return False
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listeners: TIME_WAIT is no owner
+            probe.bind(address)
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _bind(host: str, port: int, wait_s: float = BIND_WAIT_S):
     """A started gRPC server with a health servicer on host:port, waiting up to
-    BIND_WAIT_S for a port a previous child still holds (SO_REUSEPORT off: two children
+    ``wait_s`` for a port a previous child still holds (SO_REUSEPORT off: two children
     must never share a port and split the probes between them)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
     from grpc_health.v1 import health, health_pb2_grpc
 
-    deadline = time.monotonic() + BIND_WAIT_S
+    deadline = time.monotonic() + wait_s
+    said = False
     while True:
-        servicer = health.HealthServicer()
-        server = grpc.server(ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        try:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError:
-            bound = 0
+        bound, taken = 0, _in_use(host, port)
+        if not taken:
+            servicer = health.HealthServicer()
+            # Spelt out, not grpc_server.NO_PORT_SHARING: importing grpc_server loads
+            # pydantic and protobuf's message modules, a third of a second and some MB more
+            # for a process meant to import little besides grpc.
+            server = grpc.server(ThreadPoolExecutor(max_workers=4), options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+            try:
+                bound = server.add_insecure_port(f"{host}:{port}")
+            except RuntimeError:
+                bound = 0
         if bound:
             server.start()
             return server, servicer, bound
         if time.monotonic() > deadline:
-            raise RuntimeError(f"cannot bind {host}:{port}")
+            raise RuntimeError("in use by another process" if taken else "in use, or not this machine's address")
+        if not said and wait_s > 0:
+            print(f"health: {host}:{port} is in use; waiting up to {wait_s:g} s for it (a previous health process "
+                  "may still hold it)", file=sys.stderr, flush=True)
+            said = True
         time.sleep(0.2)
 
 
@@ -193,14 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--stall-s", type=float, default=0.0)
+    parser.add_argument("--bind-wait-s", type=float, default=BIND_WAIT_S)
     parser.add_argument("names", nargs="+", help="service names; - is the server itself (\"\")")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its life is the pipe's: it ends when the service does
     names = ["" if n == "-" else n for n in args.names]
     try:
-        server, servicer, port = _bind(args.host, args.port)
+        server, servicer, port = _bind(args.host, args.port, args.bind_wait_s)
     except RuntimeError as exc:
-        print(f"health: {exc}", file=sys.stderr, flush=True)
+        print(f"unbound {exc}", flush=True)  # the service says it, naming the setting (services/cli.py)
         return 1
     from grpc_health.v1 import health_pb2
 
@@ -226,4 +294,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Its life is the pipe's: it ends when the service does (which drains first on
+    # SIGINT/SIGTERM, with its health answered). Ignored before main imports grpc.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.exit(main())

@@ -11,6 +11,8 @@ message's descriptor.
 
 from __future__ import annotations
 
+import inspect
+
 import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
@@ -110,7 +112,11 @@ def _wrap(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async def unary_stream(request, context):
             if isinstance(request, Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            async for response in handler.unary_stream(request, context):
+            responses = handler.unary_stream(request, context)
+            if inspect.isawaitable(responses):  # it answers with context.write (grpc_health's aio Watch)
+                await responses
+                return
+            async for response in responses:
                 yield response
         return grpc.unary_stream_rpc_method_handler(unary_stream, **kwargs)
     if handler.stream_unary:

@@ -203,6 +203,8 @@ async def start_scheduler(settings: SchedulerSettings):
              "on" if core.log.enabled else "off", settings.heartbeat_s, server.health_port or "none")
 
     async def stop() -> None:
+        if health is not None:
+            health.stopping()  # its child may die before it (a signal to the process group): no restart, no error
         if announcer is not None:
             await announcer.stop()
         watcher.cancel()

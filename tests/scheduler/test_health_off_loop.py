@@ -11,7 +11,12 @@ assertion on speed: a check that waited for the stopped loop would never return,
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,10 +27,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.control_plane import SchedulerProcess
 from benchmarks.fake_fleet import FakeFleet, FleetSpec
 from services.common.health_process import HealthProcess
+from services.common.redis_server import free_port
 from tests.aio import run_async
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 ROLLOUT = "rhymerl.v1.RolloutService"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def check(address: str, service: str = "", timeout_s: float = 30.0) -> int:
@@ -131,3 +138,75 @@ async def test_liveness_fails_once_the_loop_stops_turning_and_a_dead_health_proc
         proc = health.proc
         await health.stop()
         assert proc is None or proc.poll() is not None
+
+
+@run_async
+async def test_a_taken_health_port_is_a_bind_error_naming_the_port_and_its_setting():
+    """What the command line turns into one line naming --health-port and its variable
+    (services/cli.py); the child logs no gRPC bind error per attempt while it waits."""
+    from services.common.errors import BindError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        health = HealthProcess("127.0.0.1", port, ["", ROLLOUT], stall_s=0, bind_wait_s=0)
+        with pytest.raises(BindError) as err:
+            await health.start()
+    assert err.value.setting == "health_port"
+    assert str(err.value) == f"could not bind the health port 127.0.0.1:{port}: in use by another process"
+    assert health.proc is None
+
+
+@run_async
+async def test_a_health_process_that_dies_as_its_service_stops_is_not_restarted(caplog):
+    health = HealthProcess("127.0.0.1", 0, ["", ROLLOUT], stall_s=0, tick_s=0.05)
+    await health.start()
+    try:
+        health.stopping()
+        old = health.proc
+        old.kill()
+        await asyncio.to_thread(old.wait)
+        while not health._ticker.done():  # it notices, and ends instead of starting another
+            await asyncio.sleep(0.05)
+        assert health.proc is None
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    finally:
+        await health.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_schedulers_process_group_stops_it_cleanly(tmp_path):
+    """`kill -TERM -PGID` (a shell's job control, a supervisor, `timeout`) reaches the
+    scheduler and its health process at once. The health process used to die first and
+    the scheduler, still draining, logged an ERROR and started another one. Now the child
+    ignores the signal and ends when the scheduler closes its pipe; the scheduler exits 0
+    with no error and no restart in its log. A Watch stream kept open on the gRPC port
+    makes the drain last its whole grace period (health ticks included)."""
+    port, health_port = free_port(), free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RHYMERL_SCHEDULER_HOST": "127.0.0.1",
+           "RHYMERL_SCHEDULER_PORT": str(port), "RHYMERL_SCHEDULER_HEALTH_PORT": str(health_port),
+           "RHYMERL_SCHEDULER_METRICS_PORT": "0", "RHYMERL_SCHEDULER_HISTORY_ADDRESS": "",
+           "RHYMERL_SCHEDULER_REDIS_URL": ""}
+    log_path = tmp_path / "scheduler.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler"], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for("the scheduler serves", lambda: proc.poll() is None and answers(f"127.0.0.1:{health_port}", "",
+                                                                              SERVING), timeout_s=120)
+        [child] = children(proc.pid)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=120)
+            assert next(watch).status == SERVING  # the stream is open
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=120) == 0, log_path.read_text()
+        text = log_path.read_text()
+        assert "shutting down" in text, text
+        assert " ERROR " not in text and "starting it again" not in text and "Traceback" not in text, text
+        wait_for("the health process ended too", lambda: not Path(f"/proc/{child}").exists()
+                 or Path(f"/proc/{child}/stat").read_text().split(") ", 1)[1].startswith("Z"))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -147,16 +147,25 @@ def replay_pair(path: str, lib_a: str, lib_b: str, config: DrafterConfig, rng: n
     }
 
 
-def build_rev(rev: str, out: Path) -> Path:
-    """The core's release build from `rev`'s histo.cpp and histo.h (git show), into `out`."""
-    src = out.parent / f"{out.stem}_src"
-    src.mkdir(parents=True, exist_ok=True)
+def rev_sources(rev: str, folder: Path) -> Path:
+    """`rev`'s histo.cpp and histo.h (git show) written into `folder`; returns the .cpp."""
+    folder.mkdir(parents=True, exist_ok=True)
     for name in ("histo.cpp", "histo.h"):
         text = subprocess.run(["git", "show", f"{rev}:{CORE}/{name}"], check=True, capture_output=True).stdout
-        (src / name).write_bytes(text)
+        (folder / name).write_bytes(text)
+    return folder / "histo.cpp"
+
+
+def release_command(source: Path, out: Path) -> list[str]:
+    """`make install`'s build of the core (native/build.py's release flags), of `source`."""
     spec = native_build.TARGETS["histo"]
-    flags = native_build.COMMON + [spec.optimize, *native_build.RELEASE]
-    subprocess.run([native_build.compiler(), *flags, "-o", str(out), str(src / "histo.cpp")], check=True)
+    return [native_build.compiler(), *native_build.COMMON, spec.optimize, *native_build.RELEASE, "-o", str(out),
+            str(source)]
+
+
+def build_rev(rev: str, out: Path) -> Path:
+    """The core's release build from `rev`'s sources, into `out`."""
+    subprocess.run(release_command(rev_sources(rev, out.parent / f"{out.stem}_src"), out), check=True)
     return out
 
 

@@ -4,6 +4,7 @@ step, each call timed per side, their drafts compared."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from benchmarks import drafter_ab as AB
 from benchmarks import drafter_replay as R
 from services.rollout.drafter import DrafterConfig
 from services.rollout.drafter.compiled import CompiledDrafter, library_path
+from services.rollout.drafter.native import build as native_build
 
 
 class Recorder:
@@ -80,11 +82,12 @@ def test_one_library_against_itself_drafts_the_same_and_writes_its_files(tmp_pat
     assert "median step B/A" in (tmp_path / "drafter_ab.md").read_text()
 
 
-def test_a_revision_builds_into_a_library_that_loads(tmp_path):
-    """(The committed core, so the same drafts as the one `make install` built.)"""
-    drafters = [CompiledDrafter(DrafterConfig(min_gain=0.0), library=lib)
-                for lib in (AB.build_rev("HEAD", tmp_path / "lib.so"), library_path())]
-    for d in drafters:
-        d.start_request("r", "p", [7, 8, 9, 7, 8, 9, 7, 8], generated_token_ids=[7, 8])
-    built, installed = (d.propose(["r"], [4]) for d in drafters)
-    assert built == installed and built[0][:2] == [9, 7]  # the prompt's loop, drafted
+def test_a_revision_is_built_from_its_own_sources_with_the_release_flags(tmp_path):
+    """(Compiling is `make install`'s test; here: the sources and the command.)"""
+    source = AB.rev_sources("HEAD", tmp_path / "src")
+    for name in ("histo.cpp", "histo.h"):
+        committed = subprocess.run(["git", "show", f"HEAD:{AB.CORE}/{name}"], check=True, capture_output=True).stdout
+        assert (tmp_path / "src" / name).read_bytes() == committed
+    argv = AB.release_command(source, tmp_path / "lib.so")
+    release = native_build.command(tmp_path / "lib.so")
+    assert argv[0] == release[0] and sorted(argv) == sorted(release[:-1] + [str(source)])

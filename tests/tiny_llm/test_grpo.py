@@ -115,9 +115,10 @@ def test_run_pushes_weights_reports_rewards_and_records_traces(model_dir, tmp_pa
         client, model_dir, steps=2, num_prompts=3, n=2, max_tokens=8, seed=0, record=str(record), log=lines.append
     )
     assert [s["version"] for s in stats] == [1, 2] and client.version == 2
-    assert len(lines) == 2 and "history match" in lines[1]
+    assert len(lines) == 3 and lines[0].endswith("starting at policy version 0") and "history match" in lines[2]
     assert np.isnan(stats[0]["history_match"]) and 0.0 <= stats[1]["history_match"] <= 1.0
-    assert sorted(client.rewards) == ["grpo-seed0-step0", "grpo-seed0-step1"]
+    run_id = lines[0].split()[1].rstrip(":")
+    assert sorted(client.rewards) == [f"grpo-{run_id}-step0-v0", f"grpo-{run_id}-step1-v1"]
     assert all(len(r) == 6 for r in client.rewards.values())
     records = read_traces(record)
     assert len(records) == 12 and {r.epoch for r in records} == {0, 1}
@@ -180,11 +181,15 @@ def test_a_resumed_recording_equals_an_uninterrupted_one(model_dir, tmp_path, mo
     options = dict(num_prompts=3, n=2, max_tokens=8, seed=0, train_layers=1, lr=1e-2, partial_credit=0.5)
     straight = LocalRolloutClient(model_dir)
     grpo.run(straight, model_dir, steps=3, record=str(tmp_path / "straight.npz"), **options)
-    cut = str(tmp_path / "cut.npz")
-    grpo.run(LocalRolloutClient(model_dir), model_dir, steps=1, record=cut, **options)
+    cut, first_lines = str(tmp_path / "cut.npz"), []
+    grpo.run(LocalRolloutClient(model_dir), model_dir, steps=1, record=cut, log=first_lines.append, **options)
     resumed, lines = LocalRolloutClient(model_dir), []
     stats = grpo.run(resumed, model_dir, steps=3, record=cut, resume=True, log=lines.append, **options)
     assert "resumed" in lines[0] and [s["version"] for s in stats] == [1, 2, 3] and resumed.version == 3
+    # under the recorded run's id: a trainer restarted mid-step rejoins the step it had submitted
+    run_id = first_lines[0].split()[1].rstrip(":")
+    assert lines[0].startswith(f"run {run_id}: ")
+    assert sorted(resumed.rewards) == [f"grpo-{run_id}-step1-v1", f"grpo-{run_id}-step2-v2"]
     assert all(s["loss"] != 0.0 for s in stats)  # every step did update the policy
     a, b = read_traces(tmp_path / "straight.npz"), read_traces(cut)
     assert [(r.epoch, r.prompt_id, r.sample_index, list(r.token_ids), r.reward) for r in a] == \
@@ -194,6 +199,9 @@ def test_a_resumed_recording_equals_an_uninterrupted_one(model_dir, tmp_path, mo
     with pytest.raises(ValueError, match="resume: seed is 1, the recorded run used 0"):
         grpo.run(LocalRolloutClient(model_dir), model_dir, steps=3, record=cut, resume=True,
                  **dict(options, seed=1))
+    with pytest.raises(ValueError, match=f"resume: run_id is 'other', the recorded run used '{run_id}'"):
+        grpo.run(LocalRolloutClient(model_dir), model_dir, steps=3, record=cut, resume=True, run_id="other",
+                 **options)
 
 
 # The --record path: a missing directory is created (the README's command on a fresh clone,

@@ -26,13 +26,24 @@ service's draft acceptance (accepted / proposed draft tokens), the rollout and u
 times, the first PPO loss of the update (clipped surrogate, sign as minimised), and the
 version the update was pushed as (`-> vN`).
 
+Runs against one service: versions start from the one the service serves
+(`client.stats().policy_version`). Against a service an earlier run already updated, the
+trainer first pushes its starting weights as the next version, so its first step samples
+its own policy. Step ids are `grpo-<run id>-step<k>-v<version>`, the run id fresh for every
+run (UTC time, pid, random) unless --run-id gives one: a run never replays another's
+samples, while a restarted trainer given its run id again (or --resume, which keeps the
+recorded one) rejoins the steps it had submitted at the same policy version, getting their
+samples instead of generating them twice. Ctrl-C cancels the step in flight in the service
+(the SDK's cancel_on_interrupt).
+
 --record PATH writes every rollout as a trace file (a compressed .npz; layout in
 `write_traces` below, the same as services/common/traces.py reads), after every step,
 and keeps the run's state beside it (PATH.state.pt: the trained parameters, the
 optimizer, the trace so far). PATH's directory is created if missing; a PATH that cannot
 be written fails before the first step, in one line. --resume continues such a run from
-its last finished step, against a fresh service: the policy it had reached is pushed
-first, and the epochs that follow are the ones the uninterrupted run would have made (a
+its last finished step, against a fresh service or the same one: the policy it had reached
+is pushed first (under its recorded version, or the next one when the service serves a
+later one), and the epochs that follow are the ones the uninterrupted run would have made (a
 long recording can span several sittings).
 """
 
@@ -44,6 +55,7 @@ import dataclasses
 import errno
 import math
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -83,6 +95,31 @@ class GRPOConfig:
     # 0: every parameter learns; k > 0: only the last k decoder layers and the final norm
     # (a pretrained model's update sized for a CPU; the whole model is still pushed)
     train_layers: int = 0
+    # Names the run's step ids (grpo-<run_id>-step<k>-v<version>); None: a fresh one
+    # (new_run_id). The same id again rejoins (replays) that run's steps at the same
+    # version; a resumed recording keeps its recorded id.
+    run_id: str | None = None
+
+
+def new_run_id() -> str:
+    """A run id no other run has: UTC time, process id and a random suffix
+    (e.g. 20250101T120000-4242-9f3a), so two runs never share a step id."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def step_id_of(run_id: str, step: int, version: int) -> str:
+    """The step id of RL step `step` of run `run_id`, sampled at policy `version`. The
+    version is part of it: a step id is the service's idempotency key for the step's
+    whole content, the policy version asked for included, so a rejoining trainer that
+    resumes at another version starts a new step rather than failing as a changed one."""
+    return f"grpo-{run_id}-step{step}-v{version}"
+
+
+def serving_version(client) -> int:
+    """The policy version the service serves now (``client.stats()``); 0 for a stand-in
+    client without ``stats``, which starts from the checkpoint."""
+    stats = getattr(client, "stats", None)
+    return 0 if stats is None else stats().policy_version
 
 
 def encode_prompts(tokenizer, problems: list) -> list[Prompt]:
@@ -288,14 +325,14 @@ def prepare_record_path(record: str) -> None:
 
 
 def save_state(config: "GRPOConfig", model, optimizer, step: int, version: int, trace_rows: list[dict],
-               stats: list[dict], history: dict) -> None:
+               stats: list[dict], history: dict, run_id: str | None = None) -> None:
     """After step `step`: the trained parameters, the optimizer, the trace and the counters,
     written to a temporary file and renamed (a run killed mid-write keeps the previous state)."""
     path = state_path(config.record)
     path.parent.mkdir(parents=True, exist_ok=True)
     params = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     state = dict(next_step=step + 1, version=version, params=params, optimizer=optimizer.state_dict(),
-                 trace_rows=trace_rows, stats=stats, history=history,
+                 trace_rows=trace_rows, stats=stats, history=history, run_id=run_id,
                  config={f: getattr(config, f) for f in RESUME_FIELDS})
     tmp = path.with_name(path.name + ".tmp")
     torch.save(state, tmp)
@@ -368,17 +405,23 @@ def format_stats(row: dict) -> str:
 
 
 def run(
-    client, model_dir: str, config: GRPOConfig | None = None, *, version: int = 0, log=print, **overrides
+    client, model_dir: str, config: GRPOConfig | None = None, *, version: int | None = None, log=print,
+    **overrides
 ) -> list[dict]:
     """Runs `config.steps` GRPO steps against `client` (a rhymerl.RolloutClient, or anything
-    with its rollout/report_rewards/push_weights methods); returns one stats dict per step.
+    with its rollout/report_rewards/push_weights methods, and `stats` when it has one);
+    returns one stats dict per step.
 
     Args:
         config: defaults to GRPOConfig(); keyword `overrides` replace its fields
             (e.g. run(client, "models/tiny", steps=4, num_prompts=8)).
-        version: the policy version the service holds at the start (the checkpoint in
-            `model_dir`); every step pushes version + 1.
-        log: called with one line per step.
+        version: None (the default): asked of the service (`client.stats().policy_version`).
+            Version 0 is the checkpoint the service started with, `model_dir`'s; a higher
+            one is another policy (an earlier run's), so this run pushes its starting
+            weights first, as the next version. An int: the version under which the
+            service serves `model_dir`'s checkpoint now (nothing is pushed first). Every
+            step then pushes version + 1.
+        log: called with one line at the start (the run id, the version) and one per step.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -401,19 +444,37 @@ def run(
     history: dict[str, list[list[int]]] = {}
     trace_rows, stats = [], []
     first_step = 0
+    state = None
     if config.resume:
         if not config.record:
             raise ValueError("resume: needs record (the run's state is kept beside its trace file)")
         state = load_state(config, model, optimizer)
-        if state is not None:
-            first_step, trace_rows, stats, history = (state["next_step"], state["trace_rows"], state["stats"],
-                                                      state["history"])
-            # The service starts from the checkpoint: it gets the policy the run had reached.
-            version = client.push_weights(state["version"], weights_bytes(model))
-            log(f"resumed {config.record} after step {first_step - 1}: policy version {version} pushed")
+    run_id = config.run_id or new_run_id()
+    serving = serving_version(client) if version is None else version
+    if state is not None:
+        recorded_id = state.get("run_id")
+        if config.run_id and recorded_id and config.run_id != recorded_id:
+            raise ValueError(f"resume: run_id is {config.run_id!r}, the recorded run used {recorded_id!r}")
+        run_id = recorded_id or run_id
+        first_step, trace_rows, stats, history = (state["next_step"], state["trace_rows"], state["stats"],
+                                                  state["history"])
+        # The service gets the policy the run had reached: under its recorded version when
+        # that is not below the one serving (a fresh service serves 0; one that still serves
+        # the recorded version with these bytes acknowledges it), else as the next one.
+        target = state["version"] if serving <= state["version"] else serving + 1
+        version = client.push_weights(target, weights_bytes(model))
+        log(f"run {run_id}: resumed {config.record} after step {first_step - 1}: policy version {version} pushed")
+    elif version is None and serving > 0:
+        # Not model_dir's checkpoint (an earlier run's policy): sample this trainer's own first.
+        version = client.push_weights(serving + 1, weights_bytes(model))
+        log(f"run {run_id}: the service served policy version {serving}, another policy than {model_dir}: "
+            f"pushed the trainer's as version {version}")
+    else:
+        version = serving
+        log(f"run {run_id}: starting at policy version {version}")
     for step in range(first_step, config.steps):
         # 1. rollout
-        step_id = f"grpo-seed{config.seed}-step{step}"
+        step_id = step_id_of(run_id, step, version)
         sampling = SamplingParams(
             temperature=config.temperature,
             max_tokens=config.max_tokens,
@@ -456,7 +517,7 @@ def run(
         if config.record:
             trace_rows.extend(batch)
             write_traces(config.record, trace_rows)
-            save_state(config, model, optimizer, step, version, trace_rows, stats, history)
+            save_state(config, model, optimizer, step, version, trace_rows, stats, history, run_id)
     return stats
 
 
@@ -482,7 +543,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GRPOConfig]:
     parser.add_argument("--record", help="write every rollout to this trace file (.npz)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the --record run from its last finished step (its state is kept beside "
-                             "the trace file as <record>.state.pt)")
+                             "the trace file as <record>.state.pt), under its recorded run id")
+    parser.add_argument("--run-id",
+                        help="names this run's step ids (grpo-RUN_ID-stepK-vVERSION); default: a fresh one per "
+                             "run. Giving an earlier run's id again rejoins the steps it submitted at the same "
+                             "policy version (their samples come back instead of new ones): how a restarted "
+                             "trainer picks up a step it had started")
     parser.add_argument("--task", choices=sorted(TASKS), default=d.task, help="the problems and their reward")
     parser.add_argument("--train-layers", type=int, default=d.train_layers,
                         help="0: train every parameter; k: only the last k decoder layers and the final norm")
@@ -492,18 +558,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, GRPOConfig]:
         steps=args.steps, num_prompts=args.prompts, n=args.n, max_tokens=args.max_tokens,
         temperature=args.temperature, seed=args.seed, lr=args.lr, num_updates=args.updates,
         partial_credit=args.partial_credit, record=args.record, resume=args.resume, task=args.task,
-        train_layers=args.train_layers,
+        train_layers=args.train_layers, run_id=args.run_id,
     )  # fmt: skip
     return args, config
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """The command line; returns run's stats rows (one per step)."""
     from rhymerl import RolloutClient
 
     args, config = parse_args(argv)
     client = RolloutClient(args.address, timeout_s=args.timeout, max_retries=3)
     try:
-        run(client, args.model_dir, config)
+        return run(client, args.model_dir, config)
     except RecordPathError as err:  # raised before the first step: one line, no traceback
         raise SystemExit(f"grpo_trainer.py: error: --{err}") from None
     finally:

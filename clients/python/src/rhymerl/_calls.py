@@ -23,6 +23,10 @@ WEIGHT_CHUNK_BYTES = 4 * 1024 * 1024
 # default), then streams the model and waits for the workers to load it (a 538 MB model:
 # about 45 s on a loaded 2-core machine). Give more for multi-GB models on slow links.
 PUSH_TIMEOUT_S = 1200.0
+# Bound of the CancelStep an interrupted rollout sends (cancel_on_interrupt): short, since
+# the user is waiting to stop, and never retried (a service that does not answer in time
+# leaves the step running, as it would without the option).
+INTERRUPT_CANCEL_TIMEOUT_S = 3.0
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),

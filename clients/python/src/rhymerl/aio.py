@@ -15,13 +15,44 @@ from rhymerl.types import (Mismatch, Prompt, Sample, SamplingParams, ServiceStat
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
+class AsyncStepStream(AsyncIterator[Sample]):
+    """The samples of one submitted step as they finish (what ``submit_step`` returns), and
+    that step's own ``summary`` once its stream has ended (None until then). Iterate it
+    once with ``async for``; ``aclose()`` stops reading (the step goes on in the service)."""
+
+    def __init__(self, client: "AsyncRolloutClient", request: rollout_pb2.SubmitStepRequest):
+        self.step_id = request.step_id
+        self.summary: StepSummary | None = None
+        self._cancel_sent = False
+        self._samples = client._stream(request, self)
+
+    def __aiter__(self) -> "AsyncStepStream":
+        return self
+
+    async def __anext__(self) -> Sample:
+        return await self._samples.__anext__()
+
+    async def aclose(self) -> None:
+        await self._samples.aclose()
+
+
 class AsyncRolloutClient:
-    """asyncio twin of RolloutClient; create it inside a running event loop."""
+    """asyncio twin of RolloutClient; create it inside a running event loop.
+
+    Calls may run concurrently (``asyncio.gather``): each keeps its own state.
+    ``cancel_on_interrupt`` (default True): a ``rollout`` (or a ``submit_step`` stream)
+    whose task is cancelled while it waits for the service (``task.cancel()``,
+    ``asyncio.wait_for``'s timeout, Ctrl-C under ``asyncio.run``) sends CancelStep for its
+    step (best effort, within a few seconds), then lets the CancelledError go on; the
+    trade-off with rejoining a step is ``RolloutClient``'s.
+    """
 
     def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,
                  token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
-                 server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S):
+                 server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S,
+                 cancel_on_interrupt: bool = True):
         self.address = address
+        self.cancel_on_interrupt = cancel_on_interrupt
         self.timeout_s = timeout_s
         self.push_timeout_s = push_timeout_s
         self.max_retries = max_retries
@@ -30,48 +61,79 @@ class AsyncRolloutClient:
         self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
                          else grpc.aio.insecure_channel(address, options=options))
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+        # The summary of the step whose stream ended last on this client (None before any);
+        # concurrent calls each get their own step's from their StepResult / AsyncStepStream.
         self.last_summary: StepSummary | None = None
 
-    async def submit_step(self, step_id: str, prompts: Sequence[Prompt], n: int,
-                          sampling: SamplingParams = SamplingParams(), policy_version: int = 0
-                          ) -> AsyncIterator[Sample]:
-        """Yields each sample once, in completion order; sets ``last_summary``. A prompt
-        sent without a prompt_id is known by the id derived from its tokens
-        (``Prompt.resolved_id``), which its samples carry."""
-        async for sample in self._stream(_calls.step_request(step_id, prompts, n, sampling, policy_version)):
-            yield sample
+    def submit_step(self, step_id: str, prompts: Sequence[Prompt], n: int,
+                    sampling: SamplingParams = SamplingParams(), policy_version: int = 0
+                    ) -> AsyncStepStream:
+        """Yields each sample once, in completion order (``async for``); once the stream has
+        ended, the returned stream's ``summary`` is this step's (and ``last_summary`` too,
+        unless another call's stream ended after it). A prompt sent without a prompt_id is
+        known by the id derived from its tokens (``Prompt.resolved_id``), which its samples
+        carry. ``policy_version``: as in ``RolloutClient.rollout``."""
+        return AsyncStepStream(self, _calls.step_request(step_id, prompts, n, sampling, policy_version))
 
-    async def _stream(self, request: rollout_pb2.SubmitStepRequest) -> AsyncIterator[Sample]:
+    async def _stream(self, request: rollout_pb2.SubmitStepRequest, call: AsyncStepStream) -> AsyncIterator[Sample]:
+        """The step's samples, each once; its summary goes to ``call`` (this call's own state)."""
         seen: set[tuple[str, int]] = set()
-        self.last_summary = None
-        for attempt in range(self.max_retries + 1):
-            try:
+        try:
+            for attempt in range(self.max_retries + 1):
                 events = self._stub.SubmitStep(request, timeout=self.timeout_s, metadata=self._metadata)
-                async for event in events:
-                    if event.HasField("summary"):
-                        self.last_summary = StepSummary.from_proto(event.summary)
-                        continue
-                    for message in event_samples(event):
-                        sample = Sample.from_proto(message)
-                        if sample.key not in seen:
-                            seen.add(sample.key)
-                            yield sample
-                return
-            except grpc.RpcError as err:
-                if attempt == self.max_retries or not _calls.is_retryable(err):
-                    raise
+                try:
+                    async for event in events:
+                        if event.HasField("summary"):
+                            call.summary = StepSummary.from_proto(event.summary)
+                            continue
+                        for message in event_samples(event):
+                            sample = Sample.from_proto(message)
+                            if sample.key not in seen:
+                                seen.add(sample.key)
+                                yield sample
+                    break
+                except grpc.RpcError as err:
+                    if attempt == self.max_retries or not _calls.is_retryable(err):
+                        raise
+                finally:
+                    events.cancel()  # a no-op once the stream has ended; else stops reading it
                 await asyncio.sleep(_calls.backoff_s(attempt))
+        except asyncio.CancelledError:
+            await self._cancel_interrupted(call)
+            raise
+        self.last_summary = call.summary  # one assignment: the step whose stream ended last
+
+    async def _cancel_interrupted(self, call: AsyncStepStream) -> None:
+        """CancelStep for a cancelled call's step (``cancel_on_interrupt``), once, best
+        effort: a short deadline, no retry, an error ignored."""
+        if not self.cancel_on_interrupt or call._cancel_sent:
+            return
+        call._cancel_sent = True
+        try:
+            await self._stub.CancelStep(rollout_pb2.CancelStepRequest(step_id=call.step_id),
+                                        timeout=_calls.INTERRUPT_CANCEL_TIMEOUT_S, metadata=self._metadata)
+        except Exception:  # noqa: BLE001 - best effort: an RPC error, a closed channel
+            pass
 
     async def rollout(self, step_id: str, prompts: Sequence[Prompt], n: int,
                       sampling: SamplingParams = SamplingParams(), policy_version: int = 0) -> StepResult:
         """See ``RolloutClient.rollout``: the samples in the order of ``prompts`` (whatever
-        their ids: an unnamed prompt is sent under its derived id), then of sample_index."""
+        their ids: an unnamed prompt is sent under its derived id), then of sample_index;
+        this step's own summary, whatever runs beside it; ``policy_version`` the oldest
+        policy accepted (a newer one may serve: each sample says which). A cancelled task
+        cancels the step in the service first (``cancel_on_interrupt``)."""
         request = _calls.step_request(step_id, prompts, n, sampling, policy_version)
-        samples = [s async for s in self._stream(request)]
+        call = AsyncStepStream(self, request)
+        try:
+            samples = [s async for s in call]
+        except asyncio.CancelledError:
+            await self._cancel_interrupted(call)
+            raise
         ids = _calls.prompt_ids(request)
-        return StepResult(samples=_calls.in_order(samples, ids), summary=self.last_summary, prompt_ids=ids)
+        return StepResult(samples=_calls.in_order(samples, ids), summary=call.summary, prompt_ids=ids)
 
     async def cancel_step(self, step_id: str) -> int:
+        """See ``RolloutClient.cancel_step``."""
         response = await self._call(self._stub.CancelStep, rollout_pb2.CancelStepRequest(step_id=step_id))
         return response.num_cancelled
 

@@ -14,6 +14,28 @@ from rhymerl.types import (Mismatch, Prompt, Sample, SamplingParams, ServiceStat
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
+class StepStream(Iterator[Sample]):
+    """The samples of one submitted step as they finish (what ``submit_step`` returns), and
+    that step's own ``summary`` once its stream has ended (None until then, or when the
+    stream ended without one). Iterate it once; ``close()`` stops reading (the step goes
+    on in the service: re-submitting its id rejoins it)."""
+
+    def __init__(self, client: "RolloutClient", request: rollout_pb2.SubmitStepRequest):
+        self.step_id = request.step_id
+        self.summary: StepSummary | None = None
+        self._cancel_sent = False
+        self._samples = client._stream(request, self)
+
+    def __iter__(self) -> "StepStream":
+        return self
+
+    def __next__(self) -> Sample:
+        return next(self._samples)
+
+    def close(self) -> None:
+        self._samples.close()
+
+
 class RolloutClient:
     """Talks to the scheduler's RolloutService.
 
@@ -29,12 +51,27 @@ class RolloutClient:
         server_name: the name to verify in the certificate, if not the address's host.
         push_timeout_s: default bound of a whole ``push_weights`` call, retries included
             (1200 s: it may first wait for the running steps, then streams and loads the model).
+        cancel_on_interrupt: when a KeyboardInterrupt stops ``rollout`` (or ``submit_step``
+            while it waits for the service), send CancelStep for its step (best effort,
+            within a few seconds, never retried), then re-raise: the step's unfinished
+            samples end as aborts and free their slots instead of running on for nobody.
+            The trade-off: a trainer restarted with the same step id gets the samples that
+            had finished replayed and the cancelled ones generated again, instead of
+            finding them done. Other failures never cancel (UNAVAILABLE, DEADLINE_EXCEEDED
+            after the retries, a process killed outright): the step runs on and
+            re-submitting its id rejoins it; ``cancel_step`` gives a step up explicitly.
+            False: an interrupted step also runs on, to be rejoined.
+
+    One client may be shared by threads: each call keeps its own state (a step's summary
+    is in its own ``StepResult`` / ``StepStream``).
     """
 
     def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,
                  token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
-                 server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S):
+                 server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S,
+                 cancel_on_interrupt: bool = True):
         self.address = address
+        self.cancel_on_interrupt = cancel_on_interrupt
         self.timeout_s = timeout_s
         self.push_timeout_s = push_timeout_s
         self.max_retries = max_retries
@@ -43,39 +80,66 @@ class RolloutClient:
         self._channel = (grpc.secure_channel(address, credentials, options=options) if credentials
                          else grpc.insecure_channel(address, options=options))
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+        # The summary of the step whose stream ended last on this client (None before
+        # any): a convenience for one caller at a time. Calls that overlap (threads) each
+        # get their own step's summary from their StepResult / StepStream instead.
         self.last_summary: StepSummary | None = None
 
     def submit_step(self, step_id: str, prompts: Sequence[Prompt], n: int,
                     sampling: SamplingParams = SamplingParams(), policy_version: int = 0
-                    ) -> Iterator[Sample]:
-        """Yields each sample as it finishes (completion order); sets ``last_summary``.
+                    ) -> StepStream:
+        """Yields each sample as it finishes (completion order); once the stream has
+        ended, the returned ``StepStream``'s ``summary`` is this step's summary (and
+        ``last_summary`` too, unless another call's stream ended after it).
 
         Each (prompt_id, sample_index) is yielded exactly once, also across retries. A
         prompt sent without a prompt_id is known by the id derived from its tokens
-        (``Prompt.resolved_id``), which its samples carry.
+        (``Prompt.resolved_id``), which its samples carry. ``policy_version``: as in
+        ``rollout``.
         """
-        yield from self._stream(_calls.step_request(step_id, prompts, n, sampling, policy_version))
+        return StepStream(self, _calls.step_request(step_id, prompts, n, sampling, policy_version))
 
-    def _stream(self, request: rollout_pb2.SubmitStepRequest) -> Iterator[Sample]:
+    def _stream(self, request: rollout_pb2.SubmitStepRequest, call: StepStream) -> Iterator[Sample]:
+        """The step's samples, each once; its summary goes to ``call`` (this call's own
+        state, never the client's: calls may overlap)."""
         seen: set[tuple[str, int]] = set()
-        self.last_summary = None
-        for attempt in range(self.max_retries + 1):
-            try:
+        try:
+            for attempt in range(self.max_retries + 1):
                 events = self._stub.SubmitStep(request, timeout=self.timeout_s, metadata=self._metadata)
-                for event in events:
-                    if event.HasField("summary"):
-                        self.last_summary = StepSummary.from_proto(event.summary)
-                        continue
-                    for message in event_samples(event):
-                        sample = Sample.from_proto(message)
-                        if sample.key not in seen:
-                            seen.add(sample.key)
-                            yield sample
-                return
-            except grpc.RpcError as err:
-                if attempt == self.max_retries or not _calls.is_retryable(err):
-                    raise
+                try:
+                    for event in events:
+                        if event.HasField("summary"):
+                            call.summary = StepSummary.from_proto(event.summary)
+                            continue
+                        for message in event_samples(event):
+                            sample = Sample.from_proto(message)
+                            if sample.key not in seen:
+                                seen.add(sample.key)
+                                yield sample
+                    break
+                except grpc.RpcError as err:
+                    if attempt == self.max_retries or not _calls.is_retryable(err):
+                        raise
+                finally:
+                    events.cancel()  # a no-op once the stream has ended; else stops reading it
                 time.sleep(_calls.backoff_s(attempt))
+        except KeyboardInterrupt:
+            self._cancel_interrupted(call)
+            raise
+        self.last_summary = call.summary  # one assignment: the step whose stream ended last
+
+    def _cancel_interrupted(self, call: StepStream) -> None:
+        """CancelStep for an interrupted call's step (``cancel_on_interrupt``), once, best
+        effort: a short deadline, no retry, an error ignored (the interrupt is what the
+        caller gets)."""
+        if not self.cancel_on_interrupt or call._cancel_sent:
+            return
+        call._cancel_sent = True
+        try:
+            self._stub.CancelStep(rollout_pb2.CancelStepRequest(step_id=call.step_id),
+                                  timeout=_calls.INTERRUPT_CANCEL_TIMEOUT_S, metadata=self._metadata)
+        except Exception:  # noqa: BLE001 - best effort: an RPC error, a closed channel
+            pass
 
     def rollout(self, step_id: str, prompts: Sequence[Prompt], n: int,
                 sampling: SamplingParams = SamplingParams(), policy_version: int = 0) -> StepResult:
@@ -87,13 +151,32 @@ class RolloutClient:
         sent under the id the service would derive from its tokens (``Prompt.resolved_id``),
         and its samples carry that id. To map results back to ``prompts``: the result's
         ``groups[i]`` are the samples of ``prompts[i]``, ``prompt_ids[i]`` its id (the key
-        of ``by_prompt`` and the id ``report_rewards`` / ``report_logprobs`` take)."""
+        of ``by_prompt`` and the id ``report_rewards`` / ``report_logprobs`` take).
+
+        The result's ``summary`` is this step's, also when other threads share the client.
+
+        ``policy_version``: the oldest policy the trainer accepts; 0 (the default) takes
+        whatever serves. A version above the one serving is FAILED_PRECONDITION (push it
+        first); one below it is served by the current version, without an error, as an
+        asynchronous (off-policy) trainer wants: every sample's ``policy_version`` says
+        which version made it (``token_policy_versions`` per token, when a push landed
+        mid-sample). ``stats().policy_version`` is the version serving.
+
+        A KeyboardInterrupt cancels the step in the service first (``cancel_on_interrupt``)."""
         request = _calls.step_request(step_id, prompts, n, sampling, policy_version)
-        samples = list(self._stream(request))
+        call = StepStream(self, request)
+        try:
+            samples = list(call)
+        except KeyboardInterrupt:
+            self._cancel_interrupted(call)
+            raise
         ids = _calls.prompt_ids(request)
-        return StepResult(samples=_calls.in_order(samples, ids), summary=self.last_summary, prompt_ids=ids)
+        return StepResult(samples=_calls.in_order(samples, ids), summary=call.summary, prompt_ids=ids)
 
     def cancel_step(self, step_id: str) -> int:
+        """Cancels a step: its unfinished samples end as aborts (``finish_reason``
+        "abort"), freeing their slots; returns how many. Re-submitting the step id later
+        replays its finished samples and generates the aborted ones again."""
         return self._call(self._stub.CancelStep, rollout_pb2.CancelStepRequest(step_id=step_id)).num_cancelled
 
     def report_rewards(self, step_id: str, rewards: Iterable[tuple[str, int, float]]) -> int:

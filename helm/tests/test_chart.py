@@ -439,6 +439,57 @@ def test_helm_test_pod_checks_scheduler_health(default_objects):
         "rhymerl-healthcheck", "rhymerl-scheduler:50051", "rhymerl.v1.RolloutService"]
 
 
+def policy_admits_test_pod(policy, port_name: str) -> bool:
+    """Whether an ingress rule of ``policy`` lets the `helm test` pod reach ``port_name``."""
+    for rule in policy["spec"]["ingress"]:
+        ports = {p["port"] for p in rule.get("ports", [])}
+        peers = [p.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+                 for p in rule.get("from", [])]
+        if port_name in ports and ("from" not in rule or "test" in peers):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_with_tls_helm_test_asks_the_plaintext_health_port_through_service_and_network_policy(
+        sharded, render, validate):
+    """rhymerl-healthcheck speaks plaintext: with tls.enabled (the production profile) the
+    gRPC port would fail `helm test`. The pod asks the health port instead (the scheduler's
+    health process; sharded: the router's), which its Service exposes and its
+    NetworkPolicy admits from the test pod."""
+    objects = render(GPU_VALUES, set={"sharding.enabled": sharded, "sharding.shards": 2},
+                     api_versions=[MONITORING_API])
+    name, health_port = ("router", 8086) if sharded else ("scheduler", 50053)
+    pod = next(o for o in objects if o["kind"] == "Pod")
+    host, port = pod["spec"]["containers"][0]["command"][1].rsplit(":", 1)
+    assert (host, int(port)) == (f"rhymerl-{name}", health_port)
+    assert pod["spec"]["containers"][0]["command"][2] == "rhymerl.v1.RolloutService"
+    service = by_kind(objects, "Service")[host]
+    [svc_port] = [p for p in service["spec"]["ports"] if p["port"] == health_port]
+    deployment = by_kind(objects, "Deployment")[host]
+    c = container(deployment, name)
+    [named] = [p for p in c["ports"] if p["name"] == svc_port["targetPort"]]
+    assert named["containerPort"] == health_port == c["readinessProbe"]["grpc"]["port"]  # what the health process serves
+    if name == "scheduler":
+        assert env_of(c)["RHYMERL_SCHEDULER_HEALTH_PORT"] == str(health_port)
+    else:
+        assert env_of(c)["RHYMERL_ROUTER_HEALTH_PORT"] == str(health_port)
+    policy = next(p for p in by_kind(objects, "NetworkPolicy").values() if component(p) == name)
+    assert policy_admits_test_pod(policy, named["name"])
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "test"
+    for obj in (pod, service, policy):
+        validate(obj)
+
+
+def test_without_tls_helm_test_asks_the_grpc_port_as_before(default_objects, render):
+    objects = render(set={"networkPolicy.enabled": True, "networkPolicy.clientFrom": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "training"}}}]})
+    pod = next(o for o in objects if o["kind"] == "Pod")
+    assert pod["spec"]["containers"][0]["command"][1] == "rhymerl-scheduler:50051"
+    policy = next(p for p in by_kind(objects, "NetworkPolicy").values() if component(p) == "scheduler")
+    assert policy_admits_test_pod(policy, "grpc")
+
+
 def test_chart_refuses_clusters_without_grpc_probes(render):
     """grpc probes are GA from Kubernetes 1.27; older API servers would drop them."""
     with pytest.raises(RenderError, match="incompatible with Kubernetes v1.26"):
@@ -493,9 +544,51 @@ def test_auth_reads_trainer_tokens_from_a_secret(gpu_objects, render, validate, 
     objects = render(values)
     [secret] = [o for o in objects if o["kind"] == "Secret"]
     validate(secret)
-    assert secret["stringData"] == {"tokens": "t1,t2"}
+    assert secret["stringData"]["tokens"] == "t1,t2"
     env = env_of(container(workload(objects, "scheduler"), "scheduler"))
     assert env["RHYMERL_SCHEDULER_AUTH_TOKENS"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+
+
+@pytest.mark.parametrize("profile", ["production", "chart-made secret", "sharded"])
+def test_with_auth_the_workers_present_the_token_the_schedulers_registry_asks(profile, gpu_objects, render,
+                                                                             validate):
+    """RegistryService shares the scheduler's port: with auth.enabled every scheduler (each
+    shard too) asks the workers' token, and every worker is given it, from one Secret key."""
+    if profile == "production":
+        objects, secret_name = gpu_objects, "rhymerl-trainer-tokens"
+    elif profile == "sharded":
+        objects = render(GPU_VALUES, set={"sharding.enabled": True, "sharding.shards": 2},
+                         api_versions=[MONITORING_API])
+        secret_name = "rhymerl-trainer-tokens"
+    else:
+        objects = render(set={"auth.enabled": True, "auth.tokens": ["t1"], "auth.workerToken": "w-token"})
+        [secret] = [o for o in objects if o["kind"] == "Secret"]
+        validate(secret)
+        assert secret["stringData"] == {"tokens": "t1", "worker-token": "w-token"}
+        secret_name = secret["metadata"]["name"]
+    ref = {"secretKeyRef": {"name": secret_name, "key": "worker-token"}}
+    schedulers = [o for o in objects if o["kind"] in WORKLOADS and component(o) == "scheduler"]
+    workers = [o for o in objects if o["kind"] in WORKLOADS and component(o) == "worker"]
+    assert len(schedulers) == len(workers) == (2 if profile == "sharded" else 1)
+    for s in schedulers:
+        assert env_of(container(s, "scheduler"))["RHYMERL_SCHEDULER_WORKER_TOKENS"] == ref
+    for w in workers:
+        assert env_of(container(w, "worker"))["RHYMERL_WORKER_SCHEDULER_TOKEN"] == ref
+
+
+def test_a_chart_made_worker_token_is_random_unless_given(render):
+    def token():
+        objects = render(set={"auth.enabled": True, "auth.tokens": ["t1"]})
+        [secret] = [o for o in objects if o["kind"] == "Secret"]
+        return secret["stringData"]["worker-token"]
+
+    first, second = token(), token()
+    assert len(first) >= 32 and first.isalnum() and first != second
+
+
+def test_without_auth_nobody_gets_a_worker_token(default_objects):
+    for name, var in (("scheduler", "RHYMERL_SCHEDULER_WORKER_TOKENS"), ("worker", "RHYMERL_WORKER_SCHEDULER_TOKEN")):
+        assert var not in env_of(container(workload(default_objects, name), name))
 
 
 def test_auth_without_tokens_fails_at_render(render):

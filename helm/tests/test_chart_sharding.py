@@ -102,8 +102,12 @@ def test_trainers_reach_the_router_and_only_it_reaches_the_shards(sharded_gpu):
     assert router["RHYMERL_ROUTER_AUTH_TOKENS"] == {"secretKeyRef": {"name": "rhymerl-trainer-tokens", "key": "tokens"}}
     for sched in deployments(objects, "scheduler"):
         assert "RHYMERL_SCHEDULER_AUTH_TOKENS" not in env_of(container(sched, "scheduler"))
+        # ...but a shard's RegistryService asks the workers' token all the same
+        assert env_of(container(sched, "scheduler"))["RHYMERL_SCHEDULER_WORKER_TOKENS"] == {
+            "secretKeyRef": {"name": "rhymerl-trainer-tokens", "key": "worker-token"}}
     [test_pod] = [o for o in objects if o["kind"] == "Pod"]
-    assert test_pod["spec"]["containers"][0]["command"][1] == "rhymerl-router:50050"
+    # the GPU profile has TLS: `helm test` asks the router's plaintext health port
+    assert test_pod["spec"]["containers"][0]["command"][1] == "rhymerl-router:8086"
 
 
 def test_sharding_needs_a_shared_redis_and_leaves_the_default_layout_alone(render):

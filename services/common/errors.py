@@ -1,8 +1,10 @@
 """Precise exceptions inside; gRPC status codes at the edge, in one place.
 
 Servicer methods are wrapped with :func:`grpc_errors`: a :class:`RhymerlError`
-becomes its status code and message (which names the offending field), any
-other exception becomes INTERNAL with a one-line message while the traceback
+becomes its status code and message (which names the offending field); a call to
+another service that failed UNAVAILABLE or DEADLINE_EXCEEDED (it is down, or did not
+answer in time) becomes UNAVAILABLE, which clients retry, with a one-line warning;
+any other exception becomes INTERNAL with a one-line message while the traceback
 goes to the log. A client never sees a stack trace.
 """
 
@@ -70,9 +72,19 @@ class BindError(RuntimeError):
         super().__init__(f"could not bind the {what} {address}: {reason}")
 
 
+# What a downstream call's status says about the service it called, not about the request.
+DOWNSTREAM_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def _status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RhymerlError):
         return exc.code, str(exc)
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) \
+            and exc.code() in DOWNSTREAM_UNAVAILABLE:  # (an AioRpcError, or a sync call's error)
+        message = (f"{method}: a service it calls is unavailable ({exc.code().name}: {exc.details()}); "
+                   "retry").splitlines()[0]
+        log.warning("%s", message)
+        return grpc.StatusCode.UNAVAILABLE, message
     log.exception("unexpected error in %s", method)
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}".splitlines()[0]
 

@@ -1,15 +1,18 @@
-"""TLS for every gRPC port and bearer-token auth for trainers.
+"""TLS for every gRPC port and bearer-token auth for trainers and workers.
 
 - TLS: a service given a certificate and key serves TLS only; given a CA file, its own
   outgoing channels (scheduler -> workers and history, workers -> scheduler and history)
   verify peers against that CA. One certificate for the whole deployment is the usual
   setup in a cluster: set ``tls_server_name`` to the name it was issued for, since
-  workers are reached by pod IP.
+  workers are reached by pod IP. TLS authenticates servers only (no client
+  certificates are asked for): callers are authenticated by their bearer tokens.
 - Auth: the scheduler's RolloutService (the trainer-facing API) accepts a call only with
-  ``authorization: Bearer <token>`` naming one of its tokens; anything else is
-  UNAUTHENTICATED before the method runs, so a rejected step leaves no trace (no step,
-  no history). Health checks stay open (Kubernetes probes); the internal services are
-  fenced by the NetworkPolicy instead.
+  ``authorization: Bearer <token>`` naming one of its trainer tokens, and its
+  RegistryService (workers registering, beating, leaving: on the same port) only with
+  one of its worker tokens; anything else is UNAUTHENTICATED before the method runs,
+  so a rejected step leaves no trace (no step, no history) and no worker is added or
+  removed. Health checks stay open (Kubernetes probes); the internal services
+  (WorkerService, HistoryService) are fenced by the NetworkPolicy instead.
 """
 
 from __future__ import annotations

@@ -62,6 +62,18 @@ def check_id(value: str, field: str) -> None:
         raise InvalidArgument(f"must be at most {MAX_ID_BYTES} bytes, got {size}", field)
 
 
+def check_host_port(value: str, field: str) -> None:
+    """A gRPC address: host:port, the host non-empty and without spaces ("[::1]" for IPv6),
+    the port in [1, 65535], at most MAX_ID_BYTES bytes in all."""
+    check_id(value, field)
+    host, _, port = value.rpartition(":")
+    if not host or any(c.isspace() for c in host) or not (port.isascii() and port.isdigit()) \
+            or not 1 <= int(port) <= 65535:
+        raise InvalidArgument(f"must be host:port (a port in [1, 65535]), got {value!r}", field)
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise InvalidArgument(f"an IPv6 host must be in brackets ([::1]:port), got {value!r}", field)
+
+
 def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int, prompt_field: str,
                  max_tokens_field: str) -> None:
     """A prompt and its max_tokens must fit the model's maximum length (0: unknown, not checked)."""

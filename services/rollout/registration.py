@@ -2,7 +2,9 @@
 one stream (RegistryService.Heartbeat) for as long as it runs, at the interval the
 scheduler names: a restarted scheduler gets it back within one interval (the stream
 breaks, the worker opens another), a dead worker is noticed within three. It goes on
-beating while it drains (marked draining), and leaves on SIGTERM.
+beating while it drains (marked draining), and leaves on SIGTERM. Every call carries
+``authorization: Bearer <RHYMERL_WORKER_SCHEDULER_TOKEN>`` when that is set: a scheduler
+with tokens registers and deregisters no worker without one.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
         vocab_size=servicer.config.vocab_size, max_model_len=servicer.config.max_position_embeddings)
     ch = channel(settings.scheduler_address, settings.tls())
     stub = worker_pb2_grpc.RegistryServiceStub(ch)
+    metadata = token_metadata(settings.scheduler_token)
     state = {"interval": settings.heartbeat_s}
     failures, registered = 0, False
 
@@ -59,10 +62,10 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
     streams = True  # False: an older scheduler, without Heartbeat: a Register call per beat
     try:
         while True:
-            call, reader = (stub.Heartbeat() if streams else None), None
+            call, reader = (stub.Heartbeat(metadata=metadata) if streams else None), None
             try:
                 if call is None:
-                    heard(await stub.Register(beat(), timeout=max(5.0, 2 * state["interval"])))
+                    heard(await stub.Register(beat(), timeout=max(5.0, 2 * state["interval"]), metadata=metadata))
                     await asyncio.sleep(state["interval"] * random.uniform(0.8, 1.0))
                     continue
                 await call.write(beat())
@@ -84,7 +87,13 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
                     streams = False
                     continue
                 failures += 1
-                if failures == 1 or failures % 30 == 0:
+                if isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    if failures == 1 or failures % 30 == 0:
+                        log.warning("scheduler %s refused this worker's registration (UNAUTHENTICATED): "
+                                    "RHYMERL_WORKER_SCHEDULER_TOKEN must be one of the scheduler's "
+                                    "RHYMERL_SCHEDULER_WORKER_TOKENS (or AUTH_TOKENS); retrying",
+                                    settings.scheduler_address)
+                elif failures == 1 or failures % 30 == 0:
                     log.info("scheduler %s not answering (%s); retrying", settings.scheduler_address,
                              err.code() if isinstance(err, grpc.RpcError) else type(err).__name__)
                 await asyncio.sleep(min(state["interval"], 0.05 * 2 ** min(failures, 10)) * random.uniform(0.5, 1.0))
@@ -97,11 +106,16 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
         await ch.close()
 
 
-async def deregister(address: str, worker_id: str, tls: TLSConfig | None = None) -> None:
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``token`` (none for an empty one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+async def deregister(address: str, worker_id: str, tls: TLSConfig | None = None, token: str = "") -> None:
     ch = channel(address, tls)
     try:
         await worker_pb2_grpc.RegistryServiceStub(ch).Deregister(
-            worker_pb2.DeregisterRequest(worker_id=worker_id), timeout=5)
+            worker_pb2.DeregisterRequest(worker_id=worker_id), timeout=5, metadata=token_metadata(token))
     except grpc.RpcError as err:
         log.warning("deregistration failed: %s", err.code())
     finally:

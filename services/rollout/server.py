@@ -317,7 +317,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         servicer.accepting = False  # its beats say it drains from now on
         await server.set_serving(False)
         if registration is not None:
-            await deregister(settings.scheduler_address, servicer.worker_id, settings.tls())
+            await deregister(settings.scheduler_address, servicer.worker_id, settings.tls(), settings.scheduler_token)
         deadline = time.monotonic() + settings.drain_timeout_s
         while servicer.num_items and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

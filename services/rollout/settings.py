@@ -66,6 +66,10 @@ class WorkerSettings(TLSSettings):
                           "H100 table of docs/cost-model.md, so draft lengths do not depend on the machine's speed.")
     scheduler_address: str = Field(
         "", description="Registers with this scheduler on start and leaves on SIGTERM; empty: static config.")
+    scheduler_token: str = Field(
+        "", description="Bearer token sent with the registration, the heartbeats and the deregistration (one of the "
+                        "scheduler's RHYMERL_SCHEDULER_WORKER_TOKENS, or of its AUTH_TOKENS where it has no worker "
+                        "tokens); empty: none (a scheduler with tokens refuses it UNAUTHENTICATED).")
     heartbeat_s: float = Field(
         5.0, gt=0, description="Re-registers (its heartbeat) this often until the scheduler answers: from then on at "
                                "the interval the scheduler names (RHYMERL_SCHEDULER_HEARTBEAT_S). Unanswered attempts "

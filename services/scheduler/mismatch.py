@@ -27,6 +27,11 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 if TYPE_CHECKING:
     import numpy as np
 
+# A logprob is <= 0. A trainer's float32 log-softmax of a token of probability ~1 may
+# round to a hair above 0 (a few ulps of its logits' size: ~1e-5 for logits of ~50);
+# more than this is no logprob (a probability, a logit, a sign slip) and is refused.
+MAX_LOGPROB = 1e-3
+
 
 @dataclass(frozen=True)
 class SampleMismatch:
@@ -120,7 +125,12 @@ class MismatchTracker:
                 raise InvalidArgument(f"{len(trainer)} logprobs for a sample of {len(prog.logprobs)} tokens",
                                       f"{field}.logprobs")
             if not np.isfinite(trainer).all():
-                raise InvalidArgument("logprobs must be finite", f"{field}.logprobs")
+                j = int(np.flatnonzero(~np.isfinite(trainer))[0])
+                raise InvalidArgument(f"logprobs must be finite, got {trainer[j]}", f"{field}.logprobs[{j}]")
+            if (trainer > MAX_LOGPROB).any():
+                j = int(np.flatnonzero(trainer > MAX_LOGPROB)[0])
+                raise InvalidArgument(f"a logprob is at most 0 (up to {MAX_LOGPROB:g} of rounding), got "
+                                      f"{float(trainer[j]):g}", f"{field}.logprobs[{j}]")
             part, abs_diff = SampleMismatch.compare(np.asarray(prog.logprobs, dtype=np.float32), trainer)
             out.append((key, part, abs_diff))
         return out

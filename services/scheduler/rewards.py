@@ -2,14 +2,17 @@
 history beside the sample (the drafter weighs earlier responses by them).
 
 An unknown step, or a sample the step does not have, is NOT_FOUND and nothing is
-written: history would otherwise keep a stray entry for it until its TTL.
+written: history would otherwise keep a stray entry for it until its TTL. History down,
+or not answering in time, is UNAVAILABLE naming it (the trainer's SDK retries; a reward
+stored twice is counted once).
 """
 
 from __future__ import annotations
 
+import grpc
 from rhymerl.v1 import rollout_pb2
 
-from services.common.errors import NotFound
+from services.common.errors import DOWNSTREAM_UNAVAILABLE, NotFound, Unavailable
 from services.scheduler import intake
 from services.scheduler.core import SchedulerCore
 
@@ -33,4 +36,10 @@ async def record_rewards(req: rollout_pb2.ReportRewardsRequest, core: SchedulerC
             if (r.prompt_id, r.sample_index) not in aborted]
     if history is None or not rows:
         return 0
-    return await history.put_rewards(rows)
+    try:
+        return await history.put_rewards(rows)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() not in DOWNSTREAM_UNAVAILABLE:
+            raise
+        raise Unavailable(f"the history service (rhymerl.v1.HistoryService) did not store the rewards: "
+                          f"{exc.code().name}: {exc.details()}; retry") from None

@@ -15,13 +15,13 @@ import logging
 from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import NotFound, grpc_errors
+from services.common.errors import InvalidArgument, NotFound, grpc_errors
 from services.common.gc_tuning import tune_gc
 from services.common.grpc_server import Server, raw_responses, run_until_signal
 from services.common.health_process import HealthProcess
 from services.common.security import BearerTokenAuth, parse_tokens
+from services.common.validation import check_host_port, check_id
 from services.scheduler.core import CoreLimits, SchedulerCore
-from services.scheduler.intake import check_id
 from services.scheduler.mismatch import MismatchTracker
 from services.scheduler.policies import make_policy, policy_options
 from services.scheduler.rewards import record_rewards
@@ -36,6 +36,13 @@ from services.scheduler.workers import WorkerTable
 
 log = logging.getLogger(__name__)
 ROLLOUT_SERVICE = "rhymerl.v1.RolloutService"
+REGISTRY_SERVICE = "rhymerl.v1.RegistryService"
+# What a registration may claim. A worker's limits become the fleet's (the smallest over
+# the workers bounds every step: intake.Fleet), so one absurd registration would refuse
+# every step; no model a worker serves is this small, and none runs this many sequences.
+MIN_VOCAB_SIZE = 16
+MIN_MODEL_LEN = 16
+MAX_NUM_SEQS = 65_536
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -105,8 +112,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServiceServicer):
 
     async def _beat(self, request: worker_pb2.RegisterRequest) -> worker_pb2.RegisterResponse:
         """A registration, or a heartbeat: O(1) (``workers.py``)."""
-        check_id(request.worker_id, "worker_id")
-        check_id(request.address, "address")
+        check_registration(request)
         w = self.core.register(request.worker_id, request.address, request.max_num_seqs or 1,
                                request.policy_version, request.vocab_size, request.max_model_len,
                                draining=request.draining)
@@ -126,6 +132,25 @@ class RegistryServicer(worker_pb2_grpc.RegistryServiceServicer):
             await self.watchdog.remove(w, "deregistered")
         await self.watchdog.refresh()
         return worker_pb2.DeregisterResponse()
+
+
+def check_registration(request: worker_pb2.RegisterRequest) -> None:
+    """Raises InvalidArgument naming the field of a registration that cannot be a worker's.
+    0 in max_num_seqs (taken as 1), vocab_size and max_model_len (unknown: not checked)
+    is what an older worker sends."""
+    check_id(request.worker_id, "worker_id")
+    check_host_port(request.address, "address")
+    if not 0 <= request.max_num_seqs <= MAX_NUM_SEQS:
+        raise InvalidArgument(f"must be in [1, {MAX_NUM_SEQS}] (or 0: 1), got {request.max_num_seqs}",
+                              "max_num_seqs")
+    if request.vocab_size and request.vocab_size < MIN_VOCAB_SIZE:
+        raise InvalidArgument(f"must be at least {MIN_VOCAB_SIZE} (or 0: unknown), got {request.vocab_size}",
+                              "vocab_size")
+    if request.max_model_len and request.max_model_len < MIN_MODEL_LEN:
+        raise InvalidArgument(f"must be at least {MIN_MODEL_LEN} (or 0: unknown), got {request.max_model_len}",
+                              "max_model_len")
+    if request.policy_version < 0:
+        raise InvalidArgument(f"must be >= 0, got {request.policy_version}", "policy_version")
 
 
 def _policy(settings: SchedulerSettings):
@@ -175,7 +200,7 @@ async def start_scheduler(settings: SchedulerSettings):
 
     watchdog = Watchdog(core, weights, settings.static_workers(), settings.worker_timeout_s, set_ready,
                         settings.heartbeat_s)
-    services = [ROLLOUT_SERVICE, "rhymerl.v1.RegistryService"]
+    services = [ROLLOUT_SERVICE, REGISTRY_SERVICE]
     server = Server([(raw_responses(rollout_pb2_grpc.add_RolloutServiceServicer_to_server, ["SubmitStep"]),
                       RolloutServicer(core, weights)),
                      (worker_pb2_grpc.add_RegistryServiceServicer_to_server,
@@ -225,11 +250,22 @@ async def start_scheduler(settings: SchedulerSettings):
 
 
 def _auth(settings: SchedulerSettings) -> list[BearerTokenAuth]:
+    """RolloutService asks the trainers' tokens (auth_tokens); RegistryService the workers'
+    (worker_tokens), or where none are set the trainers': a scheduler with tokens never
+    lets an anonymous caller register a worker or deregister one."""
     tokens = parse_tokens(settings.auth_tokens)
-    if not tokens:
+    worker_tokens = parse_tokens(settings.worker_tokens) or tokens
+    interceptors = []
+    if tokens:
+        interceptors.append(BearerTokenAuth(tokens, [ROLLOUT_SERVICE]))
+    else:
         log.warning("RolloutService accepts calls without a token (RHYMERL_SCHEDULER_AUTH_TOKENS is empty)")
-        return []
-    return [BearerTokenAuth(tokens, [ROLLOUT_SERVICE])]
+    if worker_tokens:
+        interceptors.append(BearerTokenAuth(worker_tokens, [REGISTRY_SERVICE]))
+    else:
+        log.warning("RegistryService registers and deregisters workers without a token "
+                    "(RHYMERL_SCHEDULER_WORKER_TOKENS and RHYMERL_SCHEDULER_AUTH_TOKENS are empty)")
+    return interceptors
 
 
 async def serve(settings: SchedulerSettings) -> None:

@@ -85,6 +85,11 @@ class SchedulerSettings(TLSSettings):
     auth_tokens: str = Field(
         "", description="Bearer tokens trainers must send to RolloutService (comma-separated; in Kubernetes from a "
                         "Secret). Empty: no auth (a trusted network only).")
+    worker_tokens: str = Field(
+        "", description="Bearer tokens workers must send to RegistryService (Register, Heartbeat, Deregister; "
+                        "comma-separated; each worker's RHYMERL_WORKER_SCHEDULER_TOKEN is one of them). Empty: the "
+                        "auth_tokens are asked instead, and with both empty workers register without a token (a "
+                        "trusted network only).")
     max_attempts: int = Field(
         3, ge=1, description="A sample whose chunk fails this many times (an engine error on it, a malformed result) "
                        "finishes as ABORT with the last error, instead of looping forever.")

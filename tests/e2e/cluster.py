@@ -51,6 +51,7 @@ class Cluster:
     batch_invariant: bool = False
     tls: dict = field(default_factory=dict)  # tls_* settings, given to every service
     auth_tokens: str = ""
+    worker_tokens: str = ""  # the scheduler's RegistryService tokens (empty: auth_tokens)
     device: str = "cpu"  # "cuda": every worker shares the one GPU
     scheduler_settings: dict = field(default_factory=dict)  # more SchedulerSettings fields
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
@@ -89,10 +90,18 @@ class Cluster:
                                   dtype="float32", max_num_seqs=32, num_kv_blocks=256, block_size=16,
                                   speculative=self.speculative, batch_invariant=self.batch_invariant,
                                   measure_cost=False, scheduler_address=self.address,
-                                  history_address=self.history_address, drain_timeout_s=5, **self.tls)
+                                  history_address=self.history_address, drain_timeout_s=5,
+                                  scheduler_token=self.worker_token, **self.tls)
         server, port, stop = await _start_worker_advertised(settings, start_worker)
         self.workers[worker_id] = (server, stop)
         return server
+
+    @property
+    def worker_token(self) -> str:
+        """The token the workers present: the first of the scheduler's worker tokens (or, with
+        none, of its trainer tokens)."""
+        tokens = [t.strip() for t in (self.worker_tokens or self.auth_tokens).split(",") if t.strip()]
+        return tokens[0] if tokens else ""
 
     def wait_running(self, step_id: str | None = None, worker_id: str | None = None,
                      timeout_s: float = 120.0) -> None:
@@ -126,7 +135,8 @@ class Cluster:
 
         self.scheduler, port, self._scheduler_stop = await start_scheduler(SchedulerSettings(
             host="127.0.0.1", port=port, metrics_port=0, history_address=self.history_address,
-            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens, **self.tls,
+            policy=self.policy, chunk_tokens=self.chunk_tokens, auth_tokens=self.auth_tokens,
+            worker_tokens=self.worker_tokens, **self.tls,
             # in-process: health on the gRPC port only, and beats often (a killed worker is noticed in 3 s)
             **{"health_port": 0, "heartbeat_s": 1.0, **self.scheduler_settings}))
         self.stops.append(self._scheduler_stop)

@@ -1,7 +1,8 @@
-"""TLS on every gRPC port and bearer-token auth for trainers, over real sockets.
+"""TLS on every gRPC port and bearer-token auth for trainers and workers, over real sockets.
 
 One self-signed certificate (made by openssl for the name the services verify) serves
-history, scheduler and workers; the scheduler requires a token on RolloutService.
+history, scheduler and workers; the scheduler requires a token on RolloutService, and
+one on RegistryService, which the workers present (RHYMERL_WORKER_SCHEDULER_TOKEN).
 """
 
 from __future__ import annotations
@@ -124,3 +125,93 @@ def test_with_tls_a_plaintext_port_serves_health_only(certs):
         finally:
             await server.stop(0)
     asyncio.run(main())
+
+
+def registry(cluster, certs, token=None):
+    """A RegistryService stub over TLS, and the metadata presenting ``token``."""
+    credentials = grpc.ssl_channel_credentials((certs / "tls.crt").read_bytes())
+    ch = grpc.secure_channel(cluster.address, credentials, options=[("grpc.ssl_target_name_override", NAME)])
+    from rhymerl.v1 import worker_pb2_grpc
+
+    return ch, worker_pb2_grpc.RegistryServiceStub(ch), (("authorization", f"Bearer {token}"),) if token else ()
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_without_a_token_nobody_registers_or_deregisters_a_worker(cluster, certs, token):
+    """RegistryService shares the scheduler's port: with tokens set, an anonymous caller
+    could otherwise deregister the real workers (every step UNAVAILABLE) or register
+    fake ones (and be sent the prompts)."""
+    from rhymerl.v1 import worker_pb2
+
+    fake = worker_pb2.RegisterRequest(worker_id="intruder", address="127.0.0.1:1", max_num_seqs=8,
+                                      vocab_size=96, max_model_len=512)
+    ch, stub, metadata = registry(cluster, certs, token)
+    with ch:
+        calls = [lambda: stub.Register(fake, timeout=10, metadata=metadata),
+                 lambda: stub.Deregister(worker_pb2.DeregisterRequest(worker_id="w0"), timeout=10, metadata=metadata),
+                 lambda: list(stub.Heartbeat(iter([fake]), timeout=10, metadata=metadata))]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "RegistryService" in err.value.details() and "bearer token" in err.value.details()
+    workers = cluster.scheduler.core.workers.workers
+    assert "intruder" not in workers
+    assert workers["w0"].can_take_work
+    with client(cluster, certs, token=TOKEN) as c:
+        result = c.rollout(f"after-intruder-{token}", [Prompt("s1", [3, 4, 5])], n=1, sampling=GREEDY)
+    assert len(result.samples) == 1
+
+
+def test_a_worker_with_the_token_registers_over_tls(cluster, certs):
+    """The cluster's worker presented its token (RHYMERL_WORKER_SCHEDULER_TOKEN) on its
+    heartbeat stream; a caller with that token registers as well, and leaves."""
+    from rhymerl.v1 import worker_pb2
+
+    assert cluster.workers["w0"][0].registration is not None and not cluster.workers["w0"][0].registration.done()
+    assert "w0" in cluster.scheduler.core.workers.workers
+    ch, stub, metadata = registry(cluster, certs, cluster.worker_token)
+    with ch:
+        stub.Register(worker_pb2.RegisterRequest(worker_id="extra", address="127.0.0.1:9", max_num_seqs=1,
+                                                 vocab_size=96, max_model_len=512, draining=False),
+                      timeout=10, metadata=metadata)
+        assert "extra" in cluster.scheduler.core.workers.workers
+        stub.Deregister(worker_pb2.DeregisterRequest(worker_id="extra"), timeout=10, metadata=metadata)
+    assert "extra" not in cluster.scheduler.core.workers.workers
+
+
+def test_worker_tokens_and_trainer_tokens_open_only_their_own_service():
+    """RHYMERL_SCHEDULER_WORKER_TOKENS guard RegistryService, AUTH_TOKENS RolloutService:
+    a trainer's token registers no worker, a worker's token submits no step."""
+    from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    from services.scheduler.server import start_scheduler
+    from services.scheduler.settings import SchedulerSettings
+
+    def bearer(token):
+        return (("authorization", f"Bearer {token}"),)
+
+    request = worker_pb2.RegisterRequest(worker_id="w", address="127.0.0.1:9", max_num_seqs=1, vocab_size=96,
+                                         max_model_len=512)
+
+    async def main():
+        _, port, stop = await start_scheduler(SchedulerSettings(
+            host="127.0.0.1", port=0, metrics_port=0, health_port=0, history_address="",
+            auth_tokens="trainer", worker_tokens="worker-a, worker-b"))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                reg, roll = worker_pb2_grpc.RegistryServiceStub(ch), rollout_pb2_grpc.RolloutServiceStub(ch)
+                for metadata in ((), bearer("trainer")):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await reg.Register(request, timeout=10, metadata=metadata)
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await roll.GetStats(rollout_pb2.GetStatsRequest(), timeout=10, metadata=bearer("worker-a"))
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                await reg.Register(request, timeout=10, metadata=bearer("worker-b"))
+                stats = await roll.GetStats(rollout_pb2.GetStatsRequest(), timeout=10, metadata=bearer("trainer"))
+                assert [w.worker_id for w in stats.workers] == ["w"]
+        finally:
+            await stop()
+    asyncio.run(asyncio.wait_for(main(), 60))
+

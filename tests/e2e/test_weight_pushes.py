@@ -145,6 +145,29 @@ def test_non_finite_weights_are_refused_and_the_old_version_serves(cluster, pois
         assert {s.key: s.token_ids for s in again.samples} == {s.key: s.token_ids for s in before.samples}
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.bool])
+def test_a_tensor_that_is_not_floating_point_is_refused_naming_it_and_the_old_version_serves(cluster, dtype):
+    """Copied into a float parameter, an integer tensor's values would be the weights
+    truncated to integers: refused (INVALID_ARGUMENT naming the tensor), nothing loaded."""
+    from safetensors.torch import load, save
+
+    state = load(weights(seed=2))
+    name = sorted(state)[len(state) // 2]
+    state[name] = (state[name] * 100).to(dtype)
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        before = client.rollout("dtype-before", prompts(2), n=2, sampling=GREEDY)
+        with pytest.raises(grpc.RpcError) as err:
+            client.push_weights(1, save(state))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = err.value.details()
+        assert f"{name}: dtype {str(dtype).removeprefix('torch.')}, expected a floating-point one" in details
+        assert client.stats().policy_version == 0
+        again = client.rollout("dtype-after", prompts(2), n=2, sampling=GREEDY)
+        assert {s.key: s.token_ids for s in again.samples} == {s.key: s.token_ids for s in before.samples}
+        client.push_weights(1, weights(seed=2))  # the same weights as floats are taken
+        assert client.stats().policy_version == 1
+
+
 def test_re_pushing_the_serving_version_is_acknowledged(cluster):
     """The SDK retries a push after UNAVAILABLE or a deadline: re-sending the version that
     already serves, with the same bytes, must succeed; other bytes under that version

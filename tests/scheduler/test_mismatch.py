@@ -89,8 +89,10 @@ def test_re_reporting_replaces_and_histograms_count_each_sample_once():
     (report("s", {("p9", 0): [-1.0]}), NotFound, "samples[0]"),
     (report("s", {("p0", -1): [-1.0]}), InvalidArgument, "samples[0].sample_index"),  # as ReportRewards
     (report("s", {("p0", 1): [-1.0]}), InvalidArgument, "samples[0].logprobs"),
-    (report("s", {("p1", 0): [float("nan")]}), InvalidArgument, "samples[0].logprobs"),
-    (report("s", {("p1", 0): [float("-inf")]}), InvalidArgument, "samples[0].logprobs"),
+    (report("s", {("p1", 0): [float("nan")]}), InvalidArgument, "samples[0].logprobs[0]"),
+    (report("s", {("p1", 0): [float("-inf")]}), InvalidArgument, "samples[0].logprobs[0]"),
+    (report("s", {("p1", 0): [-0.75], ("p0", 0): [-0.5, -1.25, 3.0]}), InvalidArgument, "samples[1].logprobs[2]"),
+    (report("s", {("p0", 1): [0.01, -2.0]}), InvalidArgument, "samples[0].logprobs[0]"),  # no logprob > 0
     (report("s", {("p0", 1): [-1.0, -1.0], ("p1", 2): [-1.0]}), NotFound, "samples[1]"),
     (report("open", {("p0", 1): [-1.0, -2.0]}), FailedPrecondition, "samples[0]"),
     (report("off", {("p1", 0): [-1.0]}), FailedPrecondition, "step_id"),
@@ -102,6 +104,14 @@ def test_bad_reports_are_rejected_naming_the_field_and_record_nothing(bad, error
         tracker.report(bad)
     assert err.value.field == field
     assert tracker.report(report("s", {("p1", 0): [-0.75]})).step.num_samples == 1  # nothing else recorded
+
+
+def test_a_logprob_a_hair_above_zero_is_rounding_and_taken():
+    """A token of probability ~1: a trainer's float32 log-softmax may give +1e-6, not a
+    bad report (anything above MAX_LOGPROB is)."""
+    tracker = MismatchTracker({"s": step("s")})
+    out = tracker.report(report("s", {("p0", 1): [1e-6, 0.0]}))
+    assert out.reported.num_tokens == 2 and out.reported.max_abs_diff == pytest.approx(2.0)
 
 
 def test_a_sample_reported_twice_in_one_call_is_rejected():

@@ -74,6 +74,38 @@ app.kubernetes.io/part-of: rhymerl
 {{- end }}
 {{- end }}
 
+{{/* The Secret holding the trainers' tokens and the workers' token (auth.enabled). */}}
+{{- define "rhymerl.authSecretName" -}}
+{{- .Values.auth.existingSecret | default (include "rhymerl.componentName" (list . "auth")) }}
+{{- end }}
+
+{{/* The workers' token, as an env var's valueFrom under `name` (auth.enabled): the
+     scheduler's RegistryService asks it of every worker; (list $ "RHYMERL_WORKER_SCHEDULER_TOKEN"). */}}
+{{- define "rhymerl.workerTokenEnv" -}}
+{{- $root := index . 0 }}
+{{- if $root.Values.auth.enabled }}
+- name: {{ index . 1 }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rhymerl.authSecretName" $root }}
+      key: {{ $root.Values.auth.workerTokenKey }}
+{{- end }}
+{{- end }}
+
+{{/* What `helm test` asks: the Service trainers call (the router when sharded, else the
+     scheduler), on a port that speaks plaintext: the gRPC port, or with TLS the health
+     port (the scheduler's health process; the router's tls.healthPort), since
+     rhymerl-healthcheck speaks no TLS. */}}
+{{- define "rhymerl.testTarget" -}}
+{{- if .Values.sharding.enabled }}
+{{- printf "%s:%d" (include "rhymerl.componentName" (list . "router")) (int (include "rhymerl.probePort" (list . .Values.router.port))) }}
+{{- else if .Values.tls.enabled }}
+{{- printf "%s:%d" (include "rhymerl.componentName" (list . "scheduler")) (int .Values.scheduler.healthPort) }}
+{{- else }}
+{{- include "rhymerl.schedulerAddress" . }}
+{{- end }}
+{{- end }}
+
 {{/* The shards as a JSON list: [""] unsharded (the names as ever), else ["0", .., "N-1"]. */}}
 {{- define "rhymerl.shards" -}}
 {{- $shards := list "" }}
@@ -221,6 +253,15 @@ livenessProbe:
 - podSelector:
     matchLabels:
       {{- include "rhymerl.selectorLabels" . | nindent 6 }}
+{{- end }}
+
+{{/* The ingress rule that lets the `helm test` pod ask the plaintext health port: (list $). */}}
+{{- define "rhymerl.testHealthRule" -}}
+{{- $root := index . 0 -}}
+- ports:
+    - port: health
+  from:
+    {{- include "rhymerl.peer" (list $root "test") | nindent 4 }}
 {{- end }}
 
 {{/* The ingress rule that lets Prometheus scrape: (list $). */}}

@@ -374,15 +374,25 @@ class CausalLM(nn.Module):
         the model untouched; copying in place keeps the parameter storage that a running
         engine (e.g. its CUDA graphs) holds pointers to.
 
+        A tensor's floating-point dtype may differ from its parameter's (a bfloat16 push
+        into a float32 model is converted); a tensor that is not floating point (an
+        integer, bool or complex one) for a floating-point parameter is refused: copying
+        it would silently truncate the weights to integers (or drop imaginary parts).
+
         Raises:
-            ValueError: naming the tensor that is missing, mis-shaped, or unknown.
+            ValueError: naming the tensor that is missing, mis-shaped, of a wrong dtype, or unknown.
         """
         expected = self.expected_weights()
         for name, param in expected.items():
             if name not in state_dict:
                 raise ValueError(f"{name}: missing from the checkpoint")
-            if tuple(state_dict[name].shape) != tuple(param.shape):
-                raise ValueError(f"{name}: shape {tuple(state_dict[name].shape)}, expected {tuple(param.shape)}")
+            tensor = state_dict[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            if not _dtype_fits(tensor, param):
+                raise ValueError(f"{name}: dtype {_dtype_name(tensor)}, expected "
+                                 + (f"a floating-point one (the model's is {_dtype_name(param)})"
+                                    if param.is_floating_point() else _dtype_name(param)))
         for name in state_dict:
             if name not in expected and not self._is_ignorable(name):
                 raise ValueError(f"{name}: unexpected tensor for a {self.config.architecture} model of this shape")
@@ -392,3 +402,14 @@ class CausalLM(nn.Module):
     def _is_ignorable(self, name: str) -> bool:
         # Old Llama checkpoints store RoPE frequencies; tied checkpoints sometimes store lm_head.
         return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings)
+
+
+def _dtype_fits(tensor: Tensor, param: Tensor) -> bool:
+    """A floating-point tensor for a floating-point parameter (converted on copy), else the same dtype."""
+    if param.is_floating_point():
+        return tensor.is_floating_point()
+    return tensor.dtype == param.dtype
+
+
+def _dtype_name(tensor: Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")

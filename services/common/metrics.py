@@ -99,6 +99,8 @@ weight_pushes_in_progress = Gauge(NS + "weight_pushes_in_progress", "Weight push
 
 # --- scheduler --------------------------------------------------------------------
 steps_total = Counter(NS + "steps", "Steps submitted", ["status"])
+steps_abandoned_total = Counter(NS + "steps_abandoned", "Steps cancelled because no trainer followed them for "
+                                "abandoned_step_timeout_s (also counted as cancelled in steps_total)")
 samples_total = Counter(NS + "samples", "Samples returned", ["finish_reason"])
 queue_depth = Gauge(NS + "queue_depth", "Requests waiting for a worker")
 step_makespan_seconds = Gauge(NS + "step_makespan_seconds", "Makespan of the last finished step")

@@ -7,6 +7,11 @@ not match its responses one to one (rewards not reported yet) is loaded with NaN
 so reward weighting treats it as unscored. The drafter keeps the ``max_prompts`` most
 recently used prompts; older ones are released. This module knows nothing about gRPC.
 
+The lookup is one of the reads a step waits for, so it goes through the worker's
+``HistoryBreaker`` (shared with its global feed): at most its deadline
+(``RHYMERL_WORKER_HISTORY_TIMEOUT_S``), and skipped for a while after one timed out, the
+items then drafting from siblings and the prompt (a hung history must not hold steps up).
+
 History only speeds drafting up, so bad history never fails a step: a response the drafter
 refuses (a token id outside [0, 2^31 - 1], as older history services stored unchecked) is
 skipped, and if the drafter still refuses the prompt's history, that prompt drafts without
@@ -20,6 +25,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from services.history.breaker import HistoryBreaker
 from services.rollout.drafter.compiled import MAX_TOKEN as MAX_TOKEN_ID  # the drafters' token ids: [0, it]
 
 log = logging.getLogger(__name__)
@@ -39,29 +45,35 @@ def first_bad_token(tokens) -> int | None:
 
 
 class DrafterHistory:
-    def __init__(self, drafter, history, call, max_epochs: int = 4, max_prompts: int = MAX_PROMPTS_IN_DRAFTER):
+    def __init__(self, drafter, history, call, max_epochs: int = 4, max_prompts: int = MAX_PROMPTS_IN_DRAFTER,
+                 breaker: HistoryBreaker | None = None):
         """drafter: the engine's drafter; history: a history client; call: runs a function
         on the engine's thread (the drafter is not thread-safe) and returns an awaitable
         of it (the worker's: ``EngineLoop.call_deferred(urgent=True)``, behind the next
-        forward's launch when the engine is busy)."""
+        forward's launch when the engine is busy); breaker: bounds the lookups (the
+        worker's, shared with its global feed; None: one of its own, default deadline)."""
         self.drafter = drafter
         self.history = history
+        self.breaker = breaker if breaker is not None else HistoryBreaker(name="worker")
         self.call = call
         self.max_epochs = max_epochs
         self.max_prompts = max_prompts
         self._loaded: OrderedDict[str, str] = OrderedDict()  # prompt_id -> step_id whose history is loaded
 
     async def load(self, items) -> None:
-        """Loads earlier epochs of the items' prompts new to their step (one round trip).
-        A failed lookup is logged and skipped: drafting from siblings still works."""
+        """Loads earlier epochs of the items' prompts new to their step (one round trip,
+        bounded by the breaker). A failed, timed-out or skipped lookup loads nothing:
+        drafting from siblings still works (the breaker logs one WARNING per outage)."""
         wanted = {(it.prompt_id, it.step_id) for it in items if self._loaded.get(it.prompt_id) != it.step_id}
         if not wanted:
             return
         prompt_ids = sorted({p for p, _ in wanted})
         try:
-            found = await self.history.get_history(prompt_ids, max_epochs=self.max_epochs, include_tokens=True)
+            found = await self.breaker.read(
+                lambda: self.history.get_history(prompt_ids, max_epochs=self.max_epochs, include_tokens=True),
+                "earlier epochs lookup")
         except Exception as exc:  # noqa: BLE001 - drafting from siblings still works
-            log.warning("history lookup failed: %s", exc)
+            log.debug("%d prompts draft without their history: %s", len(prompt_ids), exc)
             return
         await self.call(lambda: self._apply(wanted, found))
 

@@ -7,6 +7,9 @@ every prompt's responses (one task family shares phrasing). Two feeds:
 2. At the start of each step, the history service's stream of the most recent responses
    to any prompt (GetRecentResponses): what the other workers produced, which the
    scheduler stored as their samples finished.
+The stream is read before the step's items go to the engine, so the read goes through the
+worker's ``HistoryBreaker`` (shared with ``drafter_history.py``): at most its deadline, and
+skipped for a while after a history read timed out (a hung history must not hold steps up).
 A response is added once, whichever feed brings it first (keyed by prompt, step, sample).
 The drafter runs on the engine thread, so responses reach it through
 `EngineLoop.call_deferred`, in chunks of at most `chunk_tokens` tokens (a longer response
@@ -26,6 +29,7 @@ from collections import OrderedDict, deque
 from functools import partial
 
 from services.common import metrics
+from services.history.breaker import HistoryBreaker
 from services.rollout.drafter_history import MAX_TOKEN_ID, first_bad_token
 
 log = logging.getLogger(__name__)
@@ -45,10 +49,13 @@ class GlobalFeed:
         max_backlog_tokens: the most tokens handed over and not inserted yet (None: the
             drafter's ``config.global_max_tokens``, else 2^20).
         worker_id: labels its series (``drafter_feed_responses``, ``drafter_feed_pending``).
+        breaker: bounds the stream's reads (the worker's, shared with its drafter history;
+            None: one of its own, default deadline).
     """
 
     def __init__(self, loop, drafter, history=None, max_responses: int = 512, max_tokens: int = 131072,
-                 chunk_tokens: int = 1024, max_backlog_tokens: int | None = None, worker_id: str = "local"):
+                 chunk_tokens: int = 1024, max_backlog_tokens: int | None = None, worker_id: str = "local",
+                 breaker: HistoryBreaker | None = None):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens: {chunk_tokens} < 1")
         if max_backlog_tokens is None:
@@ -58,6 +65,7 @@ class GlobalFeed:
         self.loop = loop
         self.drafter = drafter
         self.history = history
+        self.breaker = breaker if breaker is not None else HistoryBreaker(name="worker")
         self.max_responses = max_responses
         self.max_tokens = max_tokens
         self.chunk_tokens = chunk_tokens
@@ -87,8 +95,9 @@ class GlobalFeed:
         self._add([token_ids])
 
     async def step_started(self, step_ids: set[str]) -> None:
-        """Reads the history stream once per new step id (a failed read only costs drafts)
-        and hands its new responses over, without waiting for them to land."""
+        """Reads the history stream once per new step id (a failed, timed-out or skipped
+        read only costs drafts) and hands its new responses over, without waiting for
+        them to land."""
         new = [s for s in step_ids if s not in self._steps]
         if not new or self.history is None or self.max_responses <= 0:
             return
@@ -97,9 +106,11 @@ class GlobalFeed:
         while len(self._steps) > 1024:
             self._steps.popitem(last=False)
         try:
-            recent = await self.history.get_recent_responses(self.max_responses, self.max_tokens)
+            recent = await self.breaker.read(
+                lambda: self.history.get_recent_responses(self.max_responses, self.max_tokens),
+                "recent responses lookup")
         except Exception as exc:  # noqa: BLE001 - drafting from this worker's own samples still works
-            log.warning("recent responses lookup failed: %s", exc)
+            log.debug("steps %s start without history's recent responses: %s", new, exc)  # (the breaker warns)
             return
         fresh = [r.token_ids for r in reversed(recent)  # oldest first: the newest stay longest
                  if len(r.token_ids) and self._is_new((r.prompt_id, r.step_id, r.sample_index))]

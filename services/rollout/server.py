@@ -21,6 +21,7 @@ from services.common import metrics, packed
 from services.common.errors import InvalidArgument, grpc_errors
 from services.common.gc_tuning import StepCollector, tune_gc
 from services.common.grpc_server import Server, run_until_signal
+from services.history.breaker import HistoryBreaker
 from services.rollout import weight_receiver
 from services.rollout.weight_receiver import MAX_WEIGHT_BYTES
 from services.rollout.drafter_history import DrafterHistory
@@ -39,7 +40,8 @@ _END = object()  # the scheduler closed its side of a Link stream
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, loop: EngineLoop, worker_id: str, model_name: str, version: int, history=None,
-                 history_epochs: int = 4, max_num_seqs: int = 256, feed: GlobalFeed | None = None):
+                 history_epochs: int = 4, max_num_seqs: int = 256, feed: GlobalFeed | None = None,
+                 history_breaker=None):
         self.loop = loop
         self.engine = loop.engine
         self.config = loop.engine.model.config
@@ -50,7 +52,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._initial = True  # still on the checkpoint it started from
         # (a new prompt's earlier epochs load behind the next forward: its requests wait for them)
         load = partial(loop.call_deferred, urgent=True)
-        self.drafter_history = DrafterHistory(self.engine.drafter, history, load, history_epochs) if (
+        # (the history reads a batch waits for share one breaker: the feed's unless given)
+        breaker = history_breaker if history_breaker is not None else getattr(feed, "breaker", None)
+        self.drafter_history = DrafterHistory(self.engine.drafter, history, load, history_epochs,
+                                              breaker=breaker) if (
             history is not None and self.engine.drafter is not None) else None
         self.max_num_seqs = max_num_seqs
         self.feed = feed  # the drafter's global index: finished samples + the history stream
@@ -293,15 +298,17 @@ async def start_worker(settings: WorkerSettings, engine=None):
         from services.history.client import HistoryClient
 
         history = HistoryClient(settings.history_address, tls=settings.tls())
+    # the reads a batch waits for (earlier epochs, recent responses): bounded, skipped while history hangs
+    breaker = HistoryBreaker(settings.history_timeout_s, name=f"worker {worker_id}")
     loop = EngineLoop(engine, worker_id, asyncio.get_running_loop(), settings.feed_tokens_per_step)
     loop.start()
     feed = None
     if hasattr(engine.drafter, "add_global_responses"):
         feed = GlobalFeed(loop, engine.drafter, history, settings.global_recent_responses,
                           settings.global_recent_tokens, chunk_tokens=max(1, settings.feed_tokens_per_step // 2),
-                          worker_id=worker_id)
+                          worker_id=worker_id, breaker=breaker)
     servicer = WorkerServicer(loop, worker_id, settings.model_path, settings.initial_version, history,
-                              settings.history_epochs, settings.max_num_seqs, feed)
+                              settings.history_epochs, settings.max_num_seqs, feed, history_breaker=breaker)
     server = Server([(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
                     ["rhymerl.v1.WorkerService"], tls=settings.tls(), health_port=settings.health_port)
     port = await server.start(settings.host, settings.port)

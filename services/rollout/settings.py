@@ -77,6 +77,14 @@ class WorkerSettings(TLSSettings):
     history_address: str = Field(
         "", description="HistoryService for drafts from earlier epochs; empty: siblings and prompt only.")
     history_epochs: int = Field(4, ge=0, description="Earlier epochs of a prompt the drafter reads.")
+    history_timeout_s: float = Field(
+        2.0, ge=0.05, le=30.0, description="A new prompt's earlier epochs and a new step's recent responses are read "
+                                           "from history before the items run: each read waits at most this long. "
+                                           "One past it, and the ones after it while history stays hung (skipped "
+                                           "for 5 s, then twice as long each time it still hangs, up to 60 s), "
+                                           "draft without history; one WARNING per outage. Raise it where many new "
+                                           "prompts with long responses make a healthy read slower "
+                                           "(docs/architecture.md).")
     global_recent_responses: int = Field(
         512, ge=0, description="At each step start, this many of the history service's most recent responses to any "
                          "prompt feed the drafter's global index; 0: own samples only.")

@@ -42,6 +42,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
+from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, RhymerlError, Unavailable
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig
@@ -152,6 +153,8 @@ class RoutedStep:
     finished: bool = False
     cancelled: bool = False
     error: RhymerlError | None = None
+    num_followers: int = 0  # trainers' SubmitStep streams on it now
+    unfollowed_since: float | None = field(default_factory=time.monotonic)  # since when none (None: one is)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -176,16 +179,23 @@ class RoutedStep:
     async def follow(self):
         """Every event of the step, from the first: replayed, then as they arrive."""
         i = 0
-        while True:
-            changed = self._changed
-            while i < len(self.events):
-                yield self.events[i]
-                i += 1
-            if self.finished:
-                if self.error is not None:
-                    raise self.error
-                return
-            await changed.wait()
+        self.num_followers += 1
+        self.unfollowed_since = None
+        try:
+            while True:
+                changed = self._changed
+                while i < len(self.events):
+                    yield self.events[i]
+                    i += 1
+                if self.finished:
+                    if self.error is not None:
+                        raise self.error
+                    return
+                await changed.wait()
+        finally:
+            self.num_followers -= 1
+            if not self.num_followers:
+                self.unfollowed_since = time.monotonic()
 
 
 def merge_mismatch(parts: list[rollout_pb2.MismatchStats]) -> rollout_pb2.MismatchStats:
@@ -217,12 +227,16 @@ class Router:
         journal: records the steps in flight (``ShardDirectory``'s ``step_started`` and
             ``step_finished``), so a restarted router knows which steps trainers will
             re-submit (``resume``); None: not recorded.
+        abandoned_step_timeout_s: a step no trainer follows this long is cancelled
+            (``cancel_abandoned``; 0: never). The router's own streams to the shards keep
+            its sub-steps followed there, so this is the one that applies to a routed step.
     """
 
     def __init__(self, window: float = 1.0, no_shard_timeout_s: float = 120.0, max_steps_retained: int = 64,
                  tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144,
-                 store: WeightStore | None = None, journal=None):
+                 store: WeightStore | None = None, journal=None, abandoned_step_timeout_s: float = 300.0):
         self.window, self.no_shard_timeout_s, self.max_steps_retained = window, no_shard_timeout_s, max_steps_retained
+        self.abandoned_step_timeout_s = abandoned_step_timeout_s
         self.max_samples_retained = max_samples_retained
         self.tls = tls
         self.metadata = (("authorization", f"Bearer {shard_token}"),) if shard_token else ()
@@ -639,6 +653,22 @@ class Router:
             error = (f"no scheduler shard served version {step.version} for "
                      f"{now - step.waiting_since:.0f} s")
             self._abort_queued(step, error)
+
+    def cancel_abandoned(self, now: float | None = None) -> list[str]:
+        """Cancels the steps no trainer has followed for ``abandoned_step_timeout_s`` (as
+        CancelStep does; the scheduler's ``cancel_abandoned`` is the same for a step sent to
+        it directly). Returns their ids."""
+        if not self.abandoned_step_timeout_s:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = [step for step in self.active if not step.finished and not step.cancelled
+                and step.unfollowed_since is not None and now - step.unfollowed_since >= self.abandoned_step_timeout_s]
+        for step in gone:
+            log.warning("step %s: no trainer followed it for %.0f s (abandoned_step_timeout_s): cancelling it",
+                        step.step_id, now - step.unfollowed_since)
+            metrics.steps_abandoned_total.inc()
+            self._spawn(self.cancel(step.step_id))
+        return [step.step_id for step in gone]
 
     def _abort_queued(self, step: RoutedStep, error: str) -> int:
         aborted = []

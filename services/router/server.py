@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import replace
 
 import grpc
@@ -38,8 +39,9 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @grpc_errors
     async def SubmitStep(self, request, context):
         step = await self.router.submit(request)
-        async for event in step.follow():
-            yield event
+        async with aclosing(step.follow()) as events:  # closed with the call: the step counts it gone
+            async for event in events:
+                yield event
 
     @grpc_errors
     async def CancelStep(self, request, context):
@@ -187,7 +189,7 @@ async def start_router(settings: RouterSettings):
     directory = ShardDirectory(settings.registry_url)
     router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
                     settings.shard_auth_token, settings.max_samples_retained, WeightStore(settings.weights_dir),
-                    journal=directory)
+                    journal=directory, abandoned_step_timeout_s=settings.abandoned_step_timeout_s)
     try:
         router.resume(await directory.steps_in_flight(), settings.resubmit_wait_s)
     except (RedisError, OSError) as exc:
@@ -206,6 +208,7 @@ async def start_router(settings: RouterSettings):
             log.warning("shard registry unreadable: %s", exc)
         await router.probe_failed()
         router.expire_waiting()
+        router.cancel_abandoned()
         router.catch_up()
         router.publish_usable()
         await server.set_service_serving(ROLLOUT_SERVICE, any(s.usable(router.version)

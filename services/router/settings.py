@@ -26,6 +26,12 @@ class RouterSettings(TLSSettings):
     no_shard_timeout_s: float = Field(
         120.0, gt=0, description="A step's groups that no shard could take for this long (none alive at the step's "
                                  "version) finish as ABORT with the reason.")
+    abandoned_step_timeout_s: float = Field(
+        300.0, ge=0, le=7 * 24 * 3600,
+        description="A step that no trainer follows this long (no SubmitStep stream open on it) is cancelled, its "
+                    "sub-steps on the shards with it (as CancelStep does); a trainer back within it rejoins the "
+                    "running step. 0: never. (The shards' own setting does not apply to routed steps: the router "
+                    "follows them.)")
     max_steps_retained: int = Field(
         64, ge=1, description="Finished steps kept for idempotent re-submission, rewards and logprobs reports (the "
                               "oldest go first).")

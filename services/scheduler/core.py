@@ -28,6 +28,7 @@ from rhymerl.v1 import common_pb2, rollout_pb2
 
 from services.common import metrics
 from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from services.history.breaker import HistoryBreaker
 from services.scheduler import intake
 from services.scheduler.delivery import Delivery
 from services.scheduler.fair_share import step_quotas
@@ -51,7 +52,9 @@ class CoreLimits:
     max_samples_in_flight: int = 262_144  # admitted, unfinished samples over all steps
     max_attempts: int = 3  # chunks of a sample that may fail before it is given up
     no_worker_timeout_s: float = 30.0  # queued work with no worker this long is aborted
+    abandoned_step_timeout_s: float = 300.0  # a step no trainer follows this long is cancelled (0: never)
     history_epochs: int = 4  # epochs of history used for length prediction
+    history_timeout_s: float = 2.0  # a step waits at most this long for a history call (docs/architecture.md)
     fair_share: str = "matched"  # fair_share.py: "matched", "equal" or "work_conserving"
     handover_slice: int = 4096  # a step's samples go to the policy this many at a time (docs/architecture.md)
 
@@ -63,6 +66,8 @@ class SchedulerCore:
         self.steps = steps if steps is not None else StepTable()  # an empty one is falsy
         self.log = step_log if step_log is not None else StepLog("")
         self.lengths = LengthModel()
+        # the step's history calls: a short deadline, skipped a while after one timed out
+        self.history_reads = HistoryBreaker(limits.history_timeout_s, name="scheduler")
         self.serving = ServingVersion()
         self.unfinished: dict[RequestKey, SampleProgress] = {}  # its step is its ``run``
         self._admitting = 0  # samples of steps in intake, not in ``unfinished`` yet
@@ -135,12 +140,19 @@ class SchedulerCore:
     async def submit(self, req: rollout_pb2.SubmitStepRequest) -> StepRun:
         """Starts a step, or joins the one with the same step_id (in memory or logged). A
         step that ended with aborted samples (no worker, a cancel, a fault) is run again:
-        its finished samples replayed, its aborted ones generated (their own seeds)."""
+        its finished samples replayed, its aborted ones generated (their own seeds); a
+        cancelled one still ending (its workers' aborts on the way) first ends."""
         intake.check_step(req, self.policy_version)
         run = self.steps.get(req.step_id)
         if run is not None and run.fingerprint != fingerprint(req):
             raise FailedPrecondition(f"step {req.step_id!r} was already submitted with different content",
                                      "step_id")
+        if run is not None and run.cancelled and not run.is_finished:
+            # A cancelled step ends when its workers have reported the aborts of its running
+            # samples; joined before that, the resubmission would get those aborts. It is run
+            # again once it has ended (the wait ends with the call if the trainer goes).
+            await run.finished.wait()
+            run = self.steps.get(req.step_id)
         if run is None or (run.is_finished and run.aborted):
             run = await self.steps.open(req.step_id, lambda prior=run: self._open(req, prior))
         if run.fingerprint != fingerprint(req):
@@ -210,16 +222,19 @@ class SchedulerCore:
                             min((w.max_model_len for w in workers if w.max_model_len), default=0))
 
     async def _load_lengths(self, run: StepRun, missing: list[SampleProgress]) -> None:
-        """The prompts' earlier lengths, for the length model (one history round trip)."""
+        """The prompts' earlier lengths, for the length model (one history round trip,
+        waited for at most ``history_timeout_s``; skipped while history hangs)."""
         prompt_ids = sorted({s.request.prompt_id for s in missing})
         lengths: dict[str, list[list[int]]] = {}
         if self.history is not None:
             try:
-                found = await self.history.get_history(prompt_ids, max_epochs=self.limits.history_epochs,
-                                                       include_tokens=False)
+                found = await self.history_reads.read(
+                    lambda: self.history.get_history(prompt_ids, max_epochs=self.limits.history_epochs,
+                                                     include_tokens=False), "length lookup")
                 lengths = {pid: [list(e.lengths) for e in epochs] for pid, epochs in found.items() if epochs}
             except Exception as exc:  # noqa: BLE001 - history is an optimisation, never a failure
-                log.warning("history lookup failed for step %s: %s", run.step_id, exc)
+                # (the breaker logs one WARNING per outage)
+                log.debug("step %s predicts without history: %s", run.step_id, exc)
         run.history_hit_rate = len(lengths) / len(prompt_ids)
         self.lengths.load_history(lengths)
 
@@ -294,6 +309,25 @@ class SchedulerCore:
         if run is None:
             raise NotFound(f"no step {step_id!r}", "step_id")
         return await self.delivery.cancel(run)
+
+    def cancel_abandoned(self, now: float | None = None) -> list[str]:
+        """Called periodically: cancels the steps that no trainer has followed (no SubmitStep
+        stream open on them) for ``abandoned_step_timeout_s``, as CancelStep does: a trainer
+        that went (Ctrl-C, a crash, a deadline) no longer holds the fleet. One that comes
+        back within the timeout rejoins its step; after it, resubmitting the step id runs
+        its aborted samples again (its finished ones replayed). Returns their ids."""
+        timeout = self.limits.abandoned_step_timeout_s
+        if not timeout:
+            return []
+        now = time.monotonic() if now is None else now
+        gone = [run for run in self.steps if not run.is_finished and not run.cancelled and not run.closing
+                and run.unfollowed_since is not None and now - run.unfollowed_since >= timeout]
+        for run in gone:
+            error = f"no trainer followed the step for {now - run.unfollowed_since:.0f} s (abandoned_step_timeout_s)"
+            log.warning("step %s: %s: cancelling its %d unfinished samples", run.step_id, error, run.num_unfinished)
+            metrics.steps_abandoned_total.inc()
+            self.spawn(self.delivery.cancel(run, error))
+        return [run.step_id for run in gone]
 
     def abort_if_no_workers(self) -> None:
         """Called periodically: ends work that no worker could take for too long."""

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 ABORT = common_pb2.FINISH_REASON_ABORT
 CANCEL_BATCH = 2048
+MAX_PENDING_WRITES = 8  # history writes still running after their steps closed (history slow or hung)
 
 
 class Delivery:
@@ -32,6 +33,8 @@ class Delivery:
         self.core = core
         self.timelines: dict[str, StepTimeline] = {}  # steps not closed yet
         self.spec_totals = common_pb2.SpecCounters()  # all steps closed by this scheduler
+        self.history_writes: set[asyncio.Task] = set()  # running; each holds its step's rows
+        self.num_history_writes_dropped = 0  # steps not written: MAX_PENDING_WRITES were still running
 
     def set_busy(self, worker_id: str, busy: bool, now: float) -> None:
         for timeline in self.timelines.values():
@@ -113,11 +116,33 @@ class Delivery:
         step_summary = logged_summary or summary.step_summary(run, timeline.finish(time.monotonic()),
                                                               core.policy.name)
         if logged_summary is None:
-            await summary.record_history(core.history, run)
+            await self._record_history(run)
             await core.log.close(run.step_id, step_summary)
         summary.export(step_summary, self.spec_totals)
         await run.publish([rollout_pb2.StepEvent(summary=step_summary)], last=True)
         core.steps.evict()
+
+    async def _record_history(self, run: StepRun) -> None:
+        """Writes the step's rollouts to history before its summary goes out, so the next
+        epoch finds them; but the summary waits for the write at most the history deadline
+        (``CoreLimits.history_timeout_s``), and not at all while the breaker is open
+        (history timed out lately): the write then goes on behind the summary, with the
+        client's own deadline. At most ``MAX_PENDING_WRITES`` run behind closed steps; a
+        step closing beyond them is not written (history is an optimisation)."""
+        core = self.core
+        if core.history is None:
+            return
+        if len(self.history_writes) >= MAX_PENDING_WRITES:
+            self.num_history_writes_dropped += 1
+            log.debug("step %s not written to history: %d writes still wait for it", run.step_id,
+                      len(self.history_writes))
+            return
+        breaker = core.history_reads
+        write = core.spawn(summary.record_history(core.history, run, breaker, summary.history_rows(run)))
+        self.history_writes.add(write)
+        write.add_done_callback(self.history_writes.discard)
+        if not breaker.is_open:
+            await asyncio.wait({write}, timeout=breaker.timeout_s)  # (the write is never cancelled here)
 
     def abort_queued(self, run: StepRun, progs: list[SampleProgress]) -> None:
         """Ends samples that run nowhere as ABORT (their step was cancelled)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 
 from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -56,8 +57,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         """Streams the step's events as they are kept, serialized (``raw_responses``), the
         samples ready together in one batch."""
         run = await self.core.submit(request)
-        async for event in run.follow_batched():
-            yield event
+        async with aclosing(run.follow_batched()) as events:  # closed with the call: the step counts it gone
+            async for event in events:
+                yield event
 
     @grpc_errors
     async def CancelStep(self, request, context):
@@ -188,7 +190,8 @@ async def start_scheduler(settings: SchedulerSettings):
         step_log=StepLog(settings.redis_url, ttl_s=settings.step_log_ttl_s, hold_s=settings.step_log_hold_s),
         limits=CoreLimits(max_samples_in_flight=settings.max_samples_in_flight, max_attempts=settings.max_attempts,
                           no_worker_timeout_s=settings.worker_timeout_s, history_epochs=settings.history_epochs,
-                          fair_share=settings.fair_share))
+                          fair_share=settings.fair_share, history_timeout_s=settings.history_timeout_s,
+                          abandoned_step_timeout_s=settings.abandoned_step_timeout_s))
     weights = WeightFanout(core, settings.weight_updates, WeightStore(settings.weights_dir),
                            stall_s=settings.weight_push_stall_s)
     await weights.restore()

@@ -28,6 +28,12 @@ class SchedulerSettings(TLSSettings):
     worker_timeout_s: float = Field(
         30.0, gt=0, description="A worker silent this long (no heartbeat; a static worker: no answered poll) is dropped "
                           "from the fleet (its work was re-queued when it missed its third beat).")
+    abandoned_step_timeout_s: float = Field(
+        300.0, ge=0, le=7 * 24 * 3600,
+        description="A step that no trainer follows this long (no SubmitStep stream open on it: the trainer was "
+                    "interrupted, crashed or hit its deadline) is cancelled as CancelStep does, so it stops holding "
+                    "the fleet. A trainer back within it rejoins the running step; after it, resubmitting the step "
+                    "id replays its finished samples and generates the cancelled ones. 0: never.")
     heartbeat_s: float = Field(
         5.0, gt=0, description="The workers' heartbeat interval: every registered worker re-registers this often (the "
                                "scheduler tells it in each RegisterResponse), and one that misses three beats is "
@@ -100,6 +106,13 @@ class SchedulerSettings(TLSSettings):
                                "meanwhile). equal: an equal split only. work_conserving: a step may take every slot "
                                "the others do not need (full batches, the most throughput).")
     history_epochs: int = Field(4, ge=0, description="Epochs of history used for length prediction.")
+    history_timeout_s: float = Field(
+        2.0, ge=0.05, le=30.0, description="A step waits at most this long for history: its prompts' earlier lengths "
+                                           "(at submission) and the write of its rollouts (before its summary; a "
+                                           "slower write goes on behind it). A lookup past it, and the ones after it "
+                                           "while history stays hung (skipped for 5 s, then twice as long each time "
+                                           "it still hangs, up to 60 s), predict without history; one WARNING per "
+                                           "outage (docs/architecture.md).")
     record_events: str = Field(
         "", description="A JSON-lines file every policy call and decision is appended to, for offline replay "
                         "(python -m services.scheduler.simulator.replay FILE); empty: not recorded.")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import sys
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
@@ -101,6 +102,8 @@ class StepRun:
         self._encoded: list[bytes] = []  # the events, serialized
         self.num_bytes = 0  # what keeping the events costs in memory (``retained_size``)
         self.finished = asyncio.Event()
+        self.num_followers = 0  # streams following it now (SubmitStep calls, joined ones too)
+        self.unfollowed_since: float | None = time.monotonic()  # since when none has (None: one does)
         self._changed = asyncio.Condition()
         self.history_hit_rate = 0.0
         self.cancelled = False
@@ -154,18 +157,31 @@ class StepRun:
                 self.to_hand_over = []  # only the log is kept: it holds every sample
             self._changed.notify_all()
 
+    def _followed(self) -> None:
+        self.num_followers += 1
+        self.unfollowed_since = None
+
+    def _unfollowed(self) -> None:
+        self.num_followers -= 1
+        if not self.num_followers:
+            self.unfollowed_since = time.monotonic()
+
     async def follow(self) -> AsyncIterator[rollout_pb2.StepEvent]:
         """Every event from the first, then live ones until the summary."""
         i = 0
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(lambda: i < len(self._encoded))
-                batch = self._encoded[i:]
-            for event in batch:
-                yield rollout_pb2.StepEvent.FromString(event)
-            i += len(batch)
-            if self.is_finished and i == len(self._encoded):
-                return
+        self._followed()
+        try:
+            while True:
+                async with self._changed:
+                    await self._changed.wait_for(lambda: i < len(self._encoded))
+                    batch = self._encoded[i:]
+                for event in batch:
+                    yield rollout_pb2.StepEvent.FromString(event)
+                i += len(batch)
+                if self.is_finished and i == len(self._encoded):
+                    return
+        finally:
+            self._unfollowed()
 
     async def follow_batched(self) -> AsyncIterator[bytes]:
         """``follow``'s events as they are kept, serialized, the samples that are there
@@ -174,27 +190,31 @@ class StepRun:
         ``StepEvent.sample``'s field, which is also a SampleBatch's ``samples`` element,
         so a batch is the events' bytes behind one key and length."""
         i = 0
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(lambda: i < len(self._encoded))
-                events = self._encoded[i:]
-            i += len(events)
-            batch: list[bytes] = []
-            size = 0
-            for event in events:
-                if event[0] != _SAMPLE_KEY or size + len(event) > MAX_BATCH_BYTES:
-                    if batch:
-                        yield packed.field(3, b"".join(batch))  # StepEvent.samples
-                        batch, size = [], 0
-                if event[0] != _SAMPLE_KEY:
-                    yield event
-                    continue
-                batch.append(event)
-                size += len(event)
-            if batch:
-                yield packed.field(3, b"".join(batch))
-            if self.is_finished and i == len(self._encoded):
-                return
+        self._followed()
+        try:
+            while True:
+                async with self._changed:
+                    await self._changed.wait_for(lambda: i < len(self._encoded))
+                    events = self._encoded[i:]
+                i += len(events)
+                batch: list[bytes] = []
+                size = 0
+                for event in events:
+                    if event[0] != _SAMPLE_KEY or size + len(event) > MAX_BATCH_BYTES:
+                        if batch:
+                            yield packed.field(3, b"".join(batch))  # StepEvent.samples
+                            batch, size = [], 0
+                    if event[0] != _SAMPLE_KEY:
+                        yield event
+                        continue
+                    batch.append(event)
+                    size += len(event)
+                if batch:
+                    yield packed.field(3, b"".join(batch))
+                if self.is_finished and i == len(self._encoded):
+                    return
+        finally:
+            self._unfollowed()
 
     def encode_sample(self, s: SampleProgress, policy_version: int) -> bytes:
         """The sample's SampleResult, serialized by splicing: its scalar fields encoded

@@ -55,14 +55,30 @@ def count_samples(finish_reasons: list[int]) -> None:
         metrics.samples_total.labels(finish_reason=reason).inc(num)
 
 
-async def record_history(history, run: StepRun) -> None:
+def history_rows(run: StepRun) -> list[tuple]:
+    """The step's finished (not aborted) samples as history's (prompt_id, step_id,
+    sample_index, policy_version, token_ids) rows."""
+    return [(s.prompt_id, run.step_id, s.sample_index, s.policy_version, s.token_ids)
+            for s in samples_of(run) if s.finish_reason != common_pb2.FINISH_REASON_ABORT]
+
+
+async def record_history(history, run: StepRun, breaker=None, rows: list[tuple] | None = None) -> None:
     """Writes the step's finished (not aborted) samples to history: they draft and
-    predict the next epoch. A failure costs speed, never a sample."""
+    predict the next epoch. A failure costs speed, never a sample. With a ``breaker``
+    (``HistoryBreaker``) the outcome is reported to it (it logs one WARNING per outage;
+    a write that history never answered opens it)."""
     if history is None:
         return
-    rows = [(s.prompt_id, run.step_id, s.sample_index, s.policy_version, s.token_ids)
-            for s in samples_of(run) if s.finish_reason != common_pb2.FINISH_REASON_ABORT]
+    if rows is None:
+        rows = history_rows(run)
     try:
         await history.put_rollouts(rows)
     except Exception as exc:  # noqa: BLE001 - the trainer still gets its samples
-        log.warning("could not record step %s in history: %s", run.step_id, exc)
+        if breaker is None:
+            log.warning("could not record step %s in history: %s", run.step_id, exc)
+        else:
+            breaker.failed(exc, "write")
+            log.debug("could not record step %s in history: %s", run.step_id, exc)
+    else:
+        if breaker is not None:
+            breaker.answered()

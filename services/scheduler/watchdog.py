@@ -79,6 +79,7 @@ class Watchdog:
         await self.weights.reread_record()
         await self.weights.record()
         core.abort_if_no_workers()
+        core.cancel_abandoned()
         core.wake()
         await self.refresh()
 

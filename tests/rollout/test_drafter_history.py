@@ -109,3 +109,62 @@ def test_history_a_drafter_refuses_whole_is_dropped_with_one_warning(caplog):
     assert list(drafter.loaded) == ["q"]
     [record] = caplog.records
     assert record.levelname == "WARNING" and "'p' not loaded" in record.getMessage()
+
+
+def test_a_hung_history_costs_a_batch_one_deadline_and_the_feed_shares_the_breaker():
+    """A history that takes calls and never answers: the drafter's lookup ends at the
+    worker's deadline (not the client's 30 s) and loads nothing; the global feed's read
+    right after it (same breaker) and the next batches' lookups are skipped without a
+    call until the backoff ends; then one probes, and a history that answers again is
+    read again."""
+    import time
+
+    from services.history.client import HistoryBreaker
+    from services.rollout.global_feed import GlobalFeed
+
+    class _Hung(_History):
+        hang = True
+
+        async def get_history(self, prompt_ids, max_epochs, include_tokens):
+            self.calls.append(("get_history", tuple(prompt_ids)))
+            if self.hang:
+                await asyncio.Event().wait()
+            return {p: [_epoch("s0", [[5, 6]], [1.0])] for p in prompt_ids}
+
+        async def get_recent_responses(self, max_responses, max_tokens):
+            self.calls.append(("get_recent_responses",))
+            await asyncio.Event().wait()
+
+    class _Clock:
+        t = 0.0
+
+        def __call__(self):
+            return self.t
+
+    class _Loop:
+        def call_deferred(self, fn, cost=0):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(fn())
+            return future
+
+    history, drafter, clock = _Hung({}), _Drafter(), _Clock()
+    breaker = HistoryBreaker(0.1, first_backoff_s=5.0, clock=clock, name="worker test")
+    loader = DrafterHistory(drafter, history, _call, breaker=breaker)
+    feed = GlobalFeed(_Loop(), SimpleNamespace(add_global_responses=lambda r: None), history, breaker=breaker)
+
+    async def batch(prompt_id, step_id):
+        await loader.load([_item(prompt_id, step_id)])
+        await feed.step_started({step_id})
+
+    started = time.monotonic()
+    asyncio.run(batch("p", "s1"))
+    assert time.monotonic() - started < 15.0  # one 0.1 s deadline; generous for a busy machine
+    assert history.calls == [("get_history", ("p",))] and drafter.loaded == {}
+    for k in range(3):  # the backoff runs: nothing asked, at once
+        asyncio.run(batch(f"q{k}", f"s{2 + k}"))
+    assert len(history.calls) == 1 and breaker.num_skipped == 7
+    history.hang = False  # history is back; after the backoff, the next lookup probes and loads
+    clock.t += 5.0
+    asyncio.run(loader.load([_item("r", "s9")]))
+    assert history.calls[-1] == ("get_history", ("r",)) and drafter.loaded["r"][0] == [[5, 6]]
+    assert not breaker.is_open

@@ -434,6 +434,32 @@ async def test_a_cancel_aborts_the_queued_groups_and_cancels_the_running_sub_ste
 
 
 @run_async
+async def test_a_step_whose_trainer_went_is_cancelled_on_its_shards_after_the_timeout():
+    """The trainer's SubmitStep call to the router ends (Ctrl-C, a crash): the step is no
+    longer followed, and after abandoned_step_timeout_s the router cancels it, its running
+    sub-step on the shard too (which the router itself still follows, so the shard's own
+    timeout would never fire); while a trainer follows, it is never cancelled."""
+    a = ScriptedShard("a", held=True)
+    async with Fleet(a) as fleet:
+        fleet.router.abandoned_step_timeout_s = 30.0
+        async with fleet.serve_router() as port, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = rollout_pb2_grpc.RolloutServiceStub(ch).SubmitStep(step("gone", 3))
+            await until(lambda: "gone" in fleet.router.steps and fleet.router.steps["gone"].num_followers == 1)
+            routed = fleet.router.steps["gone"]
+            await until(lambda: len(a.sub_steps) == 1)
+            assert fleet.router.cancel_abandoned(routed.started + 1e6) == []  # followed
+            call.cancel()
+            await until(lambda: routed.num_followers == 0)
+        since = routed.unfollowed_since
+        assert fleet.router.cancel_abandoned(since + 29.0) == []
+        assert fleet.router.cancel_abandoned(since + 31.0) == ["gone"]
+        events = [e async for e in routed.follow()]
+    assert a.cancelled == {a.sub_steps[0].step_id}
+    assert all(s.finish_reason == common_pb2.FINISH_REASON_ABORT for s in samples(events))
+    assert len(samples(events)) == 6 and events[-1].HasField("summary")
+
+
+@run_async
 async def test_groups_no_shard_can_take_end_as_abort_with_the_reason():
     """A step at version 0 while the only shard serves 1 (it took a push the router has
     not seen): after no_shard_timeout_s its groups end ABORT, each saying why."""

@@ -4,6 +4,7 @@ sharing, admission, identity and the step log, without gRPC and without a model.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from rhymerl.v1 import common_pb2
@@ -234,6 +235,69 @@ async def test_cancel_ends_queued_and_running_samples():
     samples, summary = await collect(run)
     assert len(samples) == 8 and summary.num_samples == 8
     assert sum(s.finish_reason == common_pb2.FINISH_REASON_ABORT for s in samples) >= 6
+    await core.stop()
+
+
+@run_async
+async def test_a_step_resubmitted_while_its_cancel_ends_is_run_again_not_joined():
+    """The cancel returns before the workers report the aborts of the running samples; a
+    resubmission meanwhile must not join the cancelled run (all ABORT) but run it again
+    once it has ended: every sample generated, with its seeded tokens."""
+    link = FakeLink()
+    link.gate = asyncio.Event()
+    core = make_core(link, workers=1, capacity=2)
+    first = await core.submit(step("s", {"a": [3], "b": [4]}, n=2))
+    while core.runs.num_chunks < 2:
+        await asyncio.sleep(0)
+    assert await core.cancel("s") == 4
+    again = asyncio.ensure_future(core.submit(step("s", {"a": [3], "b": [4]}, n=2)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not again.done() and not first.is_finished  # waits for the cancelled run's aborts
+    link.gate.set()
+    samples, _ = await collect(await again)
+    assert keys(samples) == [(p, k) for p in ("a", "b") for k in range(2)]
+    assert all(s.finish_reason != common_pb2.FINISH_REASON_ABORT for s in samples)
+    assert all(list(s.token_ids) == expected_tokens(s, 20) for s in samples)
+    await core.stop()
+
+
+@run_async
+async def test_a_step_no_trainer_follows_is_cancelled_after_the_timeout_then_run_again():
+    """A trainer that went (its stream closed) leaves the step unfollowed: after
+    ``abandoned_step_timeout_s`` it is cancelled as CancelStep does (its slots freed);
+    resubmitting the id then generates what the cancel aborted."""
+    link = FakeLink()
+    link.gate = asyncio.Event()
+    core = make_core(link, workers=1, capacity=2, abandoned_step_timeout_s=60.0)
+    run = await core.submit(step("s", {"a": [3], "b": [4]}, n=2))
+    follower = asyncio.ensure_future(collect(run))
+    while core.runs.num_chunks < 2 or not run.num_followers:
+        await asyncio.sleep(0)
+    assert core.cancel_abandoned(time.monotonic() + 1e6) == []  # followed: never
+    follower.cancel()  # the trainer's call ends
+    with pytest.raises(asyncio.CancelledError):
+        await follower
+    assert run.num_followers == 0 and run.unfollowed_since is not None
+    assert core.cancel_abandoned(run.unfollowed_since + 59.0) == []
+    assert core.cancel_abandoned(run.unfollowed_since + 61.0) == ["s"]
+    link.gate.set()
+    samples, _ = await collect(run)
+    assert run.cancelled and len(run.aborted) == 4
+    assert all(s.finish_reason == common_pb2.FINISH_REASON_ABORT and "abandoned_step_timeout_s" in s.error
+               for s in samples)
+    again, _ = await collect(await core.submit(step("s", {"a": [3], "b": [4]}, n=2)))
+    assert all(s.finish_reason != common_pb2.FINISH_REASON_ABORT for s in again) and len(again) == 4
+    assert core.cancel_abandoned(time.monotonic() + 1e6) == []  # finished steps are not touched
+    await core.stop()
+
+
+@run_async
+async def test_a_zero_abandoned_step_timeout_never_cancels():
+    core = make_core(FakeLink(), abandoned_step_timeout_s=0.0)
+    run = await core.submit(step("s", {"a": [3]}, n=2))
+    assert core.cancel_abandoned(time.monotonic() + 1e9) == [] and not run.cancelled
+    await collect(run)
     await core.stop()
 
 

@@ -9,30 +9,20 @@ service an earlier run updated, it first pushes its own starting weights as the 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from benchmarks.tiny_llm import train_sft
 from benchmarks.tiny_llm.examples import load_example
 from services.common.traces import read_traces
-from services.rollout.loader import init_random_model
 from tests.e2e.cluster import Cluster
+from tests.tiny_llm.test_grpo import save_micro_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 grpo = load_example("grpo_trainer")
 
-MICRO = dataclasses.replace(
-    train_sft.PRESETS["tiny"], hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=16,
-)  # fmt: skip
-
 
 @pytest.fixture(scope="module")
 def micro_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro")
-    train_sft.save_checkpoint(init_random_model(train_sft.model_config(MICRO), seed=0), path)
-    return str(path)
+    return save_micro_checkpoint(tmp_path_factory.mktemp("micro"))
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,15 @@ MICRO = dataclasses.replace(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("micro")
+def save_micro_checkpoint(path) -> str:
+    """A random checkpoint of the MICRO config in ``path`` (what the GRPO example trains)."""
     train_sft.save_checkpoint(init_random_model(train_sft.model_config(MICRO), seed=0), path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_micro_checkpoint(tmp_path_factory.mktemp("micro"))
 
 
 def test_advantages_are_normalised_per_group():

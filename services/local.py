@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.redis_server import free_port
+from services.common.redis_server import free_port, spawn_tied
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,7 +158,8 @@ class LocalCluster(StartStop):
         self.commands[name] = (argv, env)
         full_env = {**os.environ, **{k: str(v) for k, v in env.items()}, **self.extra_env}
         log = open(self.log_dir / f"{name}.log", "a")
-        self.procs[name] = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        # (tied: a launcher killed with SIGKILL, or a test run cut short, leaves no service behind)
+        self.procs[name] = spawn_tied(argv, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
     # --- process control (tests and the chaos campaign) ------------------------------

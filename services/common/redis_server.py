@@ -8,7 +8,7 @@ On Linux the redis-server dies with the process that started it, however that pr
 ends (SIGKILL, the OOM killer: no ``stop`` or atexit handler runs): it is started with
 ``prctl(PR_SET_PDEATHSIG, SIGTERM)``, which the kernel honours when the *thread* that
 forked it exits, not the process. So every redis-server is forked by one daemon thread
-that lives as long as the process (``_spawn``), whichever thread calls ``start`` (the
+that lives as long as the process (``spawn_tied``), whichever thread calls ``start`` (the
 history service starts its Redis from an ``asyncio.to_thread`` worker, which may exit
 long before the process does). The prctl is made by a tiny Python wrapper exec'd in the
 child, which then execs redis-server in place (same pid), rather than by a
@@ -116,9 +116,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_spawner)
 
 
-def _spawn(argv: list[str], **popen_kwargs) -> subprocess.Popen:
+def spawn_tied(argv: list[str], **popen_kwargs) -> subprocess.Popen:
     """``subprocess.Popen(argv)``; on Linux the child gets SIGTERM when this process ends
-    (see the module docstring): it is forked by the spawner thread, through _PDEATHSIG."""
+    (see the module docstring): it is forked by the spawner thread, through _PDEATHSIG,
+    and keeps its pid. Also what ``services.local.LocalCluster`` starts its processes with."""
     if not sys.platform.startswith("linux") or not sys.executable:
         return subprocess.Popen(argv, **popen_kwargs)
     global _spawn_requests
@@ -183,7 +184,7 @@ class EmbeddedRedis:
     def _start_once(self, timeout_s: float) -> bool:
         listen = (["--port", "0", "--unixsocket", self.socket_path, "--unixsocketperm", "700"] if self.unix
                   else ["--port", str(self.port), "--bind", "127.0.0.1"])
-        self._proc = _spawn(
+        self._proc = spawn_tied(
             [find_redis_server(), *listen, "--save", "", "--appendonly", "no", "--dir", self._dir.name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)

@@ -165,3 +165,43 @@ def test_a_private_redis_outlives_the_thread_that_started_it_and_dies_with_the_p
         proc.stdout.close()
         if watched:
             watched.cleanup()
+
+
+# A LocalCluster (what `make run`, the e2e tests and the chaos campaign start) spawning a
+# process as it spawns its services, then waiting to be killed.
+LAUNCHER = """
+import sys, time
+from services.local import LocalCluster
+
+cluster = LocalCluster(model_dir="unused", log_dir=__import__("pathlib").Path(sys.argv[1]))
+cluster._spawn("service", [sys.executable, "-c", "import time; time.sleep(3600)"], {})
+print(cluster.procs["service"].pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_local_clusters_processes_die_with_a_launcher_killed_with_sigkill(tmp_path):
+    """Breaks if LocalCluster starts its services as plain children: a `make run` or a test
+    run killed with SIGKILL would leave every service running, holding its ports."""
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    pid = None
+    try:
+        line = proc.stdout.readline()
+        assert line, f"the launcher exited ({proc.wait(timeout=30)}) without starting its process"
+        pid = int(line)
+        fields = stat(pid)
+        assert fields is not None and int(fields[1]) == proc.pid  # its own child, the same pid after the exec
+        start_time = fields[19]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while (f := stat(pid)) is not None and f[19] == start_time and f[0] not in ("Z", "X"):
+            assert time.monotonic() < deadline, f"process {pid} outlived its killed launcher"
+            time.sleep(0.05)
+    finally:
+        kill(proc)
+        proc.stdout.close()
+        if pid is not None and (f := stat(pid)) is not None and f[0] not in ("Z", "X"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

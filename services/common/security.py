@@ -132,6 +132,11 @@ def _denied(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandle
     return grpc.stream_stream_rpc_method_handler(stream)
 
 
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``token`` to a BearerTokenAuth (none for an empty one)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def parse_tokens(value: str) -> list[str]:
     """Comma- or newline-separated tokens (a Secret may hold either)."""
     return [t.strip() for t in value.replace("\n", ",").split(",") if t.strip()]

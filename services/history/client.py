@@ -3,9 +3,6 @@
 It hides the protos: callers pass tuples and get :class:`Epoch` records with
 numpy arrays. Errors surface as ``grpc.aio.AioRpcError`` with the service's
 status (INVALID_ARGUMENT naming the field, UNAVAILABLE when Redis is down).
-
-:class:`HistoryBreaker` (``breaker.py``, re-exported here) bounds what history costs a
-step: the reads a step waits for go through it.
 """
 
 from __future__ import annotations
@@ -17,11 +14,10 @@ from rhymerl.v1 import history_pb2, history_pb2_grpc
 
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig
-from services.history.breaker import HistoryBreaker, HistorySkipped, HistoryTimeout
 from services.history.recent import RecentResponse
 from services.history.records import Epoch
 
-__all__ = ["Epoch", "HistoryBreaker", "HistoryClient", "HistorySkipped", "HistoryTimeout", "RecentResponse"]
+__all__ = ["Epoch", "HistoryClient", "RecentResponse"]
 
 
 class HistoryClient:

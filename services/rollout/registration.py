@@ -17,7 +17,7 @@ import grpc
 from rhymerl.v1 import worker_pb2, worker_pb2_grpc
 
 from services.common.grpc_server import channel
-from services.common.security import TLSConfig
+from services.common.security import TLSConfig, token_metadata
 from services.rollout.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -104,11 +104,6 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
                     call.cancel()
     finally:
         await ch.close()
-
-
-def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """The call metadata that presents ``token`` (none for an empty one)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 async def deregister(address: str, worker_id: str, tls: TLSConfig | None = None, token: str = "") -> None:

@@ -45,7 +45,7 @@ from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from services.common import metrics
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, RhymerlError, Unavailable
 from services.common.grpc_server import channel
-from services.common.security import TLSConfig
+from services.common.security import TLSConfig, token_metadata
 from services.common.validation import MAX_ID_BYTES, check_id, check_length, check_sampling, check_token_ids
 from services.common.ids import prompt_id_from_tokens, sample_seed
 from services.router.registry import ShardInfo
@@ -239,7 +239,7 @@ class Router:
         self.abandoned_step_timeout_s = abandoned_step_timeout_s
         self.max_samples_retained = max_samples_retained
         self.tls = tls
-        self.metadata = (("authorization", f"Bearer {shard_token}"),) if shard_token else ()
+        self.metadata = token_metadata(shard_token)
         self.shards: dict[str, Shard] = {}
         self.store = store if store is not None else WeightStore()
         self.latest: LatestWeights | None = None

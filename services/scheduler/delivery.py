@@ -138,7 +138,7 @@ class Delivery:
                       len(self.history_writes))
             return
         breaker = core.history_reads
-        write = core.spawn(summary.record_history(core.history, run, breaker, summary.history_rows(run)))
+        write = core.spawn(summary.record_history(core.history, run.step_id, summary.history_rows(run), breaker))
         self.history_writes.add(write)
         write.add_done_callback(self.history_writes.discard)
         if not breaker.is_open:

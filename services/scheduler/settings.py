@@ -6,7 +6,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.gc_tuning import parse_thresholds
+from services.common.errors import InvalidArgument
 from services.common.security import TLSSettings
+from services.common.validation import check_host_port
 from services.scheduler.policies import POLICIES
 
 
@@ -146,9 +148,12 @@ class SchedulerSettings(TLSSettings):
     @classmethod
     def _host_ports(cls, value: str) -> str:
         for entry in (w.strip() for w in value.split(",")):
-            host, _, port = entry.rpartition(":")
-            if entry and (not host or not port.isdigit() or not 1 <= int(port) <= 65535):
-                raise ValueError(f"{entry!r} is not host:port (a port in [1, 65535])")
+            if entry:
+                try:
+                    check_host_port(entry, "workers")  # (the check a registering worker's address gets)
+                except InvalidArgument:
+                    raise ValueError(f"{entry!r} is not host:port (a port in [1, 65535]; an IPv6 host in "
+                                     "brackets)") from None
         return value
 
     def gc_threshold_values(self) -> tuple[int, int, int] | None:

@@ -62,23 +62,15 @@ def history_rows(run: StepRun) -> list[tuple]:
             for s in samples_of(run) if s.finish_reason != common_pb2.FINISH_REASON_ABORT]
 
 
-async def record_history(history, run: StepRun, breaker=None, rows: list[tuple] | None = None) -> None:
-    """Writes the step's finished (not aborted) samples to history: they draft and
-    predict the next epoch. A failure costs speed, never a sample. With a ``breaker``
-    (``HistoryBreaker``) the outcome is reported to it (it logs one WARNING per outage;
-    a write that history never answered opens it)."""
-    if history is None:
-        return
-    if rows is None:
-        rows = history_rows(run)
+async def record_history(history, step_id: str, rows: list[tuple], breaker) -> None:
+    """Writes a step's ``history_rows`` to history: they draft and predict the next
+    epoch. A failure costs speed, never a sample. The outcome is reported to ``breaker``
+    (the scheduler's ``HistoryBreaker``: it logs one WARNING per outage; a write that
+    history never answered opens it)."""
     try:
         await history.put_rollouts(rows)
     except Exception as exc:  # noqa: BLE001 - the trainer still gets its samples
-        if breaker is None:
-            log.warning("could not record step %s in history: %s", run.step_id, exc)
-        else:
-            breaker.failed(exc, "write")
-            log.debug("could not record step %s in history: %s", run.step_id, exc)
+        breaker.failed(exc, "write")
+        log.debug("could not record step %s in history: %s", step_id, exc)
     else:
-        if breaker is not None:
-            breaker.answered()
+        breaker.answered()

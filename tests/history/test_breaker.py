@@ -12,7 +12,8 @@ import time
 import grpc
 import pytest
 
-from services.history.client import HistoryBreaker, HistoryClient, HistorySkipped, HistoryTimeout
+from services.history.breaker import HistoryBreaker, HistorySkipped, HistoryTimeout
+from services.history.client import HistoryClient
 from tests.aio import run_async
 from tests.history.hanging import hanging_history
 

@@ -119,7 +119,7 @@ def test_a_hung_history_costs_a_batch_one_deadline_and_the_feed_shares_the_break
     read again."""
     import time
 
-    from services.history.client import HistoryBreaker
+    from services.history.breaker import HistoryBreaker
     from services.rollout.global_feed import GlobalFeed
 
     class _Hung(_History):

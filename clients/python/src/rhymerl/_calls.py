@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from rhymerl.types import Prompt, SamplingParams, derived_prompt_id
+from rhymerl.types import Prompt, Sample, SamplingParams, StepSummary, derived_prompt_id, event_samples
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 # Safe to retry: the step id makes a re-submitted step idempotent, and a weight
@@ -89,6 +89,22 @@ def step_request(step_id: str, prompts: Sequence[Prompt], n: int, sampling: Samp
             message.prompt_id = derived_prompt_id(message.token_ids)
     return rollout_pb2.SubmitStepRequest(
         step_id=step_id, policy_version=policy_version, n=n, sampling=sampling.to_proto(), prompts=messages)
+
+
+def new_samples(event: rollout_pb2.StepEvent, seen: set[tuple[str, int]], call) -> list[Sample]:
+    """What a SubmitStep event adds to a call: its samples not seen before (added to
+    ``seen``, so a retried stream yields each once); a summary goes to ``call.summary``
+    (the call's own state: a client's calls may overlap)."""
+    if event.HasField("summary"):
+        call.summary = StepSummary.from_proto(event.summary)
+        return []
+    fresh = []
+    for message in event_samples(event):
+        sample = Sample.from_proto(message)
+        if sample.key not in seen:
+            seen.add(sample.key)
+            fresh.append(sample)
+    return fresh
 
 
 def rewards_request(step_id: str, rewards) -> rollout_pb2.ReportRewardsRequest:

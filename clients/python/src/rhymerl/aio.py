@@ -10,8 +10,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 import grpc
 
 from rhymerl import _calls
-from rhymerl.types import (Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary,
-                           event_samples)
+from rhymerl.types import Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -83,14 +82,8 @@ class AsyncRolloutClient:
                 events = self._stub.SubmitStep(request, timeout=self.timeout_s, metadata=self._metadata)
                 try:
                     async for event in events:
-                        if event.HasField("summary"):
-                            call.summary = StepSummary.from_proto(event.summary)
-                            continue
-                        for message in event_samples(event):
-                            sample = Sample.from_proto(message)
-                            if sample.key not in seen:
-                                seen.add(sample.key)
-                                yield sample
+                        for sample in _calls.new_samples(event, seen, call):
+                            yield sample
                     break
                 except grpc.RpcError as err:
                     if attempt == self.max_retries or not _calls.is_retryable(err):

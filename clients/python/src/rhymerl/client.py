@@ -9,8 +9,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc
 
 from rhymerl import _calls
-from rhymerl.types import (Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary,
-                           event_samples)
+from rhymerl.types import Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 
@@ -108,14 +107,7 @@ class RolloutClient:
                 events = self._stub.SubmitStep(request, timeout=self.timeout_s, metadata=self._metadata)
                 try:
                     for event in events:
-                        if event.HasField("summary"):
-                            call.summary = StepSummary.from_proto(event.summary)
-                            continue
-                        for message in event_samples(event):
-                            sample = Sample.from_proto(message)
-                            if sample.key not in seen:
-                                seen.add(sample.key)
-                                yield sample
+                        yield from _calls.new_samples(event, seen, call)
                     break
                 except grpc.RpcError as err:
                     if attempt == self.max_retries or not _calls.is_retryable(err):

@@ -64,17 +64,20 @@ def eos_token_ids(model_path: str) -> frozenset[int]:
     return frozenset(ids)
 
 
-def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape in the checkpoint vLLM started from: what a weight push must match."""
+def checkpoint_specs(model_path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor's shape and safetensors dtype ("BF16", "F32", "I64", ...) in the
+    checkpoint vLLM started from: what a weight push must match."""
     from safetensors import safe_open
 
     from services.rollout.weight_receiver import safetensors_files
 
-    shapes = {}
+    specs = {}
     for f in safetensors_files(model_path):
         with safe_open(str(f), "pt") as st:
-            shapes.update({name: tuple(st.get_slice(name).get_shape()) for name in st.keys()})
-    return shapes
+            for name in st.keys():
+                part = st.get_slice(name)
+                specs[name] = (tuple(part.get_shape()), part.get_dtype())
+    return specs
 
 
 def build_vllm_engine(settings, proposer: str | None = None, worker_id: str = "vllm"):
@@ -97,4 +100,4 @@ def build_vllm_engine(settings, proposer: str | None = None, worker_id: str = "v
         llm.collective_rpc(repair)  # vLLM's CPU sampler at T > 0 with drafts (cpu_expand.py)
     return VllmEngine(llm, speculative=proposer == "rhymerl", eos_token_ids=eos_token_ids(settings.model_path),
                       max_model_len=llm.model_config.max_model_len, stats=stats,
-                      weight_shapes=checkpoint_shapes(settings.model_path), worker_id=worker_id)
+                      weight_specs=checkpoint_specs(settings.model_path), worker_id=worker_id)

@@ -66,14 +66,15 @@ class _Running:
 
 class VllmEngine:
     def __init__(self, llm_engine, *, speculative: bool, eos_token_ids: frozenset[int], max_model_len: int,
-                 stats: EngineStats | None = None, weight_shapes: dict[str, tuple[int, ...]] | None = None,
+                 stats: EngineStats | None = None,
+                 weight_specs: dict[str, tuple[tuple[int, ...], str]] | None = None,
                  worker_id: str = "vllm"):
         self.llm = llm_engine
         self.stats = stats or EngineStats()  # filled by vLLM's scheduler stats each step
         hf = llm_engine.model_config.hf_config
         self.model = types.SimpleNamespace(config=hf)  # what the servicer reads: vocab, max length
         self.max_model_len = max_model_len
-        self.weight_shapes = weight_shapes or {}
+        self.weight_specs = weight_specs or {}  # name: (shape, safetensors dtype), the starting checkpoint's
         self.metrics = EngineMetrics(worker_id)  # the same rhymerl:* series as the native engine
         self.eos_token_ids = eos_token_ids
         self.speculative = speculative
@@ -140,17 +141,24 @@ class VllmEngine:
     def load_weights(self, state_dict) -> None:
         """Between samples (the loop calls it while idle): vLLM's model takes HF names.
 
-        vLLM loads whatever names it is given and keeps the rest, so a push is checked
-        whole against the starting checkpoint first: a partial one would mix versions.
+        vLLM loads whatever names it is given and keeps the rest, and converts whatever
+        dtype it is given, so a push is checked whole against the starting checkpoint
+        first: a partial one would mix versions, and an integer (or bool, or complex)
+        tensor where the checkpoint has a floating-point one would be truncated into the
+        weights. A floating-point push of another precision is converted, as rhymerl's
+        engine does.
         """
-        if self.weight_shapes:
-            missing = sorted(set(self.weight_shapes) - set(state_dict))
-            unknown = sorted(set(state_dict) - set(self.weight_shapes))
-            bad = sorted(n for n in set(state_dict) & set(self.weight_shapes)
-                         if tuple(state_dict[n].shape) != self.weight_shapes[n])
-            if missing or unknown or bad:
+        if self.weight_specs:
+            specs = self.weight_specs
+            missing = sorted(set(specs) - set(state_dict))
+            unknown = sorted(set(state_dict) - set(specs))
+            both = sorted(set(state_dict) & set(specs))
+            bad = [n for n in both if tuple(state_dict[n].shape) != specs[n][0]]
+            wrong = [f"{n} ({str(state_dict[n].dtype).removeprefix('torch.')}, expected {specs[n][1]})"
+                     for n in both if not _dtype_fits(state_dict[n], specs[n][1])]
+            if missing or unknown or bad or wrong:
                 raise ValueError(f"weights do not match the model: missing {missing[:3]}, unknown {unknown[:3]}, "
-                                 f"mis-shaped {bad[:3]}")
+                                 f"mis-shaped {bad[:3]}, wrong dtype {wrong[:3]}")
         self.llm.collective_rpc(_load_weights, args=(state_dict,))
         self.llm.reset_prefix_cache()
 
@@ -210,6 +218,17 @@ class _RemoteDrafter:
 
     def release_prompt(self, prompt_id: str) -> None:
         self.llm.collective_rpc(call, args=("release_prompt", prompt_id))
+
+
+def _dtype_fits(tensor, checkpoint_dtype: str) -> bool:
+    """A floating-point tensor where the checkpoint's is floating point (F16, BF16, F32,
+    F64, F8_*: converted on load), else the checkpoint's own dtype."""
+    if checkpoint_dtype.startswith(("F", "BF")):
+        return tensor.is_floating_point()
+    return str(tensor.dtype).removeprefix("torch.") == _SAFETENSORS_DTYPES.get(checkpoint_dtype, checkpoint_dtype)
+
+
+_SAFETENSORS_DTYPES = {"I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U8": "uint8", "BOOL": "bool"}
 
 
 def _load_weights(worker, state_dict) -> None:

@@ -175,7 +175,7 @@ def workers_row(d: Dashboard) -> Dashboard:
 def health_row(d: Dashboard) -> Dashboard:
     return (d.with_row(Row("Health, weights and history").id(next(_panel_ids)))
             .with_panel(graph("Targets up", "Prometheus scrape health of every rhymerl process.", "none",
-                              query('sum by (component) (up{component=~"history|scheduler|worker"})', "{{component}} up"),
+                              query('sum by (component) (up{component=~"history|scheduler|worker|router"})', "{{component}} up"),
                               query('sum by (healthy) (rhymerl:workers_registered)', "registered healthy={{healthy}}")))
             .with_panel(graph("Weight version", "Policy version each component serves; workers should follow the "
                               "scheduler within one weight update.", "none",

@@ -8,7 +8,9 @@ example that would not schedule on their node.
 
 from __future__ import annotations
 
+import json
 import re
+import typing
 
 import pytest
 import yaml
@@ -73,6 +75,20 @@ def test_compose_overrides_are_named_after_the_setting_they_set():
             for var in re.findall(r"\$\{([A-Z0-9_]+)", str(value)):
                 if key.startswith("RHYMERL_"):
                     assert var == key, (name, key, var)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_each_choice_of_a_setting_is_a_choice_of_its_value(name):
+    """A value named after a setting with choices (worker.dtype: RHYMERL_WORKER_DTYPE) offers
+    every choice the service takes, and no other: values.schema.json refused
+    worker.dtype=float16, which the worker runs (GPUs without bfloat16)."""
+    schema = json.loads((HERE.parent / "rhymerl" / "values.schema.json").read_text())["properties"][name]
+    cls = SETTINGS[name]
+    for field, info in cls.model_fields.items():
+        value = schema["properties"].get(camel(field.upper()))
+        if value is None or typing.get_origin(info.annotation) is not typing.Literal:
+            continue
+        assert set(value["enum"]) == set(typing.get_args(info.annotation)), f"{name}.{camel(field.upper())}"
 
 
 @pytest.mark.parametrize("name", ["history", "scheduler"])

@@ -49,7 +49,7 @@ from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table
 from services.common.redis_server import EmbeddedRedis, free_port
 from services.local import stop_process
-from services.router.registry import PREFIX, ShardInfo
+from services.router.registry import ShardInfo, shard_prefix
 
 COLUMNS = [("layout", "layout", "{}"), ("workers", "workers", "{}"), ("samples", "samples", "{}"),
            ("samples/s", "samples_per_s", "{:.0f}"), ("router CPU ms / 1k", "router_cpu_ms_per_1k", "{:.0f}"),
@@ -105,7 +105,8 @@ def wait_announced(registry_url: str, shards: int, capacity: int, timeout_s: flo
     deadline = time.monotonic() + timeout_s
     try:
         while True:
-            infos = [ShardInfo.decode(raw) for raw in client.mget(client.keys(PREFIX + "*") or [PREFIX]) if raw]
+            prefix = shard_prefix()
+            infos = [ShardInfo.decode(raw) for raw in client.mget(client.keys(prefix + "*") or [prefix]) if raw]
             if len(infos) == shards and all(i.capacity == capacity for i in infos):
                 return
             if time.monotonic() > deadline:

@@ -24,8 +24,10 @@ EXAMPLE_8GPU = HERE / "values-8gpu-node.yaml"
 # Settings the chart derives instead of reading a value of the same name: the bind host,
 # the addresses of the other services, the pod's own name and IP, and the model path
 # (a value of worker.model, next to the volume that holds it), and the scheduler's weight
-# store (the path of the volume the chart mounts for it).
-DERIVED = {"HOST", "HISTORY_ADDRESS", "SCHEDULER_ADDRESS", "ID", "ADVERTISE_ADDRESS", "MODEL_PATH", "WEIGHTS_DIR"}
+# store (the path of the volume the chart mounts for it), and the release's one Redis key
+# prefix (history.keyPrefix, which the scheduler and router share).
+DERIVED = {"HOST", "HISTORY_ADDRESS", "SCHEDULER_ADDRESS", "ID", "ADVERTISE_ADDRESS", "MODEL_PATH", "WEIGHTS_DIR",
+           "KEY_PREFIX"}
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,15 @@ DEFAULT_TTL_SECONDS = 7 * 24 * 3600
 _ESCAPED = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D"})
 
 
+def check_prefix(prefix: str) -> str:
+    """A key prefix every service of a release shares (history's keys, the scheduler's step
+    log and serving record, the shard registry): non-empty and brace-free, so that a key's
+    hash tag is the one its service puts in it. Releases sharing one Redis set different ones."""
+    if not prefix or "{" in prefix or "}" in prefix:
+        raise ValueError(f"key prefix must be non-empty and brace-free, got {prefix!r}")
+    return prefix
+
+
 def escape_id(prompt_id: str) -> str:
     """``prompt_id`` as it appears inside its keys' hash tag: brace-free, one-to-one
     (``%``, ``{``, ``}`` become ``%25``, ``%7B``, ``%7D``; ``urllib.parse.unquote`` undoes it)."""
@@ -58,8 +67,7 @@ class HistoryKeys:
     ttl_seconds: int = DEFAULT_TTL_SECONDS
 
     def __post_init__(self):
-        if not self.prefix or "{" in self.prefix or "}" in self.prefix:
-            raise ValueError(f"key prefix must be non-empty and brace-free, got {self.prefix!r}")
+        check_prefix(self.prefix)
         if self.ttl_seconds < 1:
             raise ValueError(f"ttl_seconds must be >= 1, got {self.ttl_seconds}")
 

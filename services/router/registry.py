@@ -1,7 +1,8 @@
 """Shard discovery through Redis: each scheduler shard announces itself, the step router reads.
 
 A shard (one ``rhymerl scheduler`` process and the workers registered with it) writes one
-key, ``rhymerl:shard:<shard_id>``, holding its address, its capacity (the slots of its
+key, ``<prefix>:shard:<shard_id>`` (``<prefix>``: ``key_prefix``, ``rhymerl`` unless
+releases share a Redis), holding its address, its capacity (the slots of its
 usable workers: how many samples it runs at once), its serving policy version and what
 its fleet can serve (vocabulary, maximum length), with a TTL of ``ttl_s``, rewritten every
 ``min(ttl_s / 3, 1 s)`` (a new worker's capacity shows within a second). A shard that
@@ -21,9 +22,24 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.history.keys import DEFAULT_PREFIX, check_prefix
+
 log = logging.getLogger(__name__)
-PREFIX = "rhymerl:shard:"
-STEPS_KEY = "rhymerl:router:steps"  # step id -> the version it runs at, while it runs
+
+
+def shard_prefix(key_prefix: str = DEFAULT_PREFIX) -> str:
+    """What every shard's key starts with."""
+    return f"{check_prefix(key_prefix)}:shard:"
+
+
+def _glob_escaped(text: str) -> str:
+    """`text` matched literally in a SCAN pattern (a prefix may hold *, ?, [ or \\)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def steps_key(key_prefix: str = DEFAULT_PREFIX) -> str:
+    """The router's steps in flight: step id -> the version it runs at, while it runs."""
+    return f"{check_prefix(key_prefix)}:router:steps"
 
 
 @dataclass(frozen=True)
@@ -66,10 +82,13 @@ class ShardAnnouncer:
         shard_id: the key's name (unique per shard; default the address).
         address: what the router dials.
         ttl_s: the key's time to live; rewritten every min(ttl_s / 3, 1 s).
+        key_prefix: the release's key prefix (the router's must be the same).
     """
 
-    def __init__(self, core, redis_url: str, shard_id: str, address: str, ttl_s: float):
+    def __init__(self, core, redis_url: str, shard_id: str, address: str, ttl_s: float,
+                 key_prefix: str = DEFAULT_PREFIX):
         self.core, self.shard_id, self.address, self.ttl_s = core, shard_id or address, address, ttl_s
+        self.key = shard_prefix(key_prefix) + self.shard_id
         self.client = aioredis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._task: asyncio.Task | None = None
 
@@ -81,7 +100,7 @@ class ShardAnnouncer:
                          min((w.max_model_len for w in usable if w.max_model_len), default=0))
 
     async def announce(self) -> None:
-        await self.client.set(PREFIX + self.shard_id, self.info().encode(), px=int(self.ttl_s * 1000))
+        await self.client.set(self.key, self.info().encode(), px=int(self.ttl_s * 1000))
 
     async def _run(self) -> None:
         while True:
@@ -99,7 +118,7 @@ class ShardAnnouncer:
         if self._task is not None:
             self._task.cancel()
         try:
-            await self.client.delete(PREFIX + self.shard_id)
+            await self.client.delete(self.key)
         except (RedisError, OSError):
             pass
         await self.client.aclose()
@@ -108,11 +127,12 @@ class ShardAnnouncer:
 class ShardDirectory:
     """The router's view of the registry: ``scan()`` returns the shards alive now."""
 
-    def __init__(self, redis_url: str):
+    def __init__(self, redis_url: str, key_prefix: str = DEFAULT_PREFIX):
         self.client = aioredis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.prefix, self.steps_key = shard_prefix(key_prefix), steps_key(key_prefix)
 
     async def scan(self) -> dict[str, ShardInfo]:
-        keys = [k async for k in self.client.scan_iter(match=PREFIX + "*", count=1000)]
+        keys = [k async for k in self.client.scan_iter(match=_glob_escaped(self.prefix) + "*", count=1000)]
         if not keys:
             return {}
         shards = {}
@@ -130,13 +150,13 @@ class ShardDirectory:
     # --- the router's steps in flight, for the router that restarts -------------------
     async def steps_in_flight(self) -> dict[str, int]:
         """The steps a router was running (step id -> version), as it recorded them."""
-        return {k.decode(): int(v) for k, v in (await self.client.hgetall(STEPS_KEY)).items()}
+        return {k.decode(): int(v) for k, v in (await self.client.hgetall(self.steps_key)).items()}
 
     async def step_started(self, step_id: str, version: int) -> None:
-        await self.client.hset(STEPS_KEY, step_id, version)
+        await self.client.hset(self.steps_key, step_id, version)
 
     async def step_finished(self, step_id: str) -> None:
-        await self.client.hdel(STEPS_KEY, step_id)
+        await self.client.hdel(self.steps_key, step_id)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -186,7 +186,7 @@ async def start_router(settings: RouterSettings):
     """Starts the router in this event loop; returns (server, port, router, stop coroutine fn)."""
     if not settings.registry_url:
         raise InvalidArgument("the shard registry's Redis URL is required", "registry_url")
-    directory = ShardDirectory(settings.registry_url)
+    directory = ShardDirectory(settings.registry_url, settings.key_prefix)
     router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
                     settings.shard_auth_token, settings.max_samples_retained, WeightStore(settings.weights_dir),
                     journal=directory, abandoned_step_timeout_s=settings.abandoned_step_timeout_s)

@@ -187,7 +187,8 @@ async def start_scheduler(settings: SchedulerSettings):
     core = SchedulerCore(
         policy, WorkerTable(), link, history=history,
         steps=StepTable(settings.max_steps_retained, settings.max_retained_bytes),
-        step_log=StepLog(settings.redis_url, ttl_s=settings.step_log_ttl_s, hold_s=settings.step_log_hold_s),
+        step_log=StepLog(settings.redis_url, ttl_s=settings.step_log_ttl_s, hold_s=settings.step_log_hold_s,
+                         key_prefix=settings.key_prefix),
         limits=CoreLimits(max_samples_in_flight=settings.max_samples_in_flight, max_attempts=settings.max_attempts,
                           no_worker_timeout_s=settings.worker_timeout_s, history_epochs=settings.history_epochs,
                           fair_share=settings.fair_share, history_timeout_s=settings.history_timeout_s,
@@ -224,7 +225,8 @@ async def start_scheduler(settings: SchedulerSettings):
         from services.router.registry import ShardAnnouncer, advertised_address
 
         announcer = ShardAnnouncer(core, settings.shard_registry_url, settings.shard_id,
-                                   advertised_address(settings.host, port, settings.shard_address), settings.shard_ttl_s)
+                                   advertised_address(settings.host, port, settings.shard_address), settings.shard_ttl_s,
+                                   settings.key_prefix)
         announcer.start()
     log.info("scheduler listening on %s:%d (policy %s, weight updates %s, step log %s, heartbeat %g s, health "
              "port %s)", settings.host, port, settings.policy, settings.weight_updates,

@@ -6,14 +6,15 @@ logged before the trainer sees it (writes are group-committed: one pipeline for 
 samples finishing together), so a sample a trainer has seen is never generated twice
 unless Redis itself lost it.
 
-One hash per step, ``rhymerl:step:{<sha256 of the step id>}`` (hashed: bounded key
+One hash per step, ``<prefix>:step:{<sha256 of the step id>}`` (hashed: bounded key
 size; braces: one cluster slot), every write refreshing its TTL:
   ``fp``        the request's fingerprint (a re-submission must match it)
   ``prompts``   JSON [prompt ids, n]: what ReportRewards checks a reward against
   ``s:<json [prompt_id, sample_index]>``  a SampleResult
   ``summary``   the StepSummary, once the step finished
 
-Beside the steps, ``rhymerl:serving`` records the weight version a push made serving
+(``<prefix>``: the setting ``key_prefix``, ``rhymerl`` unless releases share a Redis.)
+Beside the steps, ``<prefix>:serving`` records the weight version a push made serving
 (its SHA-256 or the path it was loaded from): a restarted scheduler needs it as much as
 the samples (``serving.py``).
 
@@ -44,9 +45,9 @@ from dataclasses import dataclass, field
 from rhymerl.v1 import rollout_pb2
 
 from services.common import metrics
+from services.history.keys import DEFAULT_PREFIX, check_prefix
 
 log = logging.getLogger(__name__)
-SERVING_KEY = "rhymerl:serving"
 
 
 class RecordUnreadable(Exception):
@@ -62,8 +63,8 @@ class LoggedStep:
     summary: rollout_pb2.StepSummary | None = None
 
 
-def step_key(step_id: str) -> str:
-    return "rhymerl:step:{" + hashlib.sha256(step_id.encode()).hexdigest()[:32] + "}"
+def step_key(step_id: str, prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{prefix}:step:{{" + hashlib.sha256(step_id.encode()).hexdigest()[:32] + "}"
 
 
 class StepLog:
@@ -74,10 +75,13 @@ class StepLog:
         hold_s: how long samples (and reads) wait for a Redis that does not answer,
             retried meanwhile; 0: they never wait.
         retry_s: once an outage outlasted ``hold_s``, writes are skipped this long at a time.
+        key_prefix: the prefix of its keys (``check_prefix``: non-empty, brace-free).
     """
 
     def __init__(self, url: str, ttl_s: float = 86_400, timeout_s: float = 1.0, retry_s: float = 5.0,
-                 hold_s: float = 30.0):
+                 hold_s: float = 30.0, key_prefix: str = DEFAULT_PREFIX):
+        self.prefix = check_prefix(key_prefix)
+        self.serving_key = f"{key_prefix}:serving"
         self._client = None
         # what a Redis call may raise when Redis is down (redis's own errors once it is loaded)
         self._errors: tuple[type[BaseException], ...] = (OSError, asyncio.TimeoutError)
@@ -127,7 +131,7 @@ class StepLog:
         read as never logged is generated again, what the trainer saw included)."""
         if self._client is None:
             return None
-        key = step_key(step_id)
+        key = step_key(step_id, self.prefix)
         for attempt in itertools.count():
             try:
                 if samples:
@@ -158,7 +162,7 @@ class StepLog:
         return logged
 
     async def open(self, step_id: str, fingerprint: str, prompt_ids: list[str], n: int) -> None:
-        await self._write(step_key(step_id), {"fp": fingerprint, "prompts": json.dumps([sorted(prompt_ids), n])})
+        await self._write(step_key(step_id, self.prefix), {"fp": fingerprint, "prompts": json.dumps([sorted(prompt_ids), n])})
 
     async def append(self, step_id: str, samples: list[tuple[tuple[str, int], bytes]]) -> bool:
         """Logs ((prompt_id, sample_index), serialized SampleResult) pairs. True once the
@@ -166,17 +170,17 @@ class StepLog:
         log is off)."""
         if not self.enabled:
             return False
-        return await self._write(step_key(step_id), {"s:" + json.dumps(list(key)): sample for key, sample in samples})
+        return await self._write(step_key(step_id, self.prefix), {"s:" + json.dumps(list(key)): sample for key, sample in samples})
 
     async def close(self, step_id: str, summary: rollout_pb2.StepSummary) -> None:
         """Not held (the trainer waits for the summary): a restarted scheduler that finds
         every sample logged but no summary replays them and writes it again."""
-        await self._write(step_key(step_id), {"summary": summary.SerializeToString()}, hold=False)
+        await self._write(step_key(step_id, self.prefix), {"summary": summary.SerializeToString()}, hold=False)
 
     async def save_serving(self, version: int, sha256: str, path: str) -> bool:
         """True once it is in Redis (False: Redis down or no log). Not held (a push waits
         on it): the watchdog writes it again until Redis takes it."""
-        return await self._write(SERVING_KEY, {"version": str(version), "sha256": sha256, "path": path},
+        return await self._write(self.serving_key, {"version": str(version), "sha256": sha256, "path": path},
                                  hold=False)
 
     async def load_serving(self) -> tuple[int, str, str] | None:
@@ -188,7 +192,7 @@ class StepLog:
         if self._client is None:
             return None
         try:
-            fields = await asyncio.wait_for(self._client.hgetall(SERVING_KEY), self.timeout_s * 5)
+            fields = await asyncio.wait_for(self._client.hgetall(self.serving_key), self.timeout_s * 5)
         except self._errors as exc:
             raise RecordUnreadable(f"serving version unreadable: {exc}") from exc
         if b"version" not in fields:

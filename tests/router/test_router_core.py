@@ -409,6 +409,42 @@ async def test_a_shard_announces_itself_and_leaves_when_it_stops_or_its_key_expi
 
 
 @run_async
+async def test_two_releases_sharing_one_redis_keep_their_shards_and_steps_apart(clean_redis):
+    """Every release names its shards shard-0, shard-1, ...: under one key prefix release B's
+    announcements overwrote A's, and A's router sent its steps to B's schedulers."""
+    a_dir, b_dir = ShardDirectory(clean_redis, "rl-a"), ShardDirectory(clean_redis, "rl-b")
+    a = ShardAnnouncer(_Core(), clean_redis, "shard-0", "a-scheduler-0:50051", ttl_s=30, key_prefix="rl-a")
+    b = ShardAnnouncer(_Core(), clean_redis, "shard-0", "b-scheduler-0:50051", ttl_s=30, key_prefix="rl-b")
+    glob = ShardAnnouncer(_Core(), clean_redis, "shard-0", "c-scheduler-0:50051", ttl_s=30, key_prefix="rl-*")
+    for announcer in (a, b, glob):
+        await announcer.announce()
+    assert {k: v.address for k, v in (await a_dir.scan()).items()} == {"shard-0": "a-scheduler-0:50051"}
+    assert {k: v.address for k, v in (await b_dir.scan()).items()} == {"shard-0": "b-scheduler-0:50051"}
+    # a prefix with glob characters matches itself only, not the other releases' keys
+    assert [v.address for v in (await ShardDirectory(clean_redis, "rl-*").scan()).values()] == ["c-scheduler-0:50051"]
+    await a_dir.step_started("step-1", 4)
+    assert await b_dir.steps_in_flight() == {} and await a_dir.steps_in_flight() == {"step-1": 4}
+    for announcer in (a, b, glob):
+        await announcer.stop()
+    assert await a_dir.scan() == {} and await b_dir.scan() == {}
+    await a_dir.close()
+    await b_dir.close()
+
+
+@pytest.mark.parametrize("prefix", ["", "rl{a}", "}"])
+def test_a_key_prefix_with_braces_or_empty_is_refused_naming_the_setting(prefix, monkeypatch):
+    from pydantic import ValidationError
+
+    from services.router.settings import RouterSettings
+    from services.scheduler.settings import SchedulerSettings
+
+    for cls, var in ((RouterSettings, "RHYMERL_ROUTER_KEY_PREFIX"), (SchedulerSettings, "RHYMERL_SCHEDULER_KEY_PREFIX")):
+        monkeypatch.setenv(var, prefix)
+        with pytest.raises(ValidationError, match="key_prefix"):
+            cls()
+
+
+@run_async
 async def test_finished_steps_are_forgotten_oldest_first_within_the_sample_bound():
     async with Fleet(ScriptedShard("a")) as fleet:
         fleet.router.max_samples_retained = 20  # two steps of 8 samples, not three

@@ -35,6 +35,24 @@ async def test_what_is_logged_is_read_back_and_ids_cannot_collide(clean_redis):
 
 
 @run_async
+async def test_two_releases_sharing_one_redis_keep_their_step_logs_and_serving_records_apart(clean_redis):
+    """Trainers of two releases both name a step "step-3": under one prefix the second
+    release's re-submission met the first's fingerprint, and a restarted scheduler the
+    other release's serving version."""
+    a, b = StepLog(clean_redis, key_prefix="rl-a"), StepLog(clean_redis, key_prefix="rl-b")
+    await a.open("step-3", "fp-a", ["p"], 2)
+    await a.append("step-3", [sample("p", 0)])
+    await a.save_serving(5, "aa" * 32, "")
+    assert await b.load("step-3") is None and await b.load_serving() is None
+    await b.open("step-3", "fp-b", ["q"], 1)
+    assert (await a.load("step-3")).fingerprint == "fp-a" and (await b.load("step-3")).fingerprint == "fp-b"
+    assert (await a.load_serving())[0] == 5
+    assert step_key("step-3").startswith("rhymerl:step:{")  # the default keeps a deployment's keys across an upgrade
+    await a.shutdown()
+    await b.shutdown()
+
+
+@run_async
 async def test_the_first_write_after_a_redis_restart_is_not_skipped():
     """A pooled connection from before the restart is dead: the write retries on a new
     one instead of skipping the log for ``retry_s`` while Redis is up."""

@@ -50,6 +50,29 @@ def test_a_restarted_scheduler_gets_its_fleet_back(model_dir, redis_url):
         c.stop()
 
 
+def test_a_default_client_rides_through_a_scheduler_restart_mid_step(model_dir, redis_url, caplog):
+    """The scheduler killed while a step streams and back 3 s later, as a pod Kubernetes
+    replaces: the SDK's default client re-sends until it answers again (retry_window_s)
+    and its step's samples come once each. Its old default, 3 re-sends within about
+    1.4 s, gave the trainer UNAVAILABLE while the new scheduler was starting."""
+    c = Cluster(model_dir=model_dir, redis_url=redis_url).start()
+    sampling = SamplingParams(temperature=1.0, max_tokens=48, seed=5, ignore_eos=True)
+    try:
+        with RolloutClient(c.address, timeout_s=60) as client:
+            samples = iter(client.submit_step("through-restart", prompts(4), n=4, sampling=sampling))
+            first = next(samples)  # the step is running
+            c.crash_scheduler()
+            time.sleep(3.0)  # down: every re-send meanwhile is UNAVAILABLE
+            c.start_scheduler()
+            rest = list(samples)
+        keys = [s.key for s in [first, *rest]]
+        assert len(keys) == 16 and len(set(keys)) == 16, keys
+        assert all(len(s.token_ids) == 48 and not s.error for s in [first, *rest])
+        assert any("sending it again" in r.getMessage() for r in caplog.records if r.name == "rhymerl")
+    finally:
+        c.stop()
+
+
 def test_scheduler_readiness_says_whether_a_worker_can_serve(model_dir, redis_url):
     """RolloutService is NOT_SERVING while no worker is registered (a trainer's call could
     only fail), SERVING once one is; the process itself stays live ("")."""

@@ -459,3 +459,46 @@ def test_sdk_retries_only_what_a_resend_can_fix():
     assert _calls.is_retryable(Status(grpc.StatusCode.UNAVAILABLE, ""))
     assert _calls.is_retryable(Status(grpc.StatusCode.DEADLINE_EXCEEDED, ""))
     assert not _calls.is_retryable(Status(grpc.StatusCode.INVALID_ARGUMENT, "n: must be >= 1"))
+
+
+def test_sdk_retries_for_its_window_and_a_stream_with_new_samples_starts_a_new_one(monkeypatch):
+    """The retry policy on a clock of its own: re-sends while the failures in a row have
+    lasted less than the window (not a count: 3 re-sends gave up within 1.4 s, before a
+    restarted scheduler was back), at most max_retries in a row when given, never past a
+    call's deadline; a new sample starts a new run of failures."""
+    from rhymerl import _calls
+
+    class Status(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "connection refused"
+
+    now = [100.0]
+    monkeypatch.setattr(_calls.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(_calls.random, "uniform", lambda lo, hi: hi)  # the longest backoff
+    down = Status(grpc.StatusCode.UNAVAILABLE)
+
+    def resends(retry) -> list[float]:
+        pauses = []
+        while (pause := retry.pause(down, "test")) is not None:
+            pauses.append(pause)
+            now[0] += pause
+        return pauses
+
+    pauses = resends(_calls.Retry(None, 120.0))
+    assert pauses[:6] == [0.2, 0.4, 0.8, 1.6, 3.2, 5.0] and set(pauses[6:]) == {5.0}
+    assert 115.0 <= sum(pauses) <= 120.0  # the window, whatever the count
+    assert resends(_calls.Retry(3, 120.0)) == [0.2, 0.4, 0.8]
+    assert resends(_calls.Retry(0, 120.0)) == []
+    assert sum(resends(_calls.Retry(None, 120.0, deadline=now[0] + 10.0))) < 10.0
+    assert _calls.Retry(None, 120.0).pause(Status(grpc.StatusCode.INVALID_ARGUMENT), "test") is None
+
+    retry = _calls.Retry(None, 10.0)
+    assert sum(resends(retry)) <= 10.0
+    retry.progressed()  # the stream delivered a new sample: its next failure has the window again
+    assert resends(retry)[:2] == [0.2, 0.4]

@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from rhymerl import RolloutClient
 
     args, config = parse_args(argv)
-    client = RolloutClient(args.address, timeout_s=args.timeout, max_retries=3)
+    client = RolloutClient(args.address, timeout_s=args.timeout)  # rides through a scheduler restart (retry_window_s)
     try:
         return run(client, args.model_dir, config)
     except RecordPathError as err:  # raised before the first step: one line, no traceback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,11 @@ WEIGHT_CHUNK_BYTES = 4 * 1024 * 1024
 # default), then streams the model and waits for the workers to load it (a 538 MB model:
 # about 45 s on a loaded 2-core machine). Give more for multi-GB models on slow links.
 PUSH_TIMEOUT_S = 1200.0
+# Default of how long a call keeps re-sending while the service does not answer: long
+# enough for a scheduler (or router) restarted by Kubernetes to be back with its workers
+# (a new pod, its start, the workers' next heartbeat), so that a trainer rides through a
+# rollout or a node drain instead of dying on its first UNAVAILABLE.
+RETRY_WINDOW_S = 120.0
 # Bound of the CancelStep an interrupted rollout sends (cancel_on_interrupt): short, since
 # the user is waiting to stop, and never retried (a service that does not answer in time
 # leaves the step running, as it would without the option).
@@ -62,14 +68,40 @@ def is_retryable(err: grpc.RpcError) -> bool:
     return err.code() in RETRYABLE
 
 
-def pause_before_retry(err: grpc.RpcError, attempt: int, max_retries: int, deadline: float) -> float | None:
-    """Seconds to wait before re-sending a call that failed with ``err``, or None when it
-    must not be: not retryable, out of retries, or no time left before ``deadline``
-    (``time.monotonic()``) once the pause is over."""
-    if attempt >= max_retries or not is_retryable(err):
-        return None
-    pause = backoff_s(attempt)
-    return pause if time.monotonic() + pause < deadline else None
+log = logging.getLogger("rhymerl")
+
+
+class Retry:
+    """When a call that failed is sent again: after UNAVAILABLE or DEADLINE_EXCEEDED only,
+    at most ``max_retries`` times in a row (None: no count), while the failures in a row
+    have lasted less than ``window_s``, and never past ``deadline`` (``time.monotonic()``;
+    None: none). A stream that delivered a new sample since its last failure starts a new
+    run of failures (``progressed``): a step's stream rides through each restart on its own.
+    Each re-send is logged (logger ``rhymerl``, WARNING) with the error and the time left."""
+
+    def __init__(self, max_retries: int | None, window_s: float, deadline: float | None = None):
+        self.max_retries, self.window_s, self.deadline = max_retries, window_s, deadline
+        self.attempt = 0  # re-sends in this run of failures
+        self.failing_since: float | None = None
+
+    def progressed(self) -> None:
+        self.attempt, self.failing_since = 0, None
+
+    def pause(self, err: grpc.RpcError, what: str) -> float | None:
+        """Seconds to wait before re-sending, or None when the call must not be re-sent."""
+        if not is_retryable(err) or (self.max_retries is not None and self.attempt >= self.max_retries):
+            return None
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since = now
+        pause = backoff_s(self.attempt)
+        if now + pause - self.failing_since > self.window_s or (self.deadline is not None
+                                                                 and now + pause >= self.deadline):
+            return None
+        self.attempt += 1
+        log.warning("%s: %s (%s); sending it again in %.1f s (retrying for %.0f s more)", what, err.code().name,
+                    err.details(), pause, self.window_s - (now - self.failing_since))
+        return pause
 
 
 def remaining_s(deadline: float) -> float:

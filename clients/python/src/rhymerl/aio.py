@@ -46,7 +46,8 @@ class AsyncRolloutClient:
     trade-off with rejoining a step is ``RolloutClient``'s.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,
+    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int | None = None,
+                 retry_window_s: float = _calls.RETRY_WINDOW_S,
                  token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
                  server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S,
                  cancel_on_interrupt: bool = True):
@@ -55,6 +56,7 @@ class AsyncRolloutClient:
         self.timeout_s = timeout_s
         self.push_timeout_s = push_timeout_s
         self.max_retries = max_retries
+        self.retry_window_s = retry_window_s
         credentials, options, self._metadata = _calls.channel_target(
             address, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name)
         self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials
@@ -78,19 +80,22 @@ class AsyncRolloutClient:
         """The step's samples, each once; its summary goes to ``call`` (this call's own state)."""
         seen: set[tuple[str, int]] = set()
         try:
-            for attempt in range(self.max_retries + 1):
+            retry = self._retry()
+            while True:
                 events = self._stub.SubmitStep(request, timeout=self.timeout_s, metadata=self._metadata)
                 try:
                     async for event in events:
                         for sample in _calls.new_samples(event, seen, call):
+                            retry.progressed()
                             yield sample
                     break
                 except grpc.RpcError as err:
-                    if attempt == self.max_retries or not _calls.is_retryable(err):
+                    pause = retry.pause(err, f"step {request.step_id!r}")
+                    if pause is None:
                         raise
                 finally:
                     events.cancel()  # a no-op once the stream has ended; else stops reading it
-                await asyncio.sleep(_calls.backoff_s(attempt))
+                await asyncio.sleep(pause)
         except asyncio.CancelledError:
             await self._cancel_interrupted(call)
             raise
@@ -142,18 +147,18 @@ class AsyncRolloutClient:
         """See ``RolloutClient.push_weights`` (bounded by ``timeout_s``, retries included)."""
         deadline = time.monotonic() + (self.push_timeout_s if timeout_s is None else timeout_s)
         sha256 = hashlib.sha256(data).hexdigest()
-        for attempt in range(self.max_retries + 1):
+        retry = self._retry(deadline)
+        while True:
             try:
                 chunks = _calls.weight_chunks(version, data, sha256=sha256)
                 response = await self._stub.PushWeights(chunks, timeout=_calls.remaining_s(deadline),
                                                         metadata=self._metadata)
                 return response.version
             except grpc.RpcError as err:
-                pause = _calls.pause_before_retry(err, attempt, self.max_retries, deadline)
+                pause = retry.pause(err, f"push of version {version}")
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
-        raise AssertionError("unreachable")
 
     async def load_weights(self, version: int, path: str) -> int:
         request = common_pb2.LoadWeightsRequest(version=version, path=path)
@@ -163,14 +168,18 @@ class AsyncRolloutClient:
         return ServiceStats.from_proto(await self._call(self._stub.GetStats, rollout_pb2.GetStatsRequest()))
 
     async def _call(self, method, request):
-        for attempt in range(self.max_retries + 1):
+        retry = self._retry()
+        while True:
             try:
                 return await method(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
-                if attempt == self.max_retries or not _calls.is_retryable(err):
+                pause = retry.pause(err, type(request).__name__.removesuffix("Request"))
+                if pause is None:
                     raise
-                await asyncio.sleep(_calls.backoff_s(attempt))
-        raise AssertionError("unreachable")
+                await asyncio.sleep(pause)
+
+    def _retry(self, deadline: float | None = None) -> _calls.Retry:
+        return _calls.Retry(self.max_retries, self.retry_window_s, deadline)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -42,8 +42,15 @@ class RolloutClient:
         address: host:port of the scheduler.
         timeout_s: deadline of each call (a whole step's stream included); ``push_weights``
             has its own bound, ``push_timeout_s``.
-        max_retries: re-sends after UNAVAILABLE / DEADLINE_EXCEEDED; safe because
-            step ids are idempotency keys (a re-submitted step replays its samples).
+        max_retries: re-sends after UNAVAILABLE / DEADLINE_EXCEEDED in a row, at most
+            (None, the default: as many as ``retry_window_s`` allows; 0: none). Safe
+            because step ids are idempotency keys (a re-submitted step replays its samples).
+        retry_window_s: how long a call goes on re-sending (backoff from 0.2 s doubling to
+            5 s, jittered) while the service does not answer: 120 s by default, so a
+            trainer rides through a scheduler (or router) restarted by Kubernetes, which
+            answers UNAVAILABLE until its workers have registered again. Each re-send is
+            logged (logger ``rhymerl``, WARNING). A step's stream that got a new sample
+            since its last failure has the whole window again for its next.
         token: bearer token, when the service requires one (UNAUTHENTICATED otherwise).
         tls: connect over TLS (system roots) ; implied by ``root_certificates``.
         root_certificates: PEM bytes of the CA that signed the service's certificate.
@@ -65,7 +72,8 @@ class RolloutClient:
     is in its own ``StepResult`` / ``StepStream``).
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int = 3,
+    def __init__(self, address: str, *, timeout_s: float = 600.0, max_retries: int | None = None,
+                 retry_window_s: float = _calls.RETRY_WINDOW_S,
                  token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
                  server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S,
                  cancel_on_interrupt: bool = True):
@@ -74,6 +82,7 @@ class RolloutClient:
         self.timeout_s = timeout_s
         self.push_timeout_s = push_timeout_s
         self.max_retries = max_retries
+        self.retry_window_s = retry_window_s
         credentials, options, self._metadata = _calls.channel_target(
             address, token=token, tls=tls, root_certificates=root_certificates, server_name=server_name)
         self._channel = (grpc.secure_channel(address, credentials, options=options) if credentials
@@ -103,18 +112,22 @@ class RolloutClient:
         state, never the client's: calls may overlap)."""
         seen: set[tuple[str, int]] = set()
         try:
-            for attempt in range(self.max_retries + 1):
+            retry = self._retry()
+            while True:
                 events = self._stub.SubmitStep(request, timeout=self.timeout_s, metadata=self._metadata)
                 try:
                     for event in events:
-                        yield from _calls.new_samples(event, seen, call)
+                        for sample in _calls.new_samples(event, seen, call):
+                            retry.progressed()
+                            yield sample
                     break
                 except grpc.RpcError as err:
-                    if attempt == self.max_retries or not _calls.is_retryable(err):
+                    pause = retry.pause(err, f"step {request.step_id!r}")
+                    if pause is None:
                         raise
                 finally:
                     events.cancel()  # a no-op once the stream has ended; else stops reading it
-                time.sleep(_calls.backoff_s(attempt))
+                time.sleep(pause)
         except KeyboardInterrupt:
             self._cancel_interrupted(call)
             raise
@@ -194,17 +207,17 @@ class RolloutClient:
         """
         deadline = time.monotonic() + (self.push_timeout_s if timeout_s is None else timeout_s)
         sha256 = hashlib.sha256(data).hexdigest()
-        for attempt in range(self.max_retries + 1):
+        retry = self._retry(deadline)
+        while True:
             try:
                 chunks = _calls.weight_chunks(version, data, sha256=sha256)
                 return self._stub.PushWeights(chunks, timeout=_calls.remaining_s(deadline),
                                               metadata=self._metadata).version
             except grpc.RpcError as err:
-                pause = _calls.pause_before_retry(err, attempt, self.max_retries, deadline)
+                pause = retry.pause(err, f"push of version {version}")
                 if pause is None:
                     raise
                 time.sleep(pause)
-        raise AssertionError("unreachable")
 
     def load_weights(self, version: int, path: str) -> int:
         """Makes every worker load a checkpoint from a path they can all read."""
@@ -215,14 +228,18 @@ class RolloutClient:
         return ServiceStats.from_proto(self._call(self._stub.GetStats, rollout_pb2.GetStatsRequest()))
 
     def _call(self, method, request):
-        for attempt in range(self.max_retries + 1):
+        retry = self._retry()
+        while True:
             try:
                 return method(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
-                if attempt == self.max_retries or not _calls.is_retryable(err):
+                pause = retry.pause(err, type(request).__name__.removesuffix("Request"))
+                if pause is None:
                     raise
-                time.sleep(_calls.backoff_s(attempt))
-        raise AssertionError("unreachable")
+                time.sleep(pause)
+
+    def _retry(self, deadline: float | None = None) -> _calls.Retry:
+        return _calls.Retry(self.max_retries, self.retry_window_s, deadline)
 
     def close(self) -> None:
         self._channel.close()

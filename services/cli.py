@@ -12,7 +12,7 @@ import logging
 import typer
 from pydantic_settings import BaseSettings
 
-from services.common.errors import BindError
+from services.common.errors import BindError, SettingError
 from services.common.grpc_server import service_up
 from services.common.settings_cli import env_var, settings_command
 from services.history.settings import HistorySettings
@@ -27,8 +27,9 @@ def serve_or_say_why(name: str, serve, settings_cls: type[BaseSettings] | None =
     """Runs the service's ``serve`` coroutine. What stops it before it serves (a port in
     use, a model that does not load, a store it cannot reach) is said in one line and
     exit status 1, the traceback at --log-level debug; a failure once it served keeps its
-    traceback (the log's business). A port it could not bind is named with the option
-    and environment variable (of ``settings_cls``) that set it."""
+    traceback (the log's business). A port it could not bind, or a setting it cannot start
+    with (``SettingError``), is named with the option and environment variable (of
+    ``settings_cls``) that set it."""
     try:
         asyncio.run(serve)
     except Exception as exc:  # noqa: BLE001 - any failure before serving
@@ -40,6 +41,10 @@ def serve_or_say_why(name: str, serve, settings_cls: type[BaseSettings] | None =
             off = "" if exc.setting == "port" else ", or 0 for none"
             raise SystemExit(f"Error: rhymerl {name} could not start: {exc}; set {option} "
                              f"({env_var(settings_cls, exc.setting)}) to a free port{off}") from None
+        if isinstance(exc, SettingError) and settings_cls is not None and exc.setting in settings_cls.model_fields:
+            option = "--" + exc.setting.replace("_", "-")
+            raise SystemExit(f"Error: rhymerl {name} could not start: {exc}; check {option} "
+                             f"({env_var(settings_cls, exc.setting)})") from None
         raise SystemExit(f"Error: rhymerl {name} could not start: {type(exc).__name__}: {exc} "
                          "(--log-level debug shows where)") from None
 

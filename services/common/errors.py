@@ -61,6 +61,16 @@ class DataLoss(RhymerlError):
     code = grpc.StatusCode.DATA_LOSS
 
 
+class SettingError(RuntimeError):
+    """A setting's value that the service cannot start with (a directory it cannot create, a
+    file it cannot open, a required value left empty). ``setting`` is the settings field:
+    the command line names its option and environment variable (services/cli.py)."""
+
+    def __init__(self, setting: str, message: str):
+        self.setting = setting
+        super().__init__(message)
+
+
 class BindError(RuntimeError):
     """A port a service was told to serve on could not be bound (another process serves
     on it, or it is privileged). ``setting`` is the settings field that names the port

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import InvalidArgument, Unavailable, grpc_errors
+from services.common.errors import SettingError, Unavailable, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.security import BearerTokenAuth, parse_tokens
 from services.router.core import SHARD_FAULTS, LatestWeights, Router, Shard, ShardError, merge_mismatch
@@ -185,7 +185,7 @@ async def _put(queue: asyncio.Queue, item, call: asyncio.Task) -> None:
 async def start_router(settings: RouterSettings):
     """Starts the router in this event loop; returns (server, port, router, stop coroutine fn)."""
     if not settings.registry_url:
-        raise InvalidArgument("the shard registry's Redis URL is required", "registry_url")
+        raise SettingError("registry_url", "the shard registry's Redis URL is required")
     directory = ShardDirectory(settings.registry_url, settings.key_prefix)
     router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
                     settings.shard_auth_token, settings.max_samples_retained, WeightStore(settings.weights_dir),

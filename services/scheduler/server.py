@@ -16,7 +16,7 @@ from contextlib import aclosing
 from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import InvalidArgument, NotFound, grpc_errors
+from services.common.errors import InvalidArgument, NotFound, SettingError, grpc_errors
 from services.common.gc_tuning import tune_gc
 from services.common.grpc_server import Server, raw_responses, run_until_signal
 from services.common.health_process import HealthProcess
@@ -170,7 +170,11 @@ def _policy(settings: SchedulerSettings):
     if settings.record_events:
         from services.scheduler.event_log import EventRecorder
 
-        policy = EventRecorder(policy, settings.record_events, keep=False)
+        try:
+            policy = EventRecorder(policy, settings.record_events, keep=False)
+        except OSError as exc:
+            raise SettingError("record_events", f"record_events {settings.record_events!r} cannot be written: "
+                                                f"{exc.strerror or exc}") from None
         log.info("recording scheduling events to %s", settings.record_events)
     return policy
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from rhymerl.v1 import common_pb2
 
+from services.common.errors import SettingError
+
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 * 1024 * 1024  # what a catch-up streams per message (the SDK's push chunk)
 SUFFIX = ".safetensors"
@@ -35,11 +37,19 @@ SUFFIX = ".safetensors"
 
 class WeightStore:
     def __init__(self, directory: str = ""):
+        """Raises SettingError (setting ``weights_dir``) when the directory cannot be made
+        or used: the service does not start."""
         self._private = not directory
-        self.dir = Path(directory or tempfile.mkdtemp(prefix="rhymerl-weights-"))
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(".incoming-*"):  # a push the previous process did not finish
-            stale.unlink(missing_ok=True)
+        try:
+            self.dir = Path(directory or tempfile.mkdtemp(prefix="rhymerl-weights-"))
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob(".incoming-*"):  # a push the previous process did not finish
+                stale.unlink(missing_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=self.dir, prefix=".incoming-probe-")  # a push must be writable
+            probe.close()
+        except OSError as exc:
+            raise SettingError("weights_dir", f"weights_dir {directory!r} is not a writable directory: "
+                                              f"{exc.strerror or exc}") from None
 
     def path(self, sha256: str) -> Path | None:
         """The file of the payload with this SHA-256, if the store has it."""

@@ -95,3 +95,23 @@ def test_a_worker_that_cannot_load_its_model_says_why_in_one_line(args, says):
     done = run(["worker", "--metrics-port", "0", "--port", str(free_port()), *args])
     assert done.returncode == 1
     assert says in one_error_line(done.stderr)
+
+
+@pytest.mark.parametrize("command,setting,value,says", [
+    ("scheduler", "weights-dir", "/proc/no-such-dir", "Error: rhymerl scheduler could not start: weights_dir "
+     "'/proc/no-such-dir' is not a writable directory: No such file or directory; check --weights-dir "
+     "(RHYMERL_SCHEDULER_WEIGHTS_DIR)"),
+    ("scheduler", "record-events", "/nonexistent/dir/events.jsonl", "Error: rhymerl scheduler could not start: "
+     "record_events '/nonexistent/dir/events.jsonl' cannot be written: No such file or directory; check "
+     "--record-events (RHYMERL_SCHEDULER_RECORD_EVENTS)"),
+    ("router", "registry-url", "", "Error: rhymerl router could not start: the shard registry's Redis URL is "
+     "required; check --registry-url (RHYMERL_ROUTER_REGISTRY_URL)"),
+])
+def test_a_setting_a_service_cannot_start_with_is_named_with_its_option_and_variable(command, setting, value, says):
+    """A weights directory it cannot make, an events file it cannot open, a router without
+    a registry: each said a bare FileNotFoundError, or the field name alone."""
+    ports = ["--port", str(free_port()), "--metrics-port", "0"]
+    extra = ["--health-port", "0", "--history-address", ""] if command == "scheduler" else []
+    done = run([command, *ports, *extra, f"--{setting}", value])
+    assert done.returncode == 1, done.stderr
+    assert one_error_line(done.stderr) == says

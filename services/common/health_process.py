@@ -256,6 +256,17 @@ def _follow(fd: int, names: list[str], apply, stall_s: float) -> None:
         apply(current)
 
 
+def _tell(line: str) -> None:
+    """A line to the service on stdout. A service that stopped while this process started
+    has closed the pipe: this one then ends too (SystemExit(0), no BrokenPipeError
+    traceback in the service's log)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        raise SystemExit(0) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="grpc.health.v1 for a service whose statuses come on stdin")
     parser.add_argument("--host", required=True)
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server, servicer, port = _bind(args.host, args.port, args.bind_wait_s)
     except RuntimeError as exc:
-        print(f"unbound {exc}", flush=True)  # the service says it, naming the setting (services/cli.py)
+        _tell(f"unbound {exc}")  # the service says it, naming the setting (services/cli.py)
         return 1
     from grpc_health.v1 import health_pb2
 
@@ -283,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                              else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     apply([NOT_SERVING] * len(names))
-    print(f"ready {port}", flush=True)
     try:
+        _tell(f"ready {port}")
         _follow(sys.stdin.fileno(), names, apply, args.stall_s)
     finally:
         apply([NOT_SERVING] * len(names))

@@ -210,3 +210,15 @@ def test_sigterm_to_the_schedulers_process_group_stops_it_cleanly(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_health_process_whose_service_stopped_while_it_started_ends_quietly():
+    """The service gone before the child said "ready" (a scheduler stopped during its
+    start): the child ends with status 0 and nothing on stderr, where it left a
+    BrokenPipeError traceback in the service's log."""
+    child = subprocess.Popen([sys.executable, "-m", "services.common.health_process", "--host", "127.0.0.1",
+                              "--port", "0", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=Path(__file__).resolve().parents[2])
+    child.stdout.close()  # the service's end of the pipe, closed before the child writes to it
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and err == b"", err.decode()

@@ -133,3 +133,44 @@ def test_with_cancel_on_interrupt_off_the_step_runs_on_to_be_rejoined(cluster):
     with RolloutClient(cluster.address, timeout_s=60) as client:
         assert client.cancel_step(step_id) > 0  # what the trainer does when it gives the step up
         assert_cancelled(cluster, client, step_id, 32)
+
+
+# More samples than the two workers' 64 slots: when the first finishes, the rest still run.
+WAVES = SamplingParams(temperature=1.0, max_tokens=48, seed=5, ignore_eos=True)
+
+
+def test_ctrl_c_in_the_loop_body_of_a_with_block_cancels_the_step(cluster):
+    """A KeyboardInterrupt in the trainer's own loop body never reaches the stream's
+    generator; ``with client.submit_step(...) as stream`` hands it to the stream, which
+    cancels the step before it goes on."""
+    step_id = "interrupted-body"
+    with RolloutClient(cluster.address, timeout_s=120) as client:
+        with pytest.raises(KeyboardInterrupt):
+            with client.submit_step(step_id, prompts(16, offset=960), n=8, sampling=WAVES) as stream:
+                for _ in stream:
+                    raise KeyboardInterrupt  # Ctrl-C while the trainer handles its first sample
+        assert_cancelled(cluster, client, step_id, 128)
+
+
+def test_a_task_cancelled_in_the_loop_body_of_an_async_with_block_cancels_the_step(cluster):
+    step_id = "interrupted-async-body"
+
+    async def main():
+        async with AsyncRolloutClient(cluster.address, timeout_s=120) as client:
+            got_one = asyncio.Event()
+
+            async def read():
+                async with client.submit_step(step_id, prompts(16, offset=1000), n=8, sampling=WAVES) as stream:
+                    async for _ in stream:
+                        got_one.set()
+                        await asyncio.sleep(3600)  # the trainer's own await, where the cancellation lands
+
+            reader = asyncio.create_task(read())
+            await asyncio.wait_for(got_one.wait(), 120)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+
+    asyncio.run(main())
+    with RolloutClient(cluster.address, timeout_s=60) as client:
+        assert_cancelled(cluster, client, step_id, 128)

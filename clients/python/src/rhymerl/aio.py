@@ -17,9 +17,15 @@ from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 class AsyncStepStream(AsyncIterator[Sample]):
     """The samples of one submitted step as they finish (what ``submit_step`` returns), and
     that step's own ``summary`` once its stream has ended (None until then). Iterate it
-    once with ``async for``; ``aclose()`` stops reading (the step goes on in the service)."""
+    once with ``async for``; ``aclose()`` stops reading (the step goes on in the service).
+
+    As an async context manager (``async with client.submit_step(...) as stream:``) a
+    cancellation of the task anywhere in the block, the loop's own body included (an
+    ``await`` there), cancels the step in the service (``cancel_on_interrupt``) before it
+    goes on; the stream is closed at the block's end."""
 
     def __init__(self, client: "AsyncRolloutClient", request: rollout_pb2.SubmitStepRequest):
+        self._client = client
         self.step_id = request.step_id
         self.summary: StepSummary | None = None
         self._cancel_sent = False
@@ -33,6 +39,16 @@ class AsyncStepStream(AsyncIterator[Sample]):
 
     async def aclose(self) -> None:
         await self._samples.aclose()
+
+    async def __aenter__(self) -> "AsyncStepStream":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None and issubclass(exc_type, (asyncio.CancelledError, KeyboardInterrupt)):
+                await self._client._cancel_interrupted(self)
+        finally:
+            await self.aclose()
 
 
 class AsyncRolloutClient:

@@ -17,9 +17,16 @@ class StepStream(Iterator[Sample]):
     """The samples of one submitted step as they finish (what ``submit_step`` returns), and
     that step's own ``summary`` once its stream has ended (None until then, or when the
     stream ended without one). Iterate it once; ``close()`` stops reading (the step goes
-    on in the service: re-submitting its id rejoins it)."""
+    on in the service: re-submitting its id rejoins it).
+
+    As a context manager (``with client.submit_step(...) as stream: for s in stream: ...``)
+    a KeyboardInterrupt anywhere in the block, the loop's own body included, cancels the
+    step in the service (``cancel_on_interrupt``) before it goes on; the stream is closed
+    at the block's end. Without ``with``, only an interrupt while the stream waits for the
+    service does: one raised in the loop body never reaches the stream."""
 
     def __init__(self, client: "RolloutClient", request: rollout_pb2.SubmitStepRequest):
+        self._client = client
         self.step_id = request.step_id
         self.summary: StepSummary | None = None
         self._cancel_sent = False
@@ -33,6 +40,16 @@ class StepStream(Iterator[Sample]):
 
     def close(self) -> None:
         self._samples.close()
+
+    def __enter__(self) -> "StepStream":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+                self._client._cancel_interrupted(self)
+        finally:
+            self.close()
 
 
 class RolloutClient:

@@ -14,7 +14,8 @@ size; braces: one cluster slot), every write refreshing its TTL:
   ``summary``   the StepSummary, once the step finished
 
 (``<prefix>``: the setting ``key_prefix``, ``rhymerl`` unless releases share a Redis.)
-Beside the steps, ``<prefix>:serving`` records the weight version a push made serving
+Beside the steps, ``<prefix>:serving`` (a shard's: ``<prefix>:serving:<shard id>``, each
+shard its own, since a push may reach one shard and not another) records the weight version a push made serving
 (its SHA-256 or the path it was loaded from): a restarted scheduler needs it as much as
 the samples (``serving.py``).
 
@@ -76,12 +77,13 @@ class StepLog:
             retried meanwhile; 0: they never wait.
         retry_s: once an outage outlasted ``hold_s``, writes are skipped this long at a time.
         key_prefix: the prefix of its keys (``check_prefix``: non-empty, brace-free).
+        shard_id: a shard's name: its serving record is its own.
     """
 
     def __init__(self, url: str, ttl_s: float = 86_400, timeout_s: float = 1.0, retry_s: float = 5.0,
-                 hold_s: float = 30.0, key_prefix: str = DEFAULT_PREFIX):
+                 hold_s: float = 30.0, key_prefix: str = DEFAULT_PREFIX, shard_id: str = ""):
         self.prefix = check_prefix(key_prefix)
-        self.serving_key = f"{key_prefix}:serving"
+        self.serving_key = f"{key_prefix}:serving" + (f":{shard_id}" if shard_id else "")
         self._client = None
         # what a Redis call may raise when Redis is down (redis's own errors once it is loaded)
         self._errors: tuple[type[BaseException], ...] = (OSError, asyncio.TimeoutError)

@@ -48,6 +48,14 @@ async def test_two_releases_sharing_one_redis_keep_their_step_logs_and_serving_r
     assert (await a.load("step-3")).fingerprint == "fp-a" and (await b.load("step-3")).fingerprint == "fp-b"
     assert (await a.load_serving())[0] == 5
     assert step_key("step-3").startswith("rhymerl:step:{")  # the default keeps a deployment's keys across an upgrade
+    # the shards of one release: each its own serving record (a push may reach one and not another)
+    s0, s1 = StepLog(clean_redis, key_prefix="rl-a", shard_id="shard-0"), StepLog(clean_redis, key_prefix="rl-a",
+                                                                                  shard_id="shard-1")
+    await s0.save_serving(7, "bb" * 32, "")
+    assert (await s0.load_serving())[0] == 7 and await s1.load_serving() is None
+    assert (await a.load_serving())[0] == 5
+    await s0.shutdown()
+    await s1.shutdown()
     await a.shutdown()
     await b.shutdown()
 

@@ -30,6 +30,16 @@ def check_sampling(p: common_pb2.SamplingParams, field: str = "sampling", vocab_
     if p.logprobs_mode not in common_pb2.LogprobsMode.values():
         raise InvalidArgument(f"unknown LogprobsMode {p.logprobs_mode}", f"{field}.logprobs_mode")
     check_token_ids(p.stop_token_ids, f"{field}.stop_token_ids", vocab_size, allow_empty=True)
+    check_stops_leave_a_token(p.stop_token_ids, p.min_tokens, vocab_size, f"{field}.stop_token_ids")
+
+
+def check_stops_leave_a_token(stop_token_ids, min_tokens: int, vocab_size: int, field: str) -> None:
+    """Before min_tokens, stop tokens are out of the distribution (logits -inf): stop tokens
+    covering every token of the vocabulary (0: unknown, not checked) would leave none to
+    sample, and the sampler would return token 0 with a NaN logprob."""
+    if min_tokens > 0 and vocab_size and len(set(stop_token_ids)) >= vocab_size:
+        raise InvalidArgument(f"with min_tokens {min_tokens} > 0 stop tokens are masked until then, and these "
+                              f"cover all {vocab_size} tokens of the vocabulary: nothing is left to sample", field)
 
 
 def check_sampling_values(temperature: float, top_p: float, top_k: int, min_p: float, max_tokens: int,

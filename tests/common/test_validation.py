@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.validation import check_length, check_sampling_values
+from rhymerl.v1 import common_pb2
+
+from services.common.validation import check_length, check_sampling, check_sampling_values
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -37,3 +39,14 @@ def test_length_names_the_prompt_when_it_leaves_no_room_else_max_tokens():
         check_length(16, 1, 16, "p", "m")
     with pytest.raises(InvalidArgument, match="^m: "):
         check_length(10, 7, 16, "p", "m")
+
+
+def test_stop_tokens_masking_the_whole_vocabulary_before_min_tokens_are_refused():
+    """Before min_tokens every stop token is out of the distribution: stop tokens covering
+    the whole vocabulary left nothing to sample (token 0 came back, its logprob NaN)."""
+    every = list(range(46))
+    with pytest.raises(InvalidArgument, match="^sampling.stop_token_ids: .*nothing is left to sample"):
+        check_sampling(common_pb2.SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=every), vocab_size=46)
+    check_sampling(common_pb2.SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=every[1:]), vocab_size=46)
+    check_sampling(common_pb2.SamplingParams(max_tokens=4, min_tokens=0, stop_token_ids=every), vocab_size=46)
+    check_sampling(common_pb2.SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=every), vocab_size=0)

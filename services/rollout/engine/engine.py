@@ -51,7 +51,7 @@ from services.rollout.engine.block_manager import BlockManager
 from services.rollout.engine.cost_model import CostModel
 from services.rollout.engine.deferred import DEFERRED_COST_PER_STEP, DeferredCalls
 from services.rollout.engine.drafter_protocol import Commits, Drafter, NullDrafter, commit_step
-from services.common.validation import check_sampling_values
+from services.common.validation import check_sampling_values, check_stops_leave_a_token
 from services.rollout.engine.logprobs import LOGPROBS_MODES
 from services.rollout.engine.metrics import EngineMetrics
 from services.rollout.engine.model_runner import ModelRunner, default_num_kv_blocks
@@ -766,6 +766,10 @@ class LLMEngine:
         if not -2**63 <= req.seed < 2**63:
             raise ValueError(f"seed: {req.seed} does not fit in int64")
         check_sampling_values(req.temperature, req.top_p, req.top_k, req.min_p, req.max_tokens, req.min_tokens, "")
+        # the stop tokens masked before min_tokens, the model's EOS among them unless ignore_eos (Sequence's set)
+        masked = {t for t in req.stop_token_ids if 0 <= t < vocab} | (
+            set() if req.ignore_eos else {t for t in self.model.config.eos_token_ids if 0 <= t < vocab})
+        check_stops_leave_a_token(masked, req.min_tokens, vocab, "stop_token_ids")
         if req.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: {req.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         bm = self.block_manager

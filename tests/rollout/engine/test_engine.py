@@ -432,9 +432,17 @@ def test_bad_requests_name_the_field(model):
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(generated_token_ids=[1, 2], max_tokens=2), "max_tokens"),
     ]
+    every_but_eos = frozenset(range(1, CONFIG.vocab_size))
+    cases += [  # stop tokens masking every token before min_tokens: nothing to sample (token 0, a NaN logprob)
+        (dict(stop_token_ids=frozenset(range(CONFIG.vocab_size)), min_tokens=2), "stop_token_ids"),
+        (dict(stop_token_ids=every_but_eos, min_tokens=2, ignore_eos=False), "stop_token_ids"),  # EOS masked too
+    ]
     for kw, field in cases:
         with pytest.raises(ValueError, match=field):
             engine.add_request(make_request(0, [1, 2, 3], **kw))
+    engine.add_request(make_request(0, [1, 2, 3], stop_token_ids=every_but_eos, min_tokens=2, max_tokens=4,
+                                    max_new_tokens=4))  # ignore_eos: EOS is left to sample
+    assert engine.abort("r0")
     engine.add_request(make_request(0, [1, 2, 3], max_tokens=4, max_new_tokens=4))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request(make_request(0, [1, 2, 3]))

@@ -109,6 +109,7 @@ class _Identity:
     def __init__(self, worker_id: str):
         self.worker_id, self.version = worker_id, 0
         self.config = type("Config", (), {"vocab_size": VOCAB_SIZE, "max_position_embeddings": MAX_MODEL_LEN})()
+        self.max_model_len = MAX_MODEL_LEN
 
 
 async def _serve(conn, spec: FleetSpec, worker_ids: list[str]) -> None:

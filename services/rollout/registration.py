@@ -35,7 +35,7 @@ async def keep_registered(settings: WorkerSettings, servicer, address: str) -> N
     (an older version, UNIMPLEMENTED) gets a Register call per beat instead."""
     request = worker_pb2.RegisterRequest(
         worker_id=servicer.worker_id, address=address, max_num_seqs=settings.max_num_seqs,
-        vocab_size=servicer.config.vocab_size, max_model_len=servicer.config.max_position_embeddings)
+        vocab_size=servicer.config.vocab_size, max_model_len=servicer.max_model_len)
     ch = channel(settings.scheduler_address, settings.tls())
     stub = worker_pb2_grpc.RegistryServiceStub(ch)
     metadata = token_metadata(settings.scheduler_token)

@@ -65,6 +65,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.spec = common_pb2.SpecCounters()
         self._weights_lock = asyncio.Lock()
         metrics.weight_version.labels(component=worker_id).set(version)
+        if self.max_model_len < self.config.max_position_embeddings:
+            log.warning("the engine holds sequences of at most %d tokens (its KV cache or its own limit), below the "
+                        "model's %d: steps whose prompt + max_tokens exceed it are refused",
+                        self.max_model_len, self.config.max_position_embeddings)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + max_tokens) this worker serves, as it registers it:
+        the model's maximum length, the engine's own, and the tokens its KV cache holds (a
+        longer sample was admitted, generated until its chunk outgrew the cache, then aborted)."""
+        e = self.engine
+        limits = [self.config.max_position_embeddings, getattr(e, "max_model_len", 0) or 0]
+        bm = getattr(e, "block_manager", None)
+        if bm is not None:
+            limits.append(bm.num_blocks * bm.block_size)
+        return min(x for x in limits if x > 0)
 
     # --- Link --------------------------------------------------------------------
     @grpc_errors
@@ -130,7 +146,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 continue
             try:
                 accepted.append((item, to_engine_request(item, f"items[{i}]", self.config.vocab_size,
-                                                         self.config.max_position_embeddings)))
+                                                         self.max_model_len)))
             except InvalidArgument as exc:
                 sink.put_nowait(self._refusal(item.request_id, worker_pb2.REFUSAL_INVALID_ARGUMENT, str(exc)))
         if not accepted:
@@ -270,7 +286,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             worker_id=self.worker_id, policy_version=self.version, num_running=e.num_running(),
             num_waiting=e.num_waiting(), num_generated_tokens=self.num_generated_tokens, spec=self.spec,
             kv_cache_free=1.0 - e.kv_cache_usage(), model=self.model_name, vocab_size=self.config.vocab_size,
-            max_model_len=self.config.max_position_embeddings, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
             accepting=self.accepting)
 
 

@@ -40,7 +40,10 @@ class WorkerSettings(TLSSettings):
         "auto", description="Weights and activations; auto: the checkpoint's (float32 on a CPU).")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences decoding at once (the batch).")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Most tokens in one forward (prefill chunks + decode + drafts).")
-    num_kv_blocks: int = Field(0, ge=0, description="KV-cache blocks; 0 sizes the cache from free memory.")
+    num_kv_blocks: int = Field(0, ge=0, description="KV-cache blocks; 0 sizes the cache from free memory. A cache of "
+                                                  "fewer tokens (blocks x block_size) than the model's length caps the "
+                                                  "sequences the worker registers for (prompt + max_tokens): longer "
+                                                  "steps are refused at submit, naming the field.")
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
     speculative: bool = Field(True, description="Draft from history and siblings, verified by the policy (lossless).")
     max_draft_len: int = Field(16, ge=0, description="Most draft tokens per sequence and verify step.")

@@ -53,6 +53,7 @@ class Cluster:
     auth_tokens: str = ""
     worker_tokens: str = ""  # the scheduler's RegistryService tokens (empty: auth_tokens)
     device: str = "cpu"  # "cuda": every worker shares the one GPU
+    num_kv_blocks: int = 256  # each worker's KV cache, in blocks of 16 tokens
     scheduler_settings: dict = field(default_factory=dict)  # more SchedulerSettings fields
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     stops: list = field(default_factory=list)
@@ -87,7 +88,7 @@ class Cluster:
 
         settings = WorkerSettings(host="127.0.0.1", port=0, metrics_port=0, id=worker_id,
                                   advertise_address="", model_path=str(self.model_dir), device=self.device,
-                                  dtype="float32", max_num_seqs=32, num_kv_blocks=256, block_size=16,
+                                  dtype="float32", max_num_seqs=32, num_kv_blocks=self.num_kv_blocks, block_size=16,
                                   speculative=self.speculative, batch_invariant=self.batch_invariant,
                                   measure_cost=False, scheduler_address=self.address,
                                   history_address=self.history_address, drain_timeout_s=5,

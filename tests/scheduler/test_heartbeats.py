@@ -202,7 +202,7 @@ class _Registry(worker_pb2_grpc.RegistryServiceServicer):
 
 
 class _Worker:
-    worker_id, version, accepting = "w", 0, True
+    worker_id, version, accepting, max_model_len = "w", 0, True, 512
     config = type("Config", (), {"vocab_size": 96, "max_position_embeddings": 512})()
 
 

@@ -43,13 +43,15 @@ from prometheus_client import Counter, Gauge
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, RhymerlError, Unavailable
+from services.common.errors import (FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, RhymerlError,
+                                    Unavailable)
 from services.common.grpc_server import channel
 from services.common.security import TLSConfig, token_metadata
 from services.common.validation import MAX_ID_BYTES, check_id, check_length, check_sampling, check_token_ids
 from services.common.ids import prompt_id_from_tokens, sample_seed
 from services.router.registry import ShardInfo
 from services.scheduler.intake import check_step
+from services.scheduler.mismatch import checked_logprobs
 from services.scheduler.step import fingerprint
 from services.scheduler.weight_store import WeightStore
 
@@ -221,6 +223,9 @@ class Router:
         max_steps_retained: finished steps kept (re-submission, rewards, logprobs).
         max_samples_retained: and at most this many samples over the steps kept (the
             oldest finished steps go first; a step in flight is always kept).
+        max_samples_in_flight: most samples of the unfinished steps together (each kept
+            with its tokens as it passes): a step beyond is RESOURCE_EXHAUSTED, as one
+            scheduler refuses it, instead of growing the router's memory without bound.
         tls: for the channels to the shards; shard_token: bearer token sent to them.
         store: where pushed weights are kept for catching shards up (default: a private
             temporary directory).
@@ -234,10 +239,12 @@ class Router:
 
     def __init__(self, window: float = 1.0, no_shard_timeout_s: float = 120.0, max_steps_retained: int = 64,
                  tls: TLSConfig | None = None, shard_token: str = "", max_samples_retained: int = 262_144,
-                 store: WeightStore | None = None, journal=None, abandoned_step_timeout_s: float = 300.0):
+                 store: WeightStore | None = None, journal=None, abandoned_step_timeout_s: float = 300.0,
+                 max_samples_in_flight: int = 4_194_304):
         self.window, self.no_shard_timeout_s, self.max_steps_retained = window, no_shard_timeout_s, max_steps_retained
         self.abandoned_step_timeout_s = abandoned_step_timeout_s
         self.max_samples_retained = max_samples_retained
+        self.max_samples_in_flight = max_samples_in_flight
         self.tls = tls
         self.metadata = token_metadata(shard_token)
         self.shards: dict[str, Shard] = {}
@@ -418,6 +425,10 @@ class Router:
                                                               for s in known.delivered.values())):
             return known
         checked = self.check(req)
+        in_flight = sum(s.num_samples for s in self.active)
+        if in_flight + len(checked.prompts) * checked.n > self.max_samples_in_flight:  # before anything is kept
+            raise ResourceExhausted(f"{len(checked.prompts) * checked.n} samples would exceed the limit of samples "
+                                    f"in flight ({in_flight} of {self.max_samples_in_flight} used)", "prompts")
         if known is not None:  # re-run the aborted samples; the others are replayed
             self.steps.pop(req.step_id)
         step = RoutedStep(checked, fingerprint(req), self.version, step_seed_of(req), started=time.monotonic())
@@ -696,6 +707,28 @@ class Router:
         return num + sum(a.num_cancelled for a in answers if isinstance(a, rollout_pb2.CancelStepResponse))
 
     # --- per-sample reports, routed to the shard that produced the sample ---------------
+    def check_logprobs_report(self, step: RoutedStep, request: rollout_pb2.ReportLogprobsRequest) -> None:
+        """The whole report checked as a scheduler checks it (services/scheduler/mismatch.py),
+        before any shard sees it: each error names the trainer's field (a shard's names the
+        position in the part sent to it), and no shard records part of a refused report."""
+        if not step.request.sampling.logprobs:
+            raise FailedPrecondition("the step was sampled with logprobs off: nothing to compare with", "step_id")
+        prompt_ids = {p.prompt_id for p in step.request.prompts}
+        seen = set()
+        for i, reported in enumerate(request.samples):
+            field, key = f"samples[{i}]", (reported.prompt_id, reported.sample_index)
+            if reported.sample_index < 0:
+                raise InvalidArgument(f"must be >= 0, got {reported.sample_index}", f"{field}.sample_index")
+            sample = step.delivered.get(key)
+            if sample is None and not (reported.sample_index < step.n and reported.prompt_id in prompt_ids):
+                raise NotFound(f"no sample {key} in step {step.step_id!r}", field)
+            if key in seen:
+                raise InvalidArgument(f"sample {key} is reported twice", field)
+            seen.add(key)
+            if sample is None:
+                raise FailedPrecondition(f"sample {key} has not finished", field)
+            checked_logprobs(reported, len(sample.logprobs), field)
+
     def owners(self, step: RoutedStep, keys: list[tuple[str, int, str]]) -> dict[str, tuple[SubStep, list[int]]]:
         """(prompt_id, sample_index, field) -> per sub-step, the reported items' positions."""
         by_sub: dict[str, tuple[SubStep, list[int]]] = {}

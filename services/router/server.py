@@ -62,6 +62,7 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @grpc_errors
     async def ReportLogprobs(self, request, context):
         step = self.router.get(request.step_id)
+        self.router.check_logprobs_report(step, request)
         by_sub = self.router.owners(step, [(s.prompt_id, s.sample_index, f"samples[{i}].prompt_id")
                                            for i, s in enumerate(request.samples)])
         subs = list(by_sub.values())
@@ -189,7 +190,8 @@ async def start_router(settings: RouterSettings):
     directory = ShardDirectory(settings.registry_url, settings.key_prefix)
     router = Router(settings.window, settings.no_shard_timeout_s, settings.max_steps_retained, settings.tls(),
                     settings.shard_auth_token, settings.max_samples_retained, WeightStore(settings.weights_dir),
-                    journal=directory, abandoned_step_timeout_s=settings.abandoned_step_timeout_s)
+                    journal=directory, abandoned_step_timeout_s=settings.abandoned_step_timeout_s,
+                    max_samples_in_flight=settings.max_samples_in_flight)
     try:
         router.resume(await directory.steps_in_flight(), settings.resubmit_wait_s)
     except (RedisError, OSError) as exc:

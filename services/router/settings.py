@@ -44,6 +44,10 @@ class RouterSettings(TLSSettings):
     max_samples_retained: int = Field(
         262_144, ge=1, description="And at most this many samples over the steps kept (the oldest finished steps go "
                                    "first): what bounds the router's memory (each sample kept with its tokens).")
+    max_samples_in_flight: int = Field(
+        4_194_304, ge=1, description="Most samples of the unfinished steps together (RESOURCE_EXHAUSTED beyond, as a "
+                                     "scheduler's own limit): each is kept with its tokens as it passes, so this "
+                                     "bounds the router's memory for the steps in flight (16 shards' default limits).")
     resubmit_wait_s: float = Field(
         60.0, ge=0, description="A router that starts with steps a previous router was running (recorded in the "
                                 "registry's Redis) lets no weight update start until trainers re-submitted them, or "

@@ -68,6 +68,25 @@ def summarize(parts) -> rollout_pb2.MismatchStats:
         mean_log_ratio=mean(sum(p.sum_diff for p in parts)), kl=mean(sum(p.sum_kl for p in parts)))
 
 
+def checked_logprobs(reported: rollout_pb2.SampleLogprobs, num_tokens: int, field: str) -> np.ndarray:
+    """The trainer's logprobs of one sample (``field``, e.g. samples[3]) as float32: one per
+    token of the rollout's sample (``num_tokens``), each finite and at most MAX_LOGPROB;
+    else InvalidArgument naming the field (the step router checks a report with it too)."""
+    import numpy as np
+
+    trainer = np.asarray(reported.logprobs, dtype=np.float32)
+    if len(trainer) != num_tokens:
+        raise InvalidArgument(f"{len(trainer)} logprobs for a sample of {num_tokens} tokens", f"{field}.logprobs")
+    if not np.isfinite(trainer).all():
+        j = int(np.flatnonzero(~np.isfinite(trainer))[0])
+        raise InvalidArgument(f"logprobs must be finite, got {trainer[j]}", f"{field}.logprobs[{j}]")
+    if (trainer > MAX_LOGPROB).any():
+        j = int(np.flatnonzero(trainer > MAX_LOGPROB)[0])
+        raise InvalidArgument(f"a logprob is at most 0 (up to {MAX_LOGPROB:g} of rounding), got "
+                              f"{float(trainer[j]):g}", f"{field}.logprobs[{j}]")
+    return trainer
+
+
 class MismatchTracker:
     """Args:
         steps: the scheduler's steps by id (read only: the samples to compare with).
@@ -120,17 +139,7 @@ class MismatchTracker:
             seen.add(key)
             if prog is None:
                 raise FailedPrecondition(f"sample {key} has not finished", field)
-            trainer = np.asarray(reported.logprobs, dtype=np.float32)
-            if len(trainer) != len(prog.logprobs):
-                raise InvalidArgument(f"{len(trainer)} logprobs for a sample of {len(prog.logprobs)} tokens",
-                                      f"{field}.logprobs")
-            if not np.isfinite(trainer).all():
-                j = int(np.flatnonzero(~np.isfinite(trainer))[0])
-                raise InvalidArgument(f"logprobs must be finite, got {trainer[j]}", f"{field}.logprobs[{j}]")
-            if (trainer > MAX_LOGPROB).any():
-                j = int(np.flatnonzero(trainer > MAX_LOGPROB)[0])
-                raise InvalidArgument(f"a logprob is at most 0 (up to {MAX_LOGPROB:g} of rounding), got "
-                                      f"{float(trainer[j]):g}", f"{field}.logprobs[{j}]")
+            trainer = checked_logprobs(reported, len(prog.logprobs), field)
             part, abs_diff = SampleMismatch.compare(np.asarray(prog.logprobs, dtype=np.float32), trainer)
             out.append((key, part, abs_diff))
         return out

@@ -14,6 +14,7 @@ import pytest
 from rhymerl.types import event_samples
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
+from services.common.errors import ResourceExhausted
 from services.common.ids import sample_seed
 from services.router import core as router_core
 from services.router.core import Router, duplicates_dropped, shards_caught_up, step_seed_of
@@ -39,6 +40,7 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
         self.sub_steps: list[rollout_pb2.SubmitStepRequest] = []
         self.delivered: list[tuple[str, int]] = []
         self.rewards: list[rollout_pb2.ReportRewardsRequest] = []
+        self.logprobs_reports: list[rollout_pb2.ReportLogprobsRequest] = []
         self.cancelled: set[str] = set()
 
     async def SubmitStep(self, request, context):
@@ -60,6 +62,7 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
                 self.delivered.append((prompt.prompt_id, k))
                 batch.append(rollout_pb2.SampleResult(
                     step_id=request.step_id, prompt_id=prompt.prompt_id, sample_index=k, token_ids=[seed % 997, 1],
+                    logprobs=[-0.5, -0.25] if request.sampling.logprobs else [],
                     seed=seed, finish_reason=LENGTH, policy_version=self.version))
                 if not self.batched:
                     yield rollout_pb2.StepEvent(sample=batch.pop())
@@ -89,6 +92,11 @@ class ScriptedShard(rollout_pb2_grpc.RolloutServiceServicer):
     async def ReportRewards(self, request, context):
         self.rewards.append(request)
         return rollout_pb2.ReportRewardsResponse(num_recorded=len(request.rewards))
+
+    async def ReportLogprobs(self, request, context):
+        self.logprobs_reports.append(request)
+        n = len(request.samples)
+        return rollout_pb2.ReportLogprobsResponse(step=rollout_pb2.MismatchStats(num_samples=n, num_tokens=2 * n))
 
 
 class Fleet:
@@ -272,6 +280,67 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
                 rollout_pb2.SampleReward(prompt_id="p9", sample_index=0, reward=1.0)]))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert err.value.details().startswith("rewards[1].prompt_id")
+
+
+@run_async
+async def test_a_logprobs_report_is_checked_whole_in_the_trainers_numbering_before_any_shard_sees_it():
+    """A step split over two shards: a bad logprob in the trainer's samples[i] was sent on in
+    the part for its shard, which named its position there (another sample), while the
+    other shard recorded its part of a report the trainer was told failed."""
+    a, b = ScriptedShard("a"), ScriptedShard("b")
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        req = step("lp", 4, seed=1)
+        req.sampling.logprobs = True
+        await collect(fleet.router, req)
+        run = fleet.router.steps["lp"]
+        assert {sub.shard.info.shard_id for sub in run.owner.values()} == {"a", "b"}
+        keys = [(f"p{i}", k) for i in range(4) for k in range(2)]
+        bad = next(j for j, key in enumerate(keys) if run.owner[key].shard.info.shard_id == "b"
+                   and [run.owner[x] for x in keys[:j]].count(run.owner[key]) > 0)  # not first in its part
+
+        def report(logprobs_of):
+            return rollout_pb2.ReportLogprobsRequest(step_id="lp", samples=[
+                rollout_pb2.SampleLogprobs(prompt_id=p, sample_index=k, logprobs=logprobs_of(j))
+                for j, (p, k) in enumerate(keys)])
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            cases = [
+                (report(lambda j: [0.5, -1.0] if j == bad else [-1.0, -1.0]), "INVALID_ARGUMENT",
+                 f"samples[{bad}].logprobs[0]"),
+                (report(lambda j: [-1.0] if j == bad else [-1.0, -1.0]), "INVALID_ARGUMENT",
+                 f"samples[{bad}].logprobs"),
+                (report(lambda j: [-1.0, float("nan")] if j == bad else [-1.0, -1.0]), "INVALID_ARGUMENT",
+                 f"samples[{bad}].logprobs[1]"),
+            ]
+            twice = report(lambda j: [-1.0, -1.0])
+            twice.samples.append(twice.samples[bad])
+            cases.append((twice, "INVALID_ARGUMENT", f"samples[{len(keys)}]"))
+            for request, code, field in cases:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ReportLogprobs(request)
+                assert err.value.code() == getattr(grpc.StatusCode, code), err.value.details()
+                assert err.value.details().startswith(field + ":"), err.value.details()
+            assert not a.logprobs_reports and not b.logprobs_reports, \
+                "a shard recorded part of a refused report"
+            answer = await stub.ReportLogprobs(report(lambda j: [-1.0, -1.0]))
+        assert answer.step.num_samples == 8
+
+
+@run_async
+async def test_a_step_past_the_samples_in_flight_limit_is_resource_exhausted_and_the_running_one_goes_on():
+    """A scheduler refuses more samples than it admits in flight; the router took any step
+    (4,096 prompts x n 4,096: 16.7M samples, every one kept with its tokens as it passed)."""
+    a = ScriptedShard("a", held=True)
+    async with Fleet(a) as fleet:
+        fleet.router.max_samples_in_flight = 10
+        running = await fleet.router.submit(step("first", 4))  # 8 samples
+        with pytest.raises(ResourceExhausted, match=r"^prompts: 4 samples would exceed .*\(8 of 10 used\)"):
+            await fleet.router.submit(step("second", 2))
+        assert "second" not in fleet.router.steps
+        a.release.set()
+        assert len(samples([e async for e in running.follow()])) == 8
+        assert len(samples(await collect(fleet.router, step("second", 2)))) == 4  # room again
 
 
 @run_async

@@ -10,7 +10,8 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from rhymerl.types import Prompt, Sample, SamplingParams, StepSummary, derived_prompt_id, event_samples
+from rhymerl.types import (Prompt, Sample, SamplingParams, StepSummary, derived_prompt_id, event_samples,
+                           proto_message)
 from rhymerl.v1 import common_pb2, rollout_pb2
 
 # Safe to retry: the step id makes a re-submitted step idempotent, and a weight
@@ -115,12 +116,15 @@ def step_request(step_id: str, prompts: Sequence[Prompt], n: int, sampling: Samp
     would derive from its tokens (``Prompt.resolved_id``), so every sample names a prompt
     the SDK knows, whatever the service's derivation (history keys and seeds are the
     same as for an unnamed prompt)."""
-    messages = [p.to_proto() for p in prompts]  # first: malformed tokens fail as before
+    messages = [p.to_proto(f"prompts[{i}]") for i, p in enumerate(prompts)]  # first: malformed tokens fail as before
     for message in messages:
         if not message.prompt_id:
             message.prompt_id = derived_prompt_id(message.token_ids)
-    return rollout_pb2.SubmitStepRequest(
-        step_id=step_id, policy_version=policy_version, n=n, sampling=sampling.to_proto(), prompts=messages)
+    request = proto_message(rollout_pb2.SubmitStepRequest, "", step_id=step_id,
+                            policy_version=policy_version, n=n)
+    request.sampling.CopyFrom(sampling.to_proto())
+    request.prompts.extend(messages)
+    return request
 
 
 def new_samples(event: rollout_pb2.StepEvent, seen: set[tuple[str, int]], call) -> list[Sample]:

@@ -49,11 +49,28 @@ class SamplingParams:
             raise ValueError(f"logprobs_mode: {self.logprobs_mode!r} is not one of {sorted(LOGPROBS_MODES)}")
 
     def to_proto(self) -> common_pb2.SamplingParams:
-        return common_pb2.SamplingParams(
+        return proto_message(
+            common_pb2.SamplingParams, "sampling",
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids), seed=self.seed,
             logprobs=self.logprobs, min_p=self.min_p, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, logprobs_mode=LOGPROBS_MODES[self.logprobs_mode])
+
+
+def proto_message(cls, field: str, **values):
+    """``cls(**values)``; a value the message cannot hold (a negative seed, a token id past
+    int32, a str where a number goes) raises the protobuf error with the field it was
+    given for (e.g. ``sampling.seed: Value out of range: -1``; ``field`` "": the name alone),
+    not the bare error."""
+    try:
+        return cls(**values)
+    except (TypeError, ValueError):
+        for name, value in values.items():
+            try:
+                cls(**{name: value})
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{field}.{name}: {exc}" if field else f"{name}: {exc}") from None
+        raise
 
 
 def derived_prompt_id(token_ids: Sequence[int]) -> str:
@@ -82,8 +99,8 @@ class Prompt:
         derived from the tokens (``derived_prompt_id``, the service's derivation)."""
         return self.prompt_id or derived_prompt_id(self.token_ids)
 
-    def to_proto(self) -> common_pb2.Prompt:
-        return common_pb2.Prompt(prompt_id=self.prompt_id, token_ids=list(self.token_ids))
+    def to_proto(self, field: str = "prompt") -> common_pb2.Prompt:
+        return proto_message(common_pb2.Prompt, field, prompt_id=self.prompt_id, token_ids=list(self.token_ids))
 
 
 def event_samples(event: rollout_pb2.StepEvent) -> list[rollout_pb2.SampleResult]:

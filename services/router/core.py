@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -170,6 +171,14 @@ class RoutedStep:
     @property
     def num_samples(self) -> int:
         return len(self.request.prompts) * self.n
+
+    @functools.cached_property
+    def prompt_ids(self) -> frozenset[str]:
+        return frozenset(p.prompt_id for p in self.request.prompts)
+
+    def has_sample(self, prompt_id: str, sample_index: int) -> bool:
+        """Whether the step has this sample (finished or not)."""
+        return 0 <= sample_index < self.n and prompt_id in self.prompt_ids
 
     def group_done(self, pid: str) -> bool:
         return all((pid, k) in self.delivered for k in range(self.n))
@@ -713,14 +722,13 @@ class Router:
         position in the part sent to it), and no shard records part of a refused report."""
         if not step.request.sampling.logprobs:
             raise FailedPrecondition("the step was sampled with logprobs off: nothing to compare with", "step_id")
-        prompt_ids = {p.prompt_id for p in step.request.prompts}
         seen = set()
         for i, reported in enumerate(request.samples):
             field, key = f"samples[{i}]", (reported.prompt_id, reported.sample_index)
             if reported.sample_index < 0:
                 raise InvalidArgument(f"must be >= 0, got {reported.sample_index}", f"{field}.sample_index")
             sample = step.delivered.get(key)
-            if sample is None and not (reported.sample_index < step.n and reported.prompt_id in prompt_ids):
+            if sample is None and not step.has_sample(*key):
                 raise NotFound(f"no sample {key} in step {step.step_id!r}", field)
             if key in seen:
                 raise InvalidArgument(f"sample {key} is reported twice", field)

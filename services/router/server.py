@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import SettingError, Unavailable, grpc_errors
+from services.common.errors import FailedPrecondition, SettingError, Unavailable, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.security import BearerTokenAuth, parse_tokens
 from services.router.core import SHARD_FAULTS, LatestWeights, Router, Shard, ShardError, merge_mismatch
@@ -51,6 +51,10 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def ReportRewards(self, request, context):
         check_rewards(request)
         step = self.router.get(request.step_id)
+        for i, r in enumerate(request.rewards):  # as a scheduler answers (services/scheduler/rewards.py)
+            if (r.prompt_id, r.sample_index) not in step.delivered and step.has_sample(r.prompt_id, r.sample_index):
+                raise FailedPrecondition(f"sample ({r.prompt_id!r}, {r.sample_index}) has not finished",
+                                         f"rewards[{i}]")
         by_sub = self.router.owners(step, [(r.prompt_id, r.sample_index, f"rewards[{i}].prompt_id")
                                            for i, r in enumerate(request.rewards)])
         answers = await asyncio.gather(*(

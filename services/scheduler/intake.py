@@ -69,12 +69,17 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[Sam
 
 
 def check_rewards(req: rollout_pb2.ReportRewardsRequest) -> None:
-    """Rewards must name a sample and be numbers: NaN is history's "no reward" marker."""
+    """Rewards must name a sample, each once, and be numbers: NaN is history's "no reward" marker."""
     check_id(req.step_id, "step_id")
+    seen = set()
     for i, reward in enumerate(req.rewards):
         field = f"rewards[{i}]"
         check_id(reward.prompt_id, f"{field}.prompt_id")
         if reward.sample_index < 0:
             raise InvalidArgument(f"must be >= 0, got {reward.sample_index}", f"{field}.sample_index")
+        key = (reward.prompt_id, reward.sample_index)
+        if key in seen:  # which one would count? (ReportLogprobs refuses the same)
+            raise InvalidArgument(f"sample {key} is reported twice", field)
+        seen.add(key)
         if not math.isfinite(reward.reward):
             raise InvalidArgument(f"must be a finite number, got {reward.reward}", f"{field}.reward")

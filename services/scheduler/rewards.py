@@ -1,8 +1,10 @@
 """ReportRewards: each reward checked against the step and sample it names, then kept in
 history beside the sample (the drafter weighs earlier responses by them).
 
-An unknown step, or a sample the step does not have, is NOT_FOUND and nothing is
-written: history would otherwise keep a stray entry for it until its TTL. History down,
+An unknown step, or a sample the step does not have, is NOT_FOUND, and a sample still
+running FAILED_PRECONDITION (as ReportLogprobs answers; a reward is of a finished
+sample, and one that is then cancelled would leave its reward without a sample):
+nothing is written, since history would otherwise keep a stray entry until its TTL. History down,
 or not answering in time, is UNAVAILABLE naming it (the trainer's SDK retries; a reward
 stored twice is counted once).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import grpc
 from rhymerl.v1 import rollout_pb2
 
-from services.common.errors import DOWNSTREAM_UNAVAILABLE, NotFound, Unavailable
+from services.common.errors import DOWNSTREAM_UNAVAILABLE, FailedPrecondition, NotFound, Unavailable
 from services.scheduler import intake
 from services.scheduler.core import SchedulerCore
 
@@ -21,8 +23,11 @@ async def record_rewards(req: rollout_pb2.ReportRewardsRequest, core: SchedulerC
     """Returns how many rewards history newly stored."""
     intake.check_rewards(req)
     run = core.steps.get(req.step_id)
+    done = None  # the finished samples of a step still running (None: all are)
     if run is not None:
         has_sample, aborted = run.has_sample, run.aborted
+        if not run.is_finished:
+            done = {(s.prompt_id, s.sample_index) for s in run.sample_results()}
     else:  # dropped from memory, or sampled before a scheduler restart
         logged = await core.log.load(req.step_id, samples=False)
         if logged is None:
@@ -31,6 +36,8 @@ async def record_rewards(req: rollout_pb2.ReportRewardsRequest, core: SchedulerC
     for i, r in enumerate(req.rewards):
         if not has_sample(r.prompt_id, r.sample_index):
             raise NotFound(f"no sample ({r.prompt_id!r}, {r.sample_index}) in step {req.step_id!r}", f"rewards[{i}]")
+        if done is not None and (r.prompt_id, r.sample_index) not in done:
+            raise FailedPrecondition(f"sample ({r.prompt_id!r}, {r.sample_index}) has not finished", f"rewards[{i}]")
     # An aborted sample is not in history: a reward for it would have nothing to sit beside.
     rows = [(r.prompt_id, req.step_id, r.sample_index, r.reward) for r in req.rewards
             if (r.prompt_id, r.sample_index) not in aborted]

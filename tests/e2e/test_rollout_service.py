@@ -120,6 +120,28 @@ def test_rewards_are_recorded(client):
     with pytest.raises(grpc.RpcError) as err:
         client.report_rewards("rewarded", [("p0", 5, 1.0)])
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "rewards[0]" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # which one would count?
+        client.report_rewards("rewarded", [("p0", 0, 1.0), ("p0", 0, 0.5)])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("rewards[1]")
+
+
+def test_a_reward_for_a_sample_still_running_is_refused_and_nothing_is_stored(client, cluster):
+    """As ReportLogprobs answers: a reward is of a finished sample (one then cancelled
+    would have left its reward in history with no sample beside it)."""
+    long = SamplingParams(temperature=1.0, max_tokens=400, seed=5, ignore_eos=True)
+    got = []
+    t = threading.Thread(target=lambda: got.extend(client.submit_step("reward-early", prompts(2, offset=240), n=2,
+                                                                      sampling=long)))
+    t.start()
+    cluster.wait_running("reward-early")
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            client.report_rewards("reward-early", [("p240", 0, 1.0)])
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert err.value.details().startswith("rewards[0]") and "has not finished" in err.value.details()
+    finally:
+        client.cancel_step("reward-early")
+        t.join(60)
 
 
 def test_cancel_aborts_unfinished_samples(client, cluster):

@@ -283,6 +283,36 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
 
 
 @run_async
+async def test_a_reward_for_a_sample_still_running_or_reported_twice_is_refused_as_a_scheduler_does():
+    """A held shard's samples have not finished: FAILED_PRECONDITION naming the reward (it
+    was NOT_FOUND here and accepted by a scheduler); one sample twice in one report is
+    INVALID_ARGUMENT (it was accepted, the last one winning). No shard sees either."""
+    a, b = ScriptedShard("a", held=True), ScriptedShard("b")
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            events = stub.SubmitStep(step("r", 6, seed=2))
+            run = await until_step(fleet.router, "r")
+            await until(lambda: len(run.delivered) == 8)
+            keys = [(f"p{i}", k) for i in range(6) for k in range(2)]
+            running = next(key for key in keys if key not in run.delivered)
+            done = next(iter(run.delivered))
+
+            def reward(key):
+                return rollout_pb2.SampleReward(prompt_id=key[0], sample_index=key[1], reward=1.0)
+
+            for rewards, code, field in (([reward(done), reward(running)], grpc.StatusCode.FAILED_PRECONDITION,
+                                          "rewards[1]"),
+                                         ([reward(done), reward(done)], grpc.StatusCode.INVALID_ARGUMENT, "rewards[1]")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ReportRewards(rollout_pb2.ReportRewardsRequest(step_id="r", rewards=rewards))
+                assert err.value.code() == code and err.value.details().startswith(field), err.value.details()
+            assert a.rewards == [] and b.rewards == []
+            a.release.set()
+            assert len(samples([e async for e in events])) == 12
+
+
+@run_async
 async def test_a_logprobs_report_is_checked_whole_in_the_trainers_numbering_before_any_shard_sees_it():
     """A step split over two shards: a bad logprob in the trainer's samples[i] was sent on in
     the part for its shard, which named its position there (another sample), while the

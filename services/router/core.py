@@ -52,7 +52,7 @@ from services.common.validation import MAX_ID_BYTES, check_id, check_length, che
 from services.common.ids import prompt_id_from_tokens, sample_seed
 from services.router.registry import ShardInfo
 from services.scheduler.intake import check_step
-from services.scheduler.mismatch import checked_logprobs
+from services.scheduler.mismatch import checked_report
 from services.scheduler.step import fingerprint
 from services.scheduler.weight_store import WeightStore
 
@@ -720,22 +720,7 @@ class Router:
         """The whole report checked as a scheduler checks it (services/scheduler/mismatch.py),
         before any shard sees it: each error names the trainer's field (a shard's names the
         position in the part sent to it), and no shard records part of a refused report."""
-        if not step.request.sampling.logprobs:
-            raise FailedPrecondition("the step was sampled with logprobs off: nothing to compare with", "step_id")
-        seen = set()
-        for i, reported in enumerate(request.samples):
-            field, key = f"samples[{i}]", (reported.prompt_id, reported.sample_index)
-            if reported.sample_index < 0:
-                raise InvalidArgument(f"must be >= 0, got {reported.sample_index}", f"{field}.sample_index")
-            sample = step.delivered.get(key)
-            if sample is None and not step.has_sample(*key):
-                raise NotFound(f"no sample {key} in step {step.step_id!r}", field)
-            if key in seen:
-                raise InvalidArgument(f"sample {key} is reported twice", field)
-            seen.add(key)
-            if sample is None:
-                raise FailedPrecondition(f"sample {key} has not finished", field)
-            checked_logprobs(reported, len(sample.logprobs), field)
+        checked_report(request, step.request.sampling.logprobs, step.delivered, step.has_sample, step.step_id)
 
     def owners(self, step: RoutedStep, keys: list[tuple[str, int, str]]) -> dict[str, tuple[SubStep, list[int]]]:
         """(prompt_id, sample_index, field) -> per sub-step, the reported items' positions."""

@@ -87,6 +87,33 @@ def checked_logprobs(reported: rollout_pb2.SampleLogprobs, num_tokens: int, fiel
     return trainer
 
 
+def checked_report(request: rollout_pb2.ReportLogprobsRequest, logprobs_on: bool, finished: Mapping, has_sample,
+                   step_id: str) -> list[tuple[tuple[str, int], object, np.ndarray]]:
+    """A logprobs report checked whole, in the trainer's numbering (samples[i]): per
+    reported sample (key, the step's finished sample, the trainer's logprobs), or the first
+    error: logprobs off, a negative index, a sample the step does not have (NotFound), one
+    reported twice, one not finished (``finished``: key -> a sample with ``logprobs``;
+    ``has_sample(prompt_id, index)``: whether the step has it at all). The scheduler and
+    the step router (before any shard sees a report) check with it alike."""
+    if not logprobs_on:
+        raise FailedPrecondition("the step was sampled with logprobs off: nothing to compare with", "step_id")
+    out, seen = [], set()
+    for i, reported in enumerate(request.samples):
+        field, key = f"samples[{i}]", (reported.prompt_id, reported.sample_index)
+        if reported.sample_index < 0:  # as ReportRewards: malformed, not a sample that is missing
+            raise InvalidArgument(f"must be >= 0, got {reported.sample_index}", f"{field}.sample_index")
+        sample = finished.get(key)
+        if sample is None and not has_sample(*key):
+            raise NotFound(f"no sample {key} in step {step_id!r}", field)
+        if key in seen:
+            raise InvalidArgument(f"sample {key} is reported twice", field)
+        seen.add(key)
+        if sample is None:
+            raise FailedPrecondition(f"sample {key} has not finished", field)
+        out.append((key, sample, checked_logprobs(reported, len(sample.logprobs), field)))
+    return out
+
+
 class MismatchTracker:
     """Args:
         steps: the scheduler's steps by id (read only: the samples to compare with).
@@ -121,25 +148,11 @@ class MismatchTracker:
         run = self.steps.get(request.step_id)
         if run is None:
             raise NotFound(f"no step {request.step_id!r} (unknown, or no longer retained)", "step_id")
-        if not run.sampling.logprobs:
-            raise FailedPrecondition("the step was sampled with logprobs off: nothing to compare with",
-                                     "step_id")
         # The finished samples are the step's published results (its progress is released).
-        finished = {(s.prompt_id, s.sample_index): s for s in run.sample_results()}
-        out, seen = [], set()
-        for i, reported in enumerate(request.samples):
-            field, key = f"samples[{i}]", (reported.prompt_id, reported.sample_index)
-            if reported.sample_index < 0:  # as ReportRewards: malformed, not a sample that is missing
-                raise InvalidArgument(f"must be >= 0, got {reported.sample_index}", f"{field}.sample_index")
-            prog = finished.get(key)
-            if prog is None and not run.has_sample(*key):
-                raise NotFound(f"no sample {key} in step {request.step_id!r}", field)
-            if key in seen:
-                raise InvalidArgument(f"sample {key} is reported twice", field)
-            seen.add(key)
-            if prog is None:
-                raise FailedPrecondition(f"sample {key} has not finished", field)
-            trainer = checked_logprobs(reported, len(prog.logprobs), field)
-            part, abs_diff = SampleMismatch.compare(np.asarray(prog.logprobs, dtype=np.float32), trainer)
+        finished = {(s.prompt_id, s.sample_index): s for s in run.sample_results()} if run.sampling.logprobs else {}
+        out = []
+        for key, sample, trainer in checked_report(request, run.sampling.logprobs, finished, run.has_sample,
+                                                   request.step_id):
+            part, abs_diff = SampleMismatch.compare(np.asarray(sample.logprobs, dtype=np.float32), trainer)
             out.append((key, part, abs_diff))
         return out

@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from services.common.errors import SettingError
 from services.rollout.models.config import ModelConfig
 from services.rollout.models.transformer import CausalLM
 
@@ -33,7 +34,11 @@ def read_config(path: str | Path) -> ModelConfig:
     token that config.json does not name) are added to eos_token_ids.
     """
     path = Path(path)
-    config = ModelConfig.from_hf(json.loads((path / CONFIG_FILE).read_text()))
+    config_file = path / CONFIG_FILE
+    try:
+        config = ModelConfig.from_hf(json.loads(config_file.read_text()))
+    except ValueError as exc:  # invalid JSON, or a field this decoder does not implement: name the file
+        raise ValueError(f"{config_file}: {exc}") from exc
     generation_file = path / GENERATION_CONFIG_FILE
     if generation_file.exists():
         eos = json.loads(generation_file.read_text()).get("eos_token_id")
@@ -63,6 +68,21 @@ def worker_dtype(device: str | torch.device) -> torch.dtype | None:
     """The dtype a worker runs a checkpoint in by default: float32 on a CPU (bf16 matmuls
     are slow there), the checkpoint's own (None) on a GPU."""
     return torch.float32 if torch.device(device).type == "cpu" else None
+
+
+def worker_device(device: str) -> torch.device:
+    """The device a worker's ``device`` setting names: "auto" is CUDA when PyTorch sees a GPU,
+    else the CPU. A CUDA device PyTorch cannot use (a CPU-only build, no GPU, an index past
+    the last one) is a SettingError naming the setting, before anything loads on it."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (resolved.index or 0) >= count:
+            raise SettingError("device", f"device {device!r}: PyTorch sees {count} CUDA device(s) here "
+                                         f"(torch {torch.__version__}); use cpu or auto")
+    return resolved
 
 
 def read_safetensors(source: str | Path | bytes) -> dict[str, Tensor]:
@@ -141,7 +161,10 @@ def _read_checkpoint_tensors(path: Path) -> dict[str, Tensor]:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
     tensors: dict[str, Tensor] = {}
     for file in paths:
-        tensors.update(read_safetensors(file))
+        try:
+            tensors.update(read_safetensors(file))
+        except safetensors.SafetensorError as exc:  # truncated or not safetensors: name the file
+            raise ValueError(f"{file}: {exc}") from exc
     return tensors
 
 

@@ -18,7 +18,7 @@ from functools import partial
 from rhymerl.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from services.common import metrics, packed
-from services.common.errors import InvalidArgument, grpc_errors
+from services.common.errors import InvalidArgument, SettingError, grpc_errors
 from services.common.gc_tuning import StepCollector, tune_gc
 from services.common.grpc_server import Server, run_until_signal
 from services.history.breaker import HistoryBreaker
@@ -306,7 +306,7 @@ async def _outlive_cancellation(task: asyncio.Future) -> None:
 async def start_worker(settings: WorkerSettings, engine=None):
     """Starts a worker in this event loop; returns (server, port, stop coroutine fn)."""
     if not settings.model_path and engine is None:
-        raise ValueError("RHYMERL_WORKER_MODEL_PATH is required")
+        raise SettingError("model_path", "a checkpoint directory is required")
     worker_id = settings.worker_id(settings.port)
     engine = engine or await asyncio.to_thread(build_engine, settings, worker_id)
     history = None

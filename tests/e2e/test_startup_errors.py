@@ -87,14 +87,53 @@ def test_a_scheduler_whose_metrics_port_is_taken_says_which_and_what_to_set():
                     "0 for none"), line
 
 
+def broken_checkpoint(folder: Path, how: str) -> Path:
+    """A small checkpoint broken one way: its weights cut short, or its config.json not JSON."""
+    from services.rollout.loader import init_random_model, save_model
+    from services.rollout.models.config import ModelConfig
+
+    config = ModelConfig(architecture="llama", vocab_size=32, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+                         tie_word_embeddings=True, attention_bias=False, qk_norm=False, eos_token_ids=(2,),
+                         bos_token_id=None, dtype="float32")
+    save_model(init_random_model(config, seed=0), folder)
+    if how == "truncated":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+    else:
+        (folder / "config.json").write_text('{"hidden_size": ')
+    return folder
+
+
 @pytest.mark.parametrize("args,says", [
     (["--model-path", "/nonexistent/model"], "/nonexistent/model/config.json"),
-    ([], "RHYMERL_WORKER_MODEL_PATH is required"),
+    ([], "a checkpoint directory is required; check --model-path (RHYMERL_WORKER_MODEL_PATH)"),
+    # these said a bare "SafetensorError: Error while deserializing header: ..." and
+    # "JSONDecodeError: Expecting value: ...", naming neither the file nor the setting
+    (["--model-path", "{truncated}"], "{truncated}/model.safetensors: Error while deserializing header"),
+    (["--model-path", "{bad-json}"], "{bad-json}/config.json: Expecting value"),
 ])
-def test_a_worker_that_cannot_load_its_model_says_why_in_one_line(args, says):
-    done = run(["worker", "--metrics-port", "0", "--port", str(free_port()), *args])
+def test_a_worker_that_cannot_load_its_model_says_why_in_one_line(args, says, tmp_path):
+    folders = {how: str(broken_checkpoint(tmp_path / how, how)) for how in ("truncated", "bad-json")
+               if "{" + how + "}" in " ".join(args)}
+    args, says = [a.format(**folders) for a in args], says.format(**folders)
+    done = run(["worker", "--metrics-port", "0", "--port", str(free_port()), "--device", "cpu", *args])
     assert done.returncode == 1
-    assert says in one_error_line(done.stderr)
+    line = one_error_line(done.stderr)
+    assert says in line, line
+    assert line.endswith("check --model-path (RHYMERL_WORKER_MODEL_PATH)"), line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_worker_told_to_use_a_cuda_device_this_machine_lacks_names_the_setting():
+    """It said "AssertionError: Torch not compiled with CUDA enabled", naming no setting."""
+    done = run(["worker", "--metrics-port", "0", "--port", str(free_port()), "--device", "cuda:0",
+                "--model-path", "/nonexistent/model"])
+    assert done.returncode == 1
+    line = one_error_line(done.stderr)
+    assert "device 'cuda:0': PyTorch sees 0 CUDA device(s)" in line, line
+    assert line.endswith("check --device (RHYMERL_WORKER_DEVICE)"), line
 
 
 @pytest.mark.parametrize("command,setting,value,says", [

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,9 +142,12 @@ class LocalCluster(StartStop):
                 "RHYMERL_WORKER_SCHEDULER_ADDRESS": self.scheduler_address,
                 "RHYMERL_WORKER_HISTORY_ADDRESS": history}, self.worker_env.get(name, {}))
         deadline = time.monotonic() + timeout_s
+        # Every process started is watched while any is awaited: the scheduler is ready only
+        # once a worker serves, so a worker that exits at start (a model that does not load)
+        # is said at once, with its log's tail, not as "scheduler not ready" at the deadline.
         for name in names:
-            self.wait_ready(name, deadline - time.monotonic())
-        self.wait_registered(deadline - time.monotonic())
+            self.wait_ready(name, deadline - time.monotonic(), watch=names)
+        self.wait_registered(deadline - time.monotonic(), watch=names)
         return self
 
     def _spawn_service(self, name: str, command: str, env: dict, own: dict | None = None) -> None:
@@ -189,38 +193,41 @@ class LocalCluster(StartStop):
         """Resident memory of a running process (0 if it is not running)."""
         return rss_bytes(self.procs[name].pid)
 
-    def wait_ready(self, name: str, timeout_s: float) -> None:
-        """Until ``name`` answers as ready: Redis a PING, a service its gRPC readiness."""
+    def wait_ready(self, name: str, timeout_s: float, watch: Iterable[str] = ()) -> None:
+        """Until ``name`` answers as ready: Redis a PING, a service its gRPC readiness. An exit
+        of ``name``, or of a process in ``watch``, ends the wait with a RuntimeError."""
         deadline = time.monotonic() + timeout_s
         if name == "redis":
             import redis
 
             client = redis.Redis(port=self.ports["redis"], socket_timeout=1)
-            self._poll(name, deadline, lambda: client.ping())
+            self._poll(name, deadline, lambda: client.ping(), watch)
             client.close()
             return
         service = READY_SERVICE[name.split("-")[0]]
         with grpc.insecure_channel(f"127.0.0.1:{self.ports[name]}") as ch:
             stub = health_pb2_grpc.HealthStub(ch)
             self._poll(name, deadline, lambda: stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
-                       .status == health_pb2.HealthCheckResponse.SERVING)
+                       .status == health_pb2.HealthCheckResponse.SERVING, watch)
 
-    def wait_registered(self, timeout_s: float, expected: int | None = None) -> float:
+    def wait_registered(self, timeout_s: float, expected: int | None = None, watch: Iterable[str] = ()) -> float:
         """Until ``expected`` workers (default: every running one) are registered and
-        healthy; returns the seconds waited."""
+        healthy; returns the seconds waited. An exit of a process in ``watch`` ends the
+        wait with a RuntimeError."""
         from rhymerl import RolloutClient
 
         started = time.monotonic()
         expected = sum(self.is_running(w) for w in self.workers) if expected is None else expected
         with RolloutClient(self.scheduler_address, timeout_s=5, max_retries=0) as client:
             self._poll("scheduler", started + timeout_s,
-                       lambda: len([w for w in client.stats().workers if w.healthy]) >= expected)
+                       lambda: len([w for w in client.stats().workers if w.healthy]) >= expected, watch)
         return time.monotonic() - started
 
-    def _poll(self, name: str, deadline: float, ready) -> None:
+    def _poll(self, name: str, deadline: float, ready, watch: Iterable[str] = ()) -> None:
         while True:
-            if self.procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited; see {self.log_dir / (name + '.log')}:\n{self.tail(name)}")
+            for other in [name, *watch]:
+                if self.procs[other].poll() is not None:
+                    raise RuntimeError(f"{other} exited; see {self.log_dir / (other + '.log')}:\n{self.tail(other)}")
             try:
                 if ready():
                     return

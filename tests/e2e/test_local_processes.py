@@ -153,3 +153,16 @@ def test_samples_streamed_while_redis_was_down_are_replayed_after_a_restart_and_
             again = client.rollout("outage", ps, n=4, sampling=params)
             assert client.stats().num_generated_tokens == 0  # nothing generated again
         assert {s.key: (s.policy_version, s.token_ids) for s in again.samples} == seen
+
+
+def test_a_worker_that_exits_at_start_is_said_at_once_not_as_the_scheduler_not_ready(tmp_path):
+    """The scheduler is ready only once a worker serves, so a worker that could not start
+    (here: no checkpoint) kept `start` polling the scheduler until its deadline, which
+    then said "scheduler not ready; see .../scheduler.log": the worker's one error line,
+    in its own log, was never shown. `start` watches every process it started."""
+    cluster = LocalCluster(model_dir=str(tmp_path / "no-model"), num_workers=1, log_dir=tmp_path / "logs")
+    with pytest.raises(RuntimeError, match="worker-0 exited") as caught:
+        cluster.start(timeout_s=240)
+    cluster.stop()
+    assert "Error: rhymerl worker could not start" in str(caught.value) and "no-model" in str(caught.value)
+    assert all(proc.poll() is not None for proc in cluster.procs.values())

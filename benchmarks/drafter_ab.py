@@ -39,7 +39,7 @@ from benchmarks.drafter_bench import COMMITTED
 from benchmarks.provenance import cpu_name, git_commit
 from benchmarks.report import markdown_table, write_results
 from services.rollout.drafter import DrafterConfig
-from services.rollout.drafter.compiled import CompiledDrafter
+from services.rollout.drafter.compiled import CompiledDrafter, DrafterLibraryError, load_library
 from services.rollout.drafter.native import build as native_build
 from services.rollout.engine.cost_model import CostModel
 
@@ -203,9 +203,20 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("give each side one of --a / --a-rev and --b / --b-rev")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    R.check_trace_files(parser, args.traces)
     work = Path(tempfile.mkdtemp(prefix="drafter_ab_"))
-    lib_a = args.a or str(build_rev(args.a_rev, work / "liba.so"))
-    lib_b = args.b or str(build_rev(args.b_rev, work / "libb.so"))
+    libs = {}
+    for side in ("a", "b"):  # what cannot be built or loaded is a usage error naming its option
+        path, rev = getattr(args, side), getattr(args, f"{side}_rev")
+        try:
+            libs[side] = path or str(build_rev(rev, work / f"lib{side}.so"))
+            load_library(libs[side])
+        except subprocess.CalledProcessError as exc:
+            parser.error(f"--{side}-rev {rev}: {' '.join(exc.cmd[:2])} failed: "
+                         f"{(exc.stderr or b'').decode(errors='replace').strip() or f'exit status {exc.returncode}'}")
+        except DrafterLibraryError as exc:
+            parser.error(f"--{side} {path}: {str(exc).split(': run `make install`')[0]}")
+    lib_a, lib_b = libs["a"], libs["b"]
     config = DrafterConfig(cost_model=CostModel())  # the product configuration (drafter_bench's rhymerl row)
     rng = np.random.default_rng(0)
     load_before = os.getloadavg()[0]

@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only-trees", action="store_true",
                         help="only the draft-tree figures (the peer, rhymerl, rhymerl/tree): drafter_trees.{md,json}")
     args = parser.parse_args(argv)
+    R.check_trace_files(parser, args.traces)
     try:
         peer, peer_note = load_peer(), "built from the arctic-inference sdist"
     except PeerUnavailable as exc:

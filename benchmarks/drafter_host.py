@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    R.check_trace_files(parser, args.traces)
     load_before = os.getloadavg()[0]
     replays = measure(args.rounds, args.traces)
     summary = {

@@ -21,12 +21,14 @@ tail columns count only the steps with at most `TAIL_BATCH` sequences left.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 
@@ -184,6 +186,14 @@ def synthetic_traces(num_prompts: int = 8, num_epochs: int = 4, num_samples: int
                     option[int(rng.integers(2, len(option)))] = int(rng.choice(topic))
             parents = chosen_this_epoch
     return traces
+
+
+def check_trace_files(parser: argparse.ArgumentParser, paths: list[str] | None) -> None:
+    """A trace file that is not there is a usage error naming it, before anything runs (not
+    a FileNotFoundError traceback once the replays before it were done)."""
+    missing = [path for path in paths or [] if not Path(path).is_file()]
+    if missing:
+        parser.error(f"--traces: no such file: {', '.join(missing)}")
 
 
 def load_traces(path: str) -> list[Trace]:

@@ -91,3 +91,30 @@ def test_a_revision_is_built_from_its_own_sources_with_the_release_flags(tmp_pat
     argv = AB.release_command(source, tmp_path / "lib.so")
     release = native_build.command(tmp_path / "lib.so")
     assert argv[0] == release[0] and sorted(argv) == sorted(release[:-1] + [str(source)])
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--a", "{missing}", "--b", "{lib}"], "--a {missing}: the compiled drafter library {missing} is missing"),
+    (["--a", "{lib}", "--b", "{garbage}"], "--b {garbage}: the compiled drafter library {garbage} does not load"),
+    (["--a-rev", "no-such-rev", "--b", "{lib}"], "--a-rev no-such-rev: git show failed: fatal: invalid object"),
+    (["--a", "{lib}", "--b", "{lib}", "--traces", "{missing}"], "--traces: no such file: {missing}"),
+])
+def test_a_library_revision_or_trace_set_that_is_not_there_is_one_usage_line(argv, says, tmp_path, capsys):
+    """Each was a traceback (a DrafterLibraryError advising RHYMERL_WORKER_DRAFTER, a
+    CalledProcessError of git show, a FileNotFoundError), some after a build had run."""
+    (tmp_path / "garbage.so").write_text("not a library")
+    names = {"lib": str(library_path()), "missing": str(tmp_path / "missing"), "garbage": str(tmp_path / "garbage.so")}
+    with pytest.raises(SystemExit) as exit_:
+        AB.main([a.format(**names) for a in argv] + ["--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert f"error: {says.format(**names)}" in capsys.readouterr().err.replace("\n", " ")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("module", ["drafter_bench", "drafter_host"])
+def test_the_other_drafter_benchmarks_name_a_missing_trace_set_too(module, tmp_path, capsys):
+    main = __import__(f"benchmarks.{module}", fromlist=["main"]).main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--traces", str(tmp_path / "missing.npz"), "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert f"error: --traces: no such file: {tmp_path / 'missing.npz'}" in capsys.readouterr().err

@@ -39,8 +39,10 @@ class LocalRunSettings(BaseSettings):
     record: str = Field("", description="Write every rollout to this trace file (.npz); empty: not recorded.")
     resume: bool = Field(False, description="Continue the --record run from its last finished step (its state is kept "
                                             "beside the trace file), against the services started now.")
-    step_timeout_s: float = Field(600.0, gt=0, description="The trainer's deadline per rollout call (the SDK retries "
-                                                           "a step 3 times): raise it for long steps on a CPU.")
+    step_timeout_s: float = Field(600.0, gt=0, description="The trainer's deadline per rollout call (the SDK's "
+                                                           "timeout_s: a whole step's stream; an unanswered call is "
+                                                           "re-sent for up to 2 minutes): raise it for long steps on "
+                                                           "a CPU.")
     worker_threads: int = Field(1, ge=1, description="Torch threads of each worker process (OMP_NUM_THREADS).")
     max_num_seqs: int = Field(64, ge=1, description="Sequences each worker decodes at once.")
     kv_blocks: int = Field(1024, ge=1, description="KV-cache blocks of 16 tokens per worker (a real model's long "

@@ -170,3 +170,15 @@ def test_the_readmes_sharded_schedulers_on_one_machine_bind_ports_of_their_own()
                 who = f"line {i + 1} ({command}) --{field.replace('_', '-')}"
                 assert port not in owners, f"{who} binds {port}, as {owners[port]} does"
                 owners[port] = who
+
+
+def test_docs_vllm_names_every_setting_refused_with_engine_vllm():
+    """docs/vllm.md's list of the settings refused with ENGINE=vllm is VLLM_IGNORES (it had
+    left out TREE_DRAFTS and OVERLAP, which the worker refuses too)."""
+    from pathlib import Path
+
+    from services.rollout.settings import VLLM_IGNORES
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "vllm.md").read_text()
+    (paragraph,) = [block for block in text.split("\n\n") if "are refused with `ENGINE=vllm`" in block]
+    assert [name for name in VLLM_IGNORES if f"`{name.upper()}`" not in paragraph] == []

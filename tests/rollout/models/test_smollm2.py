@@ -103,3 +103,22 @@ def test_history_speculation_equals_plain_decoding(model, prompts):
         assert drafted[f"r{i}"].token_ids == plain[f"r{i}"].token_ids
         assert drafted[f"r{i}"].logprobs == plain[f"r{i}"].logprobs
     assert engine.metrics.counters.num_accepted_tokens > 0
+
+
+# docs/sampling.md's bound for SmolLM2 in the default mode. It said 1e-5 for every model,
+# which held on the 2-layer test model only: SmolLM2's 30 layers gave up to 3e-5.
+DEFAULT_MODE_TOLERANCE = 1e-4
+
+
+def test_default_mode_logprobs_are_within_the_documented_tolerance_of_the_reference(model, prompts):
+    """Default mode (not batch-invariant), two samples batched: the trainer's reference is
+    within the tolerance docs/sampling.md states for this model."""
+    sampling = SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS)
+    outputs, _ = rollout(model, [request(i, p, 1.0) for i, p in enumerate(prompts[:2])], batch_invariant=False)
+    got = [outputs[f"r{i}"] for i in range(2)]
+    expected = reference_logprobs(model, [(p, o.token_ids) for p, o in zip(prompts, got)], sampling)
+    worst = 0.0
+    for out, want in zip(got, expected):
+        assert len(out.logprobs) == len(want) == len(out.token_ids) > 0
+        worst = max([worst, *(abs(a - b) for a, b in zip(out.logprobs, want))])
+    assert worst <= DEFAULT_MODE_TOLERANCE, worst

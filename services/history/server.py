@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 from rhymerl.v1 import history_pb2, history_pb2_grpc
 
 from services.common import metrics
-from services.common.errors import grpc_errors
+from services.common.errors import SettingError, Unavailable, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.redis_server import EmbeddedRedis
 from services.history.recent import RecentResponses, pack
@@ -100,7 +101,7 @@ async def start_history(settings: HistorySettings) -> tuple[Server, int, Callabl
         the store and stops the private redis-server.
 
     Raises:
-        Unavailable: the configured Redis does not answer.
+        SettingError: the configured Redis did not answer within ``redis_start_wait_s``.
     """
     embedded = None
     url = settings.redis_url
@@ -115,7 +116,7 @@ async def start_history(settings: HistorySettings) -> tuple[Server, int, Callabl
             embedded.stop()
 
     try:
-        await store.ping()
+        await _wait_for_redis(store, settings.redis_start_wait_s)
         server = Server([(history_pb2_grpc.add_HistoryServiceServicer_to_server, HistoryServicer(store))],
                         [SERVICE_NAME], tls=settings.tls(), health_port=settings.health_port)
         port = await server.start(settings.host, settings.port)
@@ -132,6 +133,26 @@ async def start_history(settings: HistorySettings) -> tuple[Server, int, Callabl
 
     log.info("history service on %s:%d (%s, K=%d)", settings.host, port, store.where, settings.num_epochs)
     return server, port, cleanup
+
+
+async def _wait_for_redis(store: HistoryStore, wait_s: float) -> None:
+    """Until Redis answers a PING, retried every second for up to ``wait_s``: a service
+    started beside its Redis (compose, a chart's bundled one, a node restarting both) waits
+    for it instead of exiting into a crash loop. A Redis that answers with an error (a
+    wrong password) fails at once: waiting would not fix it."""
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            await store.ping()
+            return
+        except Unavailable as exc:
+            if time.monotonic() >= deadline:
+                raise SettingError("redis_url", f"Redis did not answer within {wait_s:g} s "
+                                                f"(redis_start_wait_s): {exc}") from None
+            if not said:
+                log.warning("%s; waiting up to %g s for it (redis_start_wait_s)", exc, wait_s)
+                said = True
+        await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 async def _follow_redis(server: Server, store: HistoryStore) -> None:

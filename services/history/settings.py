@@ -19,6 +19,12 @@ class HistorySettings(TLSSettings):
     num_epochs: int = Field(4, ge=1, description="Epochs (K) kept per prompt; older ones are deleted on write.")
     ttl_seconds: int = Field(DEFAULT_TTL_SECONDS, ge=1, description="A prompt's keys expire this long after its last write.")
     key_prefix: str = Field(DEFAULT_PREFIX, description="Prefix of every Redis key (no braces: the hash tag is the prompt).")
+    redis_start_wait_s: float = Field(
+        60.0, ge=0, le=3600,
+        description="At start, how long to wait for a configured Redis that does not answer yet (a bundled Redis "
+                    "starting beside this pod, a node restart): retried every second, then the service exits with "
+                    "one line naming redis_url. 0: exit at once. (Once serving, an outage makes it NOT_SERVING, "
+                    "never exit.)")
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Socket connect/read timeout towards Redis: a dead Redis fails a call, never hangs it.")
 

@@ -257,6 +257,42 @@ async def test_dead_redis_gives_unavailable_quickly():
 
 
 @run_async
+async def test_a_history_started_before_its_redis_waits_for_it_then_serves():
+    """Started beside its Redis (compose, the chart's bundled one, a node restarting both):
+    it waited for nothing and exited, into a crash loop, until Redis was up."""
+    port = free_port()
+    redis_server = EmbeddedRedis(port=port)
+
+    async def redis_later():
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(redis_server.start)
+
+    later = asyncio.create_task(redis_later())
+    try:
+        async with history_service(f"redis://127.0.0.1:{port}/0", redis_timeout_s=1.0,
+                                   redis_start_wait_s=120) as address, HistoryClient(address) as client:
+            assert later.done()  # it served only once Redis answered
+            await client.put_rollouts([("p", "s1", 0, 0, [1, 2])])
+            assert len((await client.get_history(["p"]))["p"]) == 1
+    finally:
+        await later
+        redis_server.stop()
+
+
+@run_async
+async def test_a_redis_that_never_answers_ends_the_start_naming_the_setting():
+    from services.common.errors import SettingError
+
+    started = time.monotonic()
+    with pytest.raises(SettingError) as err:
+        async with history_service(f"redis://127.0.0.1:{free_port()}/0", redis_timeout_s=1.0,
+                                   redis_start_wait_s=1.0):
+            pass
+    assert err.value.setting == "redis_url" and "did not answer within 1 s" in str(err.value)
+    assert time.monotonic() - started < 60  # a hang guard: the wait is bounded
+
+
+@run_async
 async def test_readiness_follows_redis():
     """Breaks if the history service says SERVING while its Redis is down (every call
     would fail), or stays NOT_SERVING after Redis is back."""

@@ -65,22 +65,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.spec = common_pb2.SpecCounters()
         self._weights_lock = asyncio.Lock()
         metrics.weight_version.labels(component=worker_id).set(version)
+        # (once: the engine and its cache do not change; every work item is checked against it)
+        self.max_model_len = served_length(self.engine, self.config)
         if self.max_model_len < self.config.max_position_embeddings:
             log.warning("the engine holds sequences of at most %d tokens (its KV cache or its own limit), below the "
                         "model's %d: steps whose prompt + max_tokens exceed it are refused",
                         self.max_model_len, self.config.max_position_embeddings)
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest sequence (prompt + max_tokens) this worker serves, as it registers it:
-        the model's maximum length, the engine's own, and the tokens its KV cache holds (a
-        longer sample was admitted, generated until its chunk outgrew the cache, then aborted)."""
-        e = self.engine
-        limits = [self.config.max_position_embeddings, getattr(e, "max_model_len", 0) or 0]
-        bm = getattr(e, "block_manager", None)
-        if bm is not None:
-            limits.append(bm.num_blocks * bm.block_size)
-        return min(x for x in limits if x > 0)
 
     # --- Link --------------------------------------------------------------------
     @grpc_errors
@@ -290,6 +280,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             accepting=self.accepting)
 
 
+
+
+def served_length(engine, config) -> int:
+    """The longest sequence (prompt + max_tokens) a worker serves, as it registers it: the
+    model's maximum length, the engine's own, and the tokens its KV cache holds (a longer
+    sample was admitted, generated until its chunk outgrew the cache, then aborted)."""
+    limits = [config.max_position_embeddings, getattr(engine, "max_model_len", 0) or 0]
+    bm = getattr(engine, "block_manager", None)
+    if bm is not None:
+        limits.append(bm.num_blocks * bm.block_size)
+    return min(x for x in limits if x > 0)
 
 
 async def _outlive_cancellation(task: asyncio.Future) -> None:

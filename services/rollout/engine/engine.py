@@ -766,10 +766,10 @@ class LLMEngine:
         if not -2**63 <= req.seed < 2**63:
             raise ValueError(f"seed: {req.seed} does not fit in int64")
         check_sampling_values(req.temperature, req.top_p, req.top_k, req.min_p, req.max_tokens, req.min_tokens, "")
-        # the stop tokens masked before min_tokens, the model's EOS among them unless ignore_eos (Sequence's set)
-        masked = {t for t in req.stop_token_ids if 0 <= t < vocab} | (
-            set() if req.ignore_eos else {t for t in self.model.config.eos_token_ids if 0 <= t < vocab})
-        check_stops_leave_a_token(masked, req.min_tokens, vocab, "stop_token_ids")
+        if req.min_tokens > 0:  # the stop tokens masked until then, EOS among them unless ignore_eos (Sequence's set)
+            masked = {t for t in req.stop_token_ids if 0 <= t < vocab} | (
+                set() if req.ignore_eos else {t for t in self.model.config.eos_token_ids if 0 <= t < vocab})
+            check_stops_leave_a_token(masked, req.min_tokens, vocab, "stop_token_ids")
         if req.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode: {req.logprobs_mode!r} is not one of {LOGPROBS_MODES}")
         bm = self.block_manager

@@ -18,16 +18,16 @@ def check_drafter(settings: WorkerSettings) -> None:
         load_library()
 
 
-def load_policy(settings: WorkerSettings):
-    """The checkpoint at model_path, on the worker's device in its dtype. A device this
-    machine lacks, or a checkpoint that does not load (no config.json, invalid JSON, an
-    unsupported architecture, missing, truncated or mis-shaped weights) is a SettingError
-    naming the setting: one line at start (services/cli.py), not a bare exception."""
+def load_policy(settings: WorkerSettings, device):
+    """The checkpoint at model_path, on ``device`` (``loader.worker_device``: a device this
+    machine lacks is a SettingError there) in the worker's dtype. A checkpoint that does not
+    load (no config.json, invalid JSON, an unsupported architecture, missing, truncated or
+    mis-shaped weights) is a SettingError naming the setting: one line at start
+    (services/cli.py), not a bare exception."""
     from safetensors import SafetensorError
 
-    from services.rollout.loader import load_model, worker_device, worker_dtype
+    from services.rollout.loader import load_model, worker_dtype
 
-    device = worker_device(settings.device)
     dtype = None if settings.dtype == "auto" else settings.dtype
     try:
         return load_model(settings.model_path, device, dtype or worker_dtype(device))
@@ -52,8 +52,9 @@ def build_engine(settings: WorkerSettings, worker_id: str):
     # needs its library, which a worker without drafts does not (check_drafter lets it start).
     drafter = make_drafter(settings.drafter, DrafterConfig(max_draft_len=settings.max_draft_len,
                                                            tree=settings.tree_drafts)) if settings.speculative else None
+    device = worker_device(settings.device)
     engine = LLMEngine(
-        load_policy(settings), device=worker_device(settings.device), max_num_seqs=settings.max_num_seqs,
+        load_policy(settings, device), device=device, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens, num_kv_blocks=settings.num_kv_blocks or None,
         block_size=settings.block_size, drafter=drafter, speculative=settings.speculative,
         max_draft_len=settings.max_draft_len, worker_id=worker_id, batch_invariant=settings.batch_invariant,

@@ -164,13 +164,6 @@ class LLMEngine:
         self._calls = DeferredCalls()
         self.deferred_cost_per_step = deferred_cost_per_step
 
-    @classmethod
-    def from_path(cls, model_path, device="auto", dtype=None, **kw) -> "LLMEngine":
-        from services.rollout.loader import load_model, worker_dtype
-
-        dev = _resolve_device(device, None)
-        return cls(load_model(model_path, dev, dtype or worker_dtype(dev)), device=dev, **kw)
-
     @property
     def drafter(self) -> Drafter | None:
         """The drafter, None when drafting is off (the server loads history into it)."""

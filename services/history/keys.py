@@ -38,6 +38,9 @@ This module knows nothing about Redis connections or the wire format of RPCs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import AfterValidator
 
 DEFAULT_PREFIX = "rhymerl"
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600
@@ -51,6 +54,10 @@ def check_prefix(prefix: str) -> str:
     if not prefix or "{" in prefix or "}" in prefix:
         raise ValueError(f"key prefix must be non-empty and brace-free, got {prefix!r}")
     return prefix
+
+
+# A settings field holding a key prefix (history's, the scheduler's, the router's), checked as above.
+KeyPrefix = Annotated[str, AfterValidator(check_prefix)]
 
 
 def escape_id(prompt_id: str) -> str:

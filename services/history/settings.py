@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.security import TLSSettings
-from services.history.keys import DEFAULT_PREFIX, DEFAULT_TTL_SECONDS, HistoryKeys
+from services.history.keys import DEFAULT_PREFIX, DEFAULT_TTL_SECONDS, HistoryKeys, KeyPrefix
 
 
 class HistorySettings(TLSSettings):
@@ -18,7 +18,7 @@ class HistorySettings(TLSSettings):
     redis_url: str = Field("", description="redis://[user:password@]host:port/db; empty starts a private redis-server on a Unix socket.")
     num_epochs: int = Field(4, ge=1, description="Epochs (K) kept per prompt; older ones are deleted on write.")
     ttl_seconds: int = Field(DEFAULT_TTL_SECONDS, ge=1, description="A prompt's keys expire this long after its last write.")
-    key_prefix: str = Field(DEFAULT_PREFIX, description="Prefix of every Redis key (no braces: the hash tag is the prompt).")
+    key_prefix: KeyPrefix = Field(DEFAULT_PREFIX, description="Prefix of every Redis key (no braces: the hash tag is the prompt).")
     redis_start_wait_s: float = Field(
         60.0, ge=0, le=3600,
         description="At start, how long to wait for a configured Redis that does not answer yet (a bundled Redis "
@@ -27,12 +27,6 @@ class HistorySettings(TLSSettings):
                     "never exit.)")
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Socket connect/read timeout towards Redis: a dead Redis fails a call, never hangs it.")
-
-    @field_validator("key_prefix")
-    @classmethod
-    def _brace_free(cls, prefix: str) -> str:
-        HistoryKeys(prefix)  # raises on an empty prefix or one with braces
-        return prefix
 
     def keys(self) -> HistoryKeys:
         return HistoryKeys(prefix=self.key_prefix, ttl_seconds=self.ttl_seconds)

@@ -1,11 +1,11 @@
 """Step router settings (environment variables prefixed RHYMERL_ROUTER_)."""
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from pydantic_settings import SettingsConfigDict
 
 from services.common.security import TLSSettings
-from services.history.keys import check_prefix
+from services.history.keys import DEFAULT_PREFIX, KeyPrefix
 
 
 class RouterSettings(TLSSettings):
@@ -18,11 +18,12 @@ class RouterSettings(TLSSettings):
     registry_url: str = Field(
         "", description="Redis the scheduler shards announce themselves in (their RHYMERL_SCHEDULER_SHARD_REGISTRY_URL): "
                         "the router serves with every shard whose key is alive. Required.")
-    key_prefix: str = Field(
-        "rhymerl", description="Prefix of every Redis key this service writes (it reads the shards' registry keys under it and keeps its steps in flight there: the shards' RHYMERL_SCHEDULER_KEY_PREFIX); the same in every service "
-                        "of a release, as history's RHYMERL_HISTORY_KEY_PREFIX. Releases that share one Redis "
-                        "need different ones (their step ids, shard names and serving records would mix). "
-                        "Non-empty, no braces.")
+    key_prefix: KeyPrefix = Field(
+        DEFAULT_PREFIX, description="Prefix of every Redis key this service reads and writes (the shards' registry "
+                                    "keys, its steps in flight: the shards' RHYMERL_SCHEDULER_KEY_PREFIX); the same "
+                                    "in every service of a release, as history's RHYMERL_HISTORY_KEY_PREFIX. "
+                                    "Releases that share one Redis need different ones (their step ids, shard "
+                                    "names and serving records would mix). Non-empty, no braces.")
     refresh_s: float = Field(2.0, gt=0, description="How often the registry is read (shards joining, leaving, "
                                                     "their capacity and version).")
     window: float = Field(
@@ -60,8 +61,3 @@ class RouterSettings(TLSSettings):
     shard_auth_token: str = Field(
         "", description="Bearer token the router sends to the shards (one of their RHYMERL_SCHEDULER_AUTH_TOKENS); "
                         "empty: none.")
-
-    @field_validator("key_prefix")
-    @classmethod
-    def _key_prefix(cls, value: str) -> str:
-        return check_prefix(value)

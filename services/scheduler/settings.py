@@ -9,7 +9,7 @@ from services.common.gc_tuning import parse_thresholds
 from services.common.errors import InvalidArgument
 from services.common.security import TLSSettings
 from services.common.validation import check_host_port
-from services.history.keys import check_prefix
+from services.history.keys import DEFAULT_PREFIX, KeyPrefix
 from services.scheduler.policies import POLICIES
 
 
@@ -134,20 +134,16 @@ class SchedulerSettings(TLSSettings):
         "", description="The address the router dials (in Kubernetes the pod's IP and port); empty: host:port, or "
                         "this machine's address when host is 0.0.0.0.")
     shard_id: str = Field("", description="The shard's name in the registry (unique per shard); empty: its address.")
-    key_prefix: str = Field(
-        "rhymerl", description="Prefix of every Redis key this service writes (the step log, the serving version's record, a shard's registry key); the same in every service "
-                        "of a release, as history's RHYMERL_HISTORY_KEY_PREFIX. Releases that share one Redis "
-                        "need different ones (their step ids, shard names and serving records would mix). "
-                        "Non-empty, no braces.")
+    key_prefix: KeyPrefix = Field(
+        DEFAULT_PREFIX, description="Prefix of every Redis key this service writes (the step log, the serving "
+                                    "version's record, a shard's registry key); the same in every service of a "
+                                    "release, as history's RHYMERL_HISTORY_KEY_PREFIX. Releases that share one "
+                                    "Redis need different ones (their step ids, shard names and serving records "
+                                    "would mix). Non-empty, no braces.")
     shard_ttl_s: float = Field(
         10.0, gt=0, description="A shard's registry key outlives its last refresh (every min(shard_ttl_s / 3, 1 s)) "
                                 "this long: a hung or partitioned shard leaves the router's shards, and its groups run "
                                 "elsewhere, within this time.")
-
-    @field_validator("key_prefix")
-    @classmethod
-    def _key_prefix(cls, value: str) -> str:
-        return check_prefix(value)
 
     @field_validator("gc_thresholds")
     @classmethod

@@ -15,8 +15,8 @@ size; braces: one cluster slot), every write refreshing its TTL:
 
 (``<prefix>``: the setting ``key_prefix``, ``rhymerl`` unless releases share a Redis.)
 Beside the steps, ``<prefix>:serving`` (a shard's: ``<prefix>:serving:<shard id>``, each
-shard its own, since a push may reach one shard and not another) records the weight version a push made serving
-(its SHA-256 or the path it was loaded from): a restarted scheduler needs it as much as
+shard its own, since a push may reach one shard and not another) records the weight
+version a push made serving (its SHA-256 or the path it was loaded from): a restarted scheduler needs it as much as
 the samples (``serving.py``).
 
 While Redis does not answer, a sample waits for it: its write (and the step's record,
@@ -103,6 +103,9 @@ class StepLog:
         self._flusher: asyncio.Task | None = None
         self._closing = asyncio.Event()  # shutdown: nothing waits any more
 
+    def _key(self, step_id: str) -> str:
+        return step_key(step_id, self.prefix)
+
     @property
     def holding(self) -> bool:
         """Whether writes are waiting for Redis to answer again."""
@@ -133,7 +136,7 @@ class StepLog:
         read as never logged is generated again, what the trainer saw included)."""
         if self._client is None:
             return None
-        key = step_key(step_id, self.prefix)
+        key = self._key(step_id)
         for attempt in itertools.count():
             try:
                 if samples:
@@ -164,7 +167,7 @@ class StepLog:
         return logged
 
     async def open(self, step_id: str, fingerprint: str, prompt_ids: list[str], n: int) -> None:
-        await self._write(step_key(step_id, self.prefix), {"fp": fingerprint, "prompts": json.dumps([sorted(prompt_ids), n])})
+        await self._write(self._key(step_id), {"fp": fingerprint, "prompts": json.dumps([sorted(prompt_ids), n])})
 
     async def append(self, step_id: str, samples: list[tuple[tuple[str, int], bytes]]) -> bool:
         """Logs ((prompt_id, sample_index), serialized SampleResult) pairs. True once the
@@ -172,12 +175,12 @@ class StepLog:
         log is off)."""
         if not self.enabled:
             return False
-        return await self._write(step_key(step_id, self.prefix), {"s:" + json.dumps(list(key)): sample for key, sample in samples})
+        return await self._write(self._key(step_id), {"s:" + json.dumps(list(key)): sample for key, sample in samples})
 
     async def close(self, step_id: str, summary: rollout_pb2.StepSummary) -> None:
         """Not held (the trainer waits for the summary): a restarted scheduler that finds
         every sample logged but no summary replays them and writes it again."""
-        await self._write(step_key(step_id, self.prefix), {"summary": summary.SerializeToString()}, hold=False)
+        await self._write(self._key(step_id), {"summary": summary.SerializeToString()}, hold=False)
 
     async def save_serving(self, version: int, sha256: str, path: str) -> bool:
         """True once it is in Redis (False: Redis down or no log). Not held (a push waits

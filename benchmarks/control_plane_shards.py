@@ -102,10 +102,9 @@ class RouterProcess:
 def wait_announced(registry_url: str, shards: int, capacity: int, timeout_s: float = 60.0) -> None:
     """Until ``shards`` shards announce ``capacity`` slots each."""
     client = redis.Redis.from_url(registry_url)
-    deadline = time.monotonic() + timeout_s
+    deadline, prefix = time.monotonic() + timeout_s, shard_prefix()
     try:
         while True:
-            prefix = shard_prefix()
             infos = [ShardInfo.decode(raw) for raw in client.mget(client.keys(prefix + "*") or [prefix]) if raw]
             if len(infos) == shards and all(i.capacity == capacity for i in infos):
                 return

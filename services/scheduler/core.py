@@ -85,6 +85,8 @@ class SchedulerCore:
 
     # --- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
+        # exported from the start (0, or the version its record restored), not from the first change
+        metrics.weight_version.labels(component="scheduler").set(self.policy_version)
         self._loop_task = asyncio.create_task(self._dispatch_loop())
 
     async def stop(self) -> None:

@@ -40,6 +40,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -96,7 +97,8 @@ class StepLog:
             self._client = aioredis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
             self._errors = (RedisError, *self._errors)
             self._reconnect_errors = (RedisConnectionError, *self._reconnect_errors)
-        self.ttl_s, self.timeout_s, self.retry_s, self.hold_s = int(ttl_s), timeout_s, retry_s, hold_s
+        # (whole seconds, at least one: EXPIRE 0 would delete each key as it is written)
+        self.ttl_s, self.timeout_s, self.retry_s, self.hold_s = max(1, math.ceil(ttl_s)), timeout_s, retry_s, hold_s
         self._down_until = 0.0  # writes skipped until then (an outage longer than ``hold_s``)
         self._outage_since: float | None = None  # the first failure since Redis last answered
         self._pending: list[tuple[str, dict, asyncio.Future, bool]] = []  # (key, fields, done, held)
@@ -184,7 +186,9 @@ class StepLog:
 
     async def save_serving(self, version: int, sha256: str, path: str) -> bool:
         """True once it is in Redis (False: Redis down or no log). Not held (a push waits
-        on it): the watchdog writes it again until Redis takes it."""
+        on it): the watchdog writes it again until Redis takes it. Kept without a TTL (the
+        step log's would drop it after a quiet spell: a restarted scheduler then had no
+        source to catch workers that restart on older weights up from)."""
         return await self._write(self.serving_key, {"version": str(version), "sha256": sha256, "path": path},
                                  hold=False)
 
@@ -229,7 +233,10 @@ class StepLog:
         pipe = self._client.pipeline(transaction=False)
         for key, mapping, _, _ in batch:
             pipe.hset(key, mapping=mapping)
-            pipe.expire(key, self.ttl_s)
+            if key == self.serving_key:  # kept until the next push: it must outlive any quiet spell
+                pipe.persist(key)  # (one written with a TTL by an earlier release loses it)
+            else:
+                pipe.expire(key, self.ttl_s)
         await asyncio.wait_for(pipe.execute(), self.timeout_s * 5)
 
     async def _flush(self) -> None:

@@ -78,3 +78,27 @@ async def test_the_first_write_after_a_redis_restart_is_not_skipped():
     finally:
         await log.shutdown()
         server.stop()
+
+
+@run_async
+async def test_the_serving_record_has_no_ttl_and_a_sub_second_ttl_keeps_the_log(clean_redis):
+    """The serving version's record lives until the next push, not step_log_ttl_s: it
+    used to expire with the steps (24 h by default), after which a restarted scheduler
+    could not catch a worker restarted on older weights up (tests/e2e/test_serving_record.py).
+    A TTL under a second (allowed: gt=0) was truncated to EXPIRE 0, which deleted every
+    step's log as it was written."""
+    import redis.asyncio as aioredis
+
+    log = StepLog(clean_redis, ttl_s=0.5)
+    store = aioredis.Redis.from_url(clean_redis)
+    try:
+        await store.hset("rhymerl:serving", "version", "0")
+        await store.expire("rhymerl:serving", 3600)  # as written by a release with the TTL
+        assert await log.save_serving(3, "cc" * 32, "")
+        assert await store.ttl("rhymerl:serving") == -1 and (await log.load_serving())[0] == 3
+        await log.open("s", "fp", ["p"], 1)
+        assert (await log.load("s")).fingerprint == "fp"
+        assert 0 < await store.ttl(step_key("s")) <= 1
+    finally:
+        await store.aclose()
+        await log.shutdown()

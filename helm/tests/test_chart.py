@@ -289,9 +289,13 @@ def test_termination_grace_covers_the_drain(default_objects, gpu_objects, render
     for objects in (default_objects, gpu_objects):
         worker = workload(objects, "worker")
         drain = float(env_of(container(worker))["RHYMERL_WORKER_DRAIN_TIMEOUT_S"])
-        assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain
+        # the deregistration (up to 5 s) and the server's stop (1 s) come on top of the drain
+        assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= drain + 10
     with pytest.raises(RenderError, match="terminationGracePeriodSeconds"):
         render(set={"worker.drainTimeoutS": 300, "worker.terminationGracePeriodSeconds": 60})
+    with pytest.raises(RenderError, match="drainTimeoutS \\+ 10"):  # equal: SIGKILL at the drain's end
+        render(set={"worker.drainTimeoutS": 80.5, "worker.terminationGracePeriodSeconds": 90})
+    render(set={"worker.drainTimeoutS": 80, "worker.terminationGracePeriodSeconds": 90})
 
 
 def test_worker_replicas_is_the_scaling_knob(render, default_objects):

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, None: common_pb2.FINISH_REASON_UNSPECIFIED}
 _END = object()  # the scheduler closed its side of a Link stream
+_CLOSE = object()  # this worker ends its Link streams (its drain is over): what they hold runs elsewhere
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -61,6 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.feed = feed  # the drafter's global index: finished samples + the history stream
         self.accepting = True
         self.num_items = 0  # in the engine from Link streams (a drain waits for them)
+        self._links: set[asyncio.Queue] = set()  # the open Link streams' sinks (close_links)
         self.num_generated_tokens = 0
         self.spec = common_pb2.SpecCounters()
         self._weights_lock = asyncio.Lock()
@@ -83,9 +85,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         sink: asyncio.Queue = asyncio.Queue()
         pending: dict[str, object] = {}  # request_id -> EngineRequest, in the engine
         reader = asyncio.create_task(self._take(request_iterator, sink, pending))
+        self._links.add(sink)
         try:
-            closing = False
-            while not (closing and not pending):
+            closing = ended = False
+            while not (closing and not pending) and not ended:
                 outs = [await sink.get()]
                 while not sink.empty():
                     outs.append(sink.get_nowait())
@@ -93,6 +96,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 for out in outs:
                     if out is _END:
                         closing = True
+                    elif out is _CLOSE:
+                        ended = True
                     elif isinstance(out, BaseException):
                         raise out  # the reader's own failure, or the engine's beyond one item
                     elif isinstance(out, worker_pb2.ChunkResult):  # a refusal
@@ -102,11 +107,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 if results:
                     yield worker_pb2.LinkResponse(results=results)
         finally:
+            self._links.discard(sink)
             reader.cancel()
             for rid in pending:
                 self.loop.abort(rid)
             self.num_items -= len(pending)
             pending.clear()
+
+    def close_links(self) -> None:
+        """Ends every open Link stream with OK once the results ready are written: the
+        scheduler runs what a stream held elsewhere (as when the scheduler closes it), and
+        the server's stop has no handler left to cancel (gRPC logged each one it cancelled
+        as an ERROR with a traceback)."""
+        for sink in self._links:
+            sink.put_nowait(_CLOSE)
 
     async def _take(self, request_iterator, sink: asyncio.Queue, pending: dict) -> None:
         """Reads the scheduler's batches into the engine; _END when it closed its side."""
@@ -345,6 +359,7 @@ async def start_worker(settings: WorkerSettings, engine=None):
         deadline = time.monotonic() + settings.drain_timeout_s
         while servicer.num_items and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        servicer.close_links()  # what is still running is given back (the scheduler re-queues it)
         if registration is not None:
             registration.cancel()
         await server.stop(grace=1.0)

@@ -123,6 +123,17 @@ def test_logprobs_vllm_cannot_return_are_refused_per_sample_naming_the_field(cli
     assert all(not s.error and len(s.logprobs) == len(s.token_ids) == 8 for s in ok.samples), [(s.error, len(s.logprobs), len(s.token_ids), s.finish_reason) for s in ok.samples]
 
 
+def test_min_tokens_longer_than_a_chunk_runs_with_stop_tokens_masked_across_chunks(client):
+    # chunks of 8 tokens, min_tokens 13: vLLM refuses a request whose min_tokens exceeds its
+    # max_tokens (the chunk's budget), which aborted every such sample with no token
+    stops = (5, 7, 9)
+    params = SamplingParams(temperature=1.0, max_tokens=24, min_tokens=13, stop_token_ids=stops, seed=2)
+    result = client.rollout("min-tokens", prompts(2, offset=400), n=3, sampling=params)
+    for s in result.samples:
+        assert not s.error and s.finish_reason in ("stop", "length"), (s.error, s.finish_reason)
+        assert 13 <= len(s.token_ids) <= 24 and not set(stops) & set(s.token_ids[:13]), s.token_ids
+
+
 def test_weight_push_and_load_swap_vllm_weights_with_the_version_reported(client, cluster, tmp_path):
     from safetensors.torch import load, save
 

@@ -42,10 +42,18 @@ def check_logprobs_mode(req: EngineRequest, vocab_size: int) -> None:
     that is rhymerl's raw and processed alike; with filters it is processed, except
     that vLLM applies min_p before top-k/top-p and rhymerl after.
     """
-    if not req.logprobs or req.temperature == 0:  # greedy: T' = 1, no filter applies
+    if not req.logprobs:
         return
     topk = 0 < req.top_k < vocab_size
     topp = req.top_p < 1.0
+    if req.temperature == 0:
+        # greedy: T' = 1; vLLM returns log softmax(logits) over the whole vocabulary (it
+        # samples greedy requests without the filters): rhymerl's raw, not its processed
+        if req.logprobs_mode == "processed" and (topk or topp or req.min_p > 0):
+            raise ValueError("logprobs_mode: processed logprobs of greedy samples with top_k / top_p / min_p are "
+                             "not available on a vLLM worker (it returns them over the whole vocabulary); ask "
+                             "for raw or drop the filters")
+        return
     if req.logprobs_mode == "raw" and (topk or topp or req.min_p > 0):
         raise ValueError("logprobs_mode: raw logprobs with top_k / top_p / min_p are not available on a vLLM "
                          "worker (its logprobs mode is engine-wide); ask for processed or drop the filters")
@@ -54,6 +62,20 @@ def check_logprobs_mode(req: EngineRequest, vocab_size: int) -> None:
                          "vLLM worker (it applies min_p first, rhymerl last)")
     if req.logprobs_mode not in ("raw", "processed"):
         raise ValueError(f"logprobs_mode: {req.logprobs_mode!r} is not one of ('raw', 'processed')")
+
+
+# vLLM's SamplingParams raises any temperature in (0, 0.01) to 0.01 (vllm.sampling_params._MAX_TEMP)
+MIN_VLLM_TEMPERATURE = 1e-2
+
+
+def check_temperature(req: EngineRequest) -> None:
+    """Refuse a temperature vLLM would not sample at: below 0.01 (greedy, 0, aside) its
+    SamplingParams silently samples at 0.01 instead, and returns logprobs at 0.01. 0.01 itself
+    passes as the wire's float32 gives it (0.0099999998), which vLLM raises by a rounding error."""
+    if 0 < req.temperature < MIN_VLLM_TEMPERATURE * (1 - 1e-6):
+        raise ValueError(f"temperature: {req.temperature:g} is below {MIN_VLLM_TEMPERATURE:g}, which a vLLM worker "
+                         f"samples at {MIN_VLLM_TEMPERATURE:g} (vLLM raises it); ask for 0 (greedy) or at least "
+                         f"{MIN_VLLM_TEMPERATURE:g}")
 
 
 @dataclass
@@ -97,12 +119,17 @@ class VllmEngine:
         context = list(req.prompt_token_ids) + list(req.generated_token_ids)
         if len(context) + req.max_new_tokens > self.max_model_len:
             raise ValueError(f"max_new_tokens: the chunk would pass the maximum length {self.max_model_len}")
+        check_temperature(req)
         check_logprobs_mode(req, self.model.config.vocab_size)
         stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(self.eos_token_ids))
+        # The sample's min_tokens left after its earlier chunks, at most this chunk's budget: vLLM
+        # refuses min_tokens > max_tokens (VLLMValidationError, every sample of a step whose
+        # min_tokens exceeds the chunk aborted), and masking the whole chunk is what it means.
+        min_tokens = min(max(0, req.min_tokens - len(req.generated_token_ids)), req.max_new_tokens)
         params = SamplingParams(
             n=1, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
             seed=chunk_seed(req.seed, len(req.generated_token_ids)), max_tokens=req.max_new_tokens,
-            min_tokens=max(0, req.min_tokens - len(req.generated_token_ids)), stop_token_ids=sorted(stops),
+            min_tokens=min_tokens, stop_token_ids=sorted(stops),
             ignore_eos=req.ignore_eos, logprobs=0 if req.logprobs else None, detokenize=False,
             output_kind=RequestOutputKind.CUMULATIVE)
         vllm_id = self.llm.add_request(req.request_id, {"prompt_token_ids": context}, params)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 import types
 
 import pytest
@@ -239,3 +240,51 @@ def test_a_failing_drafter_costs_speed_never_samples(engine, failing):
     assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
     assert all(len(o.token_ids) == 16 for o in drafted)
     assert Flaky.calls > 0 and proposer.num_drafter_errors > errors
+
+
+def test_a_chunk_shorter_than_the_min_tokens_left_masks_its_stop_tokens_instead_of_failing(engine):
+    """Divided rollout hands the engine chunks of chunk_tokens; a sample's min_tokens may be
+    longer than one (min_tokens 10, chunks of 4). vLLM refuses min_tokens > max_tokens, which
+    aborted every such sample with no token; the chunk must instead run with its stop tokens
+    masked throughout, and the next chunk with what is left of min_tokens."""
+    plain = sampled(engine, [0], 12, temperature=0.0)[0].token_ids
+    stops = frozenset(plain[:6])  # the tokens greedy picks first: masking them changes the output
+    first = sampled(engine, [0], 4, temperature=0.0, min_tokens=10, stop_token_ids=stops)[0]
+    assert len(first.token_ids) == 4 and first.finish_reason is None, first
+    assert not stops & set(first.token_ids)
+    second = sampled(engine, [0], 8, temperature=0.0, min_tokens=10, stop_token_ids=stops,
+                     generated_token_ids=first.token_ids)[0]
+    assert len(second.token_ids) >= 6 and not stops & set(second.token_ids[:6]), second
+
+
+def test_a_temperature_vllm_would_raise_to_its_floor_is_refused_naming_it(engine):
+    """vLLM's SamplingParams samples any temperature in (0, 0.01) at 0.01, logprobs included,
+    without a word: a T = 0.005 sample would not be the one asked for. The engine refuses it
+    (the worker returns the sample's error), and still runs 0 (greedy) and 0.01."""
+    from vllm import SamplingParams as VllmParams
+
+    assert VllmParams(temperature=0.005).temperature == 0.01  # what the refusal guards against
+    with pytest.raises(ValueError, match=r"^temperature: 0\.005 is below 0\.01"):
+        engine.add_request(dataclasses.replace(request("t-low", PROMPT, seed=1, max_new=4), temperature=0.005))
+    assert not engine.has_unfinished()
+    for t in (0.0, 0.01, struct.unpack("<f", struct.pack("<f", 0.01))[0]):  # 0.01 as the wire's float32 has it
+        out = sampled(engine, [1], 4, temperature=t)[0]
+        assert len(out.token_ids) == 4, (t, out)
+
+
+def test_processed_logprobs_of_greedy_samples_under_a_filter_are_refused(engine, policy):
+    """Greedy (T' = 1) with top_k and processed logprobs: rhymerl's logprob is over the top-k
+    tokens, renormalised; vLLM samples greedy requests without the filters and returns the
+    logprob over the whole vocabulary (rhymerl's raw), so the request is refused naming
+    logprobs_mode; raw logprobs of the same greedy sample are the reference's."""
+    from services.rollout.engine.logprobs import reference_logprobs
+
+    _, model = policy
+    greedy = dict(temperature=0.0, top_k=3)
+    with pytest.raises(ValueError, match=r"^logprobs_mode: processed logprobs of greedy samples"):
+        engine.add_request(dataclasses.replace(request("g-proc", PROMPT, seed=1, max_new=4), **greedy,
+                                               logprobs_mode="processed"))
+    assert not engine.has_unfinished()
+    out = sampled(engine, [1], 4, **greedy, logprobs_mode="raw")[0]
+    want = reference_logprobs(model, [(PROMPT, out.token_ids)], SamplingParams(**greedy, logprobs_mode="raw"))[0]
+    assert out.logprobs == pytest.approx(want, abs=1e-4)

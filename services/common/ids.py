@@ -46,6 +46,15 @@ _INT63 = (1 << 63) - 1
 
 
 def _seed_prefix(step_seed: int | None, step_id: str, prompt_id: str) -> bytes:
-    # The two key spaces cannot collide: a step id is tagged, a seed is a bare integer.
-    key = f"{step_seed}:{prompt_id}:" if step_seed is not None else f"step={step_id}:{prompt_id}:"
+    # The key spaces cannot collide: a seed is a bare integer, a step id is tagged. A step id
+    # without ":" ends at the first ":" (the key every release has made). One with ":" goes
+    # with its length, under a tag of its own: ("run:1", "p") and ("run", "1:p") were one key,
+    # the same noise for two steps' samples. A prompt id runs to the last ":" (the sample
+    # index after it has none).
+    if step_seed is not None:
+        key = f"{step_seed}:{prompt_id}:"
+    elif ":" in step_id:
+        key = f"step/{len(step_id)}:{step_id}:{prompt_id}:"
+    else:
+        key = f"step={step_id}:{prompt_id}:"
     return key.encode()

@@ -66,3 +66,14 @@ def test_seeds_are_what_they_always_were():
     assert sample_seeds(1, "step-a", "p0", 16)[::15] == [8821235516785756605, 3267960237421979581]
     assert sample_seed(None, "step-a", "p0", 3) == 8927055582713361698
     assert sample_seed(2**64 - 1, "x", "é/1", 7) == 4087926543693849309
+
+
+def test_ids_with_colons_never_share_a_samples_noise():
+    """Step and prompt ids may hold ":": ("run:1", "p") and ("run", "1:p") drew the same
+    noise for their samples when no seed was set, and a step id with ":" must not fall on
+    one without (the key every release made for those stays, pinned above)."""
+    pairs = [("run:1", "p"), ("run", "1:p"), ("5", "run:1:p"), ("run:1:p", ""), ("r", "un:1:p"),
+             ("step/5", "run:1:p"), ("7", "run:1:p")]
+    for index in (0, 12):
+        seeds = [sample_seed(None, step_id, prompt_id, index) for step_id, prompt_id in pairs]
+        assert len(set(seeds)) == len(pairs), list(zip(pairs, seeds))

@@ -76,6 +76,7 @@ class LocalCluster(StartStop):
             kill -9 loses nothing written) that history and the scheduler's step log
             share; otherwise history embeds a private one and the step log is off.
         extra_env: environment for every process (after the defaults).
+        worker_env: per worker name, environment over extra_env.
     """
 
     model_dir: str
@@ -151,8 +152,9 @@ class LocalCluster(StartStop):
         return self
 
     def _spawn_service(self, name: str, command: str, env: dict, own: dict | None = None) -> None:
-        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env, **(own or {})}
-        if {**env, **self.extra_env}.get("RHYMERL_WORKER_ENGINE") == "vllm":
+        # a worker's own (worker_env) over extra_env over the defaults
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env, **self.extra_env, **(own or {})}
+        if env.get("RHYMERL_WORKER_ENGINE") == "vllm":
             from services.rollout.vllm_engine.builder import intel_openmp_env
 
             env = intel_openmp_env(env)
@@ -160,7 +162,7 @@ class LocalCluster(StartStop):
 
     def _spawn(self, name: str, argv: list[str], env: dict) -> None:
         self.commands[name] = (argv, env)
-        full_env = {**os.environ, **{k: str(v) for k, v in env.items()}, **self.extra_env}
+        full_env = {**os.environ, **self.extra_env, **{k: str(v) for k, v in env.items()}}
         log = open(self.log_dir / f"{name}.log", "a")
         # (tied: a launcher killed with SIGKILL, or a test run cut short, leaves no service behind)
         self.procs[name] = spawn_tied(argv, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)

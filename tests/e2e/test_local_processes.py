@@ -4,6 +4,7 @@ health, registration, /metrics, and a worker that drains on SIGTERM."""
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 from rhymerl import Prompt, RolloutClient, SamplingParams
@@ -179,10 +180,12 @@ def test_a_worker_whose_drain_times_out_gives_its_sequences_back_without_a_trace
     # 8 sequences at a time per worker: the step's 32 run in waves, so the first sample comes
     # back while the next wave runs
     cluster = LocalCluster(model_dir=str(model), num_workers=2, chunk_tokens=2048, log_dir=tmp_path / "logs",
-                           extra_env={"RHYMERL_WORKER_MAX_NUM_SEQS": "8"},
-                           worker_env={"worker-1": {"RHYMERL_WORKER_DRAIN_TIMEOUT_S": "0.3"}})
+                           extra_env={"RHYMERL_WORKER_MAX_NUM_SEQS": "8", "RHYMERL_WORKER_DRAIN_TIMEOUT_S": "60"},
+                           worker_env={"worker-1": {"RHYMERL_WORKER_DRAIN_TIMEOUT_S": "0.3"}})  # (a worker's own wins)
     params = SamplingParams(temperature=1.0, max_tokens=300, seed=3, ignore_eos=True)
     with cluster, RolloutClient(cluster.scheduler_address, timeout_s=240) as client:
+        environ = Path(f"/proc/{cluster.procs['worker-1'].pid}/environ").read_bytes().split(b"\0")
+        assert b"RHYMERL_WORKER_DRAIN_TIMEOUT_S=0.3" in environ
         samples = []
         for sample in client.submit_step("drained", prompts(8, offset=30), n=4, sampling=params):
             samples.append(sample)

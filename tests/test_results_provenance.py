@@ -24,6 +24,12 @@ introducing it says (one ending with a colon, or the
 table's caption just above it). A setting, a tolerance or a version belongs in
 inline code (`` `T = 0.7` ``) when it must not read as a measurement. README.md's
 "Benchmarks" section states the rule for writers.
+
+A results file cited at a commit (`` `benchmarks/results/drafter.json`, commit 918883d ``,
+``drafter.json at commit H``, or a run "from the clean commit H" whose sentence names the
+file) must hold that run now: a file is overwritten by its next run, so a doc quoting an
+earlier one says it is in the file's history ("history", "in git", "as committed in"),
+and some committed version of the file must have recorded that commit.
 """
 
 from __future__ import annotations
@@ -191,3 +197,110 @@ def test_every_figure_in_the_docs_has_a_results_file_or_says_its_run_was_not_kep
 ])
 def test_the_figure_rule_flags_an_unbacked_figure_only(text, flagged):
     assert bool(unbacked_figures(text)) == flagged, unbacked_figures(text)
+
+
+# A results file cited at a commit: "`benchmarks/results/drafter.json`, commit 918883d",
+# "drafter.json at commit 142ce6a", "control_plane.md ..., at d21087c", or a block's run
+# "from the clean commit H" written "→ `benchmarks/results/X`" or naming X's full path.
+CITED_FILE = r"(?<![\w/.])((?:benchmarks/results/)?[\w\-/]*[\w\-]\.(?:\{md,json\}|md|json))"
+FILE_AT_COMMIT = re.compile(CITED_FILE + r"`?\)?(?:,|\s(?:before these changes|as of))?,?\s+(?:at\s+)?(?:commit\s+)?`?([0-9a-f]{7,40})\b")
+CLEAN_COMMIT = re.compile(r"\bclean commit\s+`?([0-9a-f]{7,40})\b")
+IN_HISTORY = re.compile(r"\bhistory\b|\bin git\b|\bas committed in\b")
+
+
+def _results_path(name: str) -> Path | None:
+    name = name.replace(".{md,json}", ".json")
+    name = name[:-3] + ".json" if name.endswith(".md") else name
+    if name.startswith("benchmarks/results/"):
+        path = ROOT / name
+        return path if path.is_file() else None
+    found = [p for p in RESULTS.rglob(name) if "/" not in name]
+    return found[0] if len(found) == 1 else None
+
+
+def _commit_of(data) -> str | None:
+    p = provenance(data) if isinstance(data, dict) else {}
+    return p.get("commit") or p.get("git_commit")
+
+
+def _all_commits(data) -> list[str]:
+    if isinstance(data, dict):
+        return [v for k, v in data.items() if k in ("commit", "git_commit") and isinstance(v, str)] + \
+            [c for v in data.values() for c in _all_commits(v)]
+    if isinstance(data, list):
+        return [c for v in data for c in _all_commits(v)]
+    return []
+
+
+def _same(a: str | None, b: str) -> bool:
+    return bool(a) and (a.startswith(b) or b.startswith(a))
+
+
+_HISTORY: dict[Path, list[str]] = {}
+
+
+def recorded_commits(path: Path) -> list[str]:
+    """The commits every committed version of a results file recorded it was run from."""
+    if path not in _HISTORY:
+        rel = str(path.relative_to(ROOT))
+        revs = subprocess.run(["git", "log", "--format=%H", "--", rel], cwd=ROOT, capture_output=True,
+                              text=True, check=False).stdout.split()
+        found = []
+        for rev in revs:
+            shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True, text=True,
+                                   check=False)
+            try:
+                found.append(_commit_of(json.loads(shown.stdout)))
+            except ValueError:
+                continue
+        _HISTORY[path] = [c for c in found if c]
+    return _HISTORY[path]
+
+
+def stale_citations(text: str) -> list[tuple[int, str, str, str]]:
+    """(line, file, commit named, file's commit) of each results file a block cites at a
+    commit that is not the run the file holds now, unless the block says the run is in the
+    file's history (and some committed version of the file did record that commit)."""
+    found = []
+    for start, _prose, raw in blocks(text):
+        flat = " ".join(raw.split())
+        pairs = [(m.group(1), m.group(2)) for m in FILE_AT_COMMIT.finditer(flat)]
+        for m in CLEAN_COMMIT.finditer(flat):  # the run's results, named in its sentence or the next
+            span = re.split(r"\bcommit\s+`?[0-9a-f]{7,40}\b", flat[m.end():])[0]
+            span = "".join(re.split(r"(\.\s+(?=[A-Z]))", span)[:3])
+            pairs += [(name, m.group(1)) for name in re.findall(r"(benchmarks/results/[\w\-/]*\.(?:md|json))", span)]
+        for name, commit in pairs:
+            path = _results_path(name)
+            if path is None or path.name == "device.json":
+                continue
+            data = json.loads(path.read_text())
+            now = _commit_of(data)
+            if any(_same(c, commit) for c in _all_commits(data)):  # the file's run, or one of its sections'
+                continue
+            if IN_HISTORY.search(flat) and any(_same(c, commit) for c in recorded_commits(path)):
+                continue
+            found.append((start, name, commit, now))
+    return found
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_results_file_cited_at_a_commit_holds_that_run(path, full_history):
+    """A doc that names a results file and the commit its run came from quotes that run:
+    the file's own commit, or an earlier version of the file that the block says is in
+    its history (`git log -p` finds it), never a run the file no longer holds unsaid."""
+    stale = [f"{path.relative_to(ROOT)}:{line}: {name} at {commit}, but the file holds the run at {now}"
+             for line, name, commit, now in stale_citations(path.read_text())]
+    assert not stale, ("results files cited at a commit they no longer hold (quote the file's run, or say "
+                       "the cited run is in the file's history):\n" + "\n".join(stale))
+
+
+@pytest.mark.parametrize("text,stale", [
+    ("It took 12 ms (`benchmarks/results/vllm.md`, commit d9136b3).", False),
+    ("It took 12 ms (`benchmarks/results/vllm.md`, commit 0428f68).", True),
+    ("It took 12 ms (vllm.json at commit 0428f68).", True),
+    ("From the clean commit 0428f68: `python -m benchmarks.vllm_bench` → `benchmarks/results/vllm.md`.", True),
+    ("From the clean commit d9136b3: `python -m benchmarks.vllm_bench` → `benchmarks/results/vllm.md`.", False),
+    ("It took 12 ms (`benchmarks/results/vllm.md`, commit 0428f68, in the file's history).", True),  # never its run
+])
+def test_the_citation_rule_flags_a_run_the_file_no_longer_holds(text, stale, full_history):
+    assert bool(stale_citations(text)) == stale, stale_citations(text)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import numbers
+import os
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -110,12 +113,42 @@ def remaining_s(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
 
+def check_client_settings(address, timeout_s, max_retries, retry_window_s, push_timeout_s) -> None:
+    """A client's settings, checked where it is made (ValueError / TypeError naming the
+    argument): a timeout_s of 0, below it or NaN failed every call at once with
+    DEADLINE_EXCEEDED, which the client then re-sent for its whole retry window."""
+    if not isinstance(address, str) or not address:
+        raise TypeError(f"address: must be a non-empty 'host:port' string, got {address!r:.80}")
+    for name, value in (("timeout_s", timeout_s), ("push_timeout_s", push_timeout_s),
+                        ("retry_window_s", retry_window_s)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name}: must be a number of seconds, got {type(value).__name__}")
+        if not (math.isfinite(value) and (value > 0 or name == "retry_window_s" and value == 0)):
+            raise ValueError(f"{name}: must be a finite number of seconds > 0, got {value}")
+    if max_retries is not None and (isinstance(max_retries, bool) or not isinstance(max_retries, numbers.Integral)
+                                    or max_retries < 0):
+        raise ValueError(f"max_retries: must be None (no count) or an int >= 0, got {max_retries!r}")
+
+
+def _expect(value, cls, field: str) -> None:
+    if not isinstance(value, cls):
+        kind = type(value)
+        raise TypeError(f"{field}: must be a rhymerl.{cls.__name__}, got {kind.__module__}.{kind.__qualname__}")
+
+
 def step_request(step_id: str, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
                  policy_version: int) -> rollout_pb2.SubmitStepRequest:
     """The SubmitStep request; a prompt without an id is sent under the id the service
     would derive from its tokens (``Prompt.resolved_id``), so every sample names a prompt
     the SDK knows, whatever the service's derivation (history keys and seeds are the
-    same as for an unnamed prompt)."""
+    same as for an unnamed prompt). Arguments of the wrong kind (a list of token ids
+    where a Prompt goes, a dict for sampling) raise TypeError naming them, not an
+    AttributeError about ``to_proto``."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts: must be a sequence of rhymerl.Prompt, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        _expect(p, Prompt, f"prompts[{i}]")
+    _expect(sampling, SamplingParams, "sampling")
     messages = [p.to_proto(f"prompts[{i}]") for i, p in enumerate(prompts)]  # first: malformed tokens fail as before
     for message in messages:
         if not message.prompt_id:
@@ -143,9 +176,27 @@ def new_samples(event: rollout_pb2.StepEvent, seen: set[tuple[str, int]], call) 
     return fresh
 
 
+def _entries(values, field: str, shape: str):
+    """The (prompt_id, sample_index, value) tuples of ``values``; TypeError naming the
+    argument (or ``field[i]``) for anything else, instead of a bare unpacking error."""
+    if values is None or isinstance(values, (str, bytes)):
+        raise TypeError(f"{field}: must be an iterable of {shape}, got {type(values).__name__}")
+    for i, entry in enumerate(values):
+        try:
+            prompt_id, sample_index, value = entry
+        except (TypeError, ValueError):
+            raise TypeError(f"{field}[{i}]: must be {shape}, got {entry!r:.80}") from None
+        yield i, prompt_id, sample_index, value
+
+
 def rewards_request(step_id: str, rewards) -> rollout_pb2.ReportRewardsRequest:
-    return rollout_pb2.ReportRewardsRequest(step_id=step_id, rewards=[
-        rollout_pb2.SampleReward(prompt_id=p, sample_index=i, reward=float(r)) for p, i, r in rewards])
+    request = proto_message(rollout_pb2.ReportRewardsRequest, "", step_id=step_id)
+    for i, p, index, r in _entries(rewards, "rewards", "(prompt_id, sample_index, reward)"):
+        if isinstance(r, (str, bytes)):  # float("1.0") would take it
+            raise TypeError(f"rewards[{i}].reward: must be a number, got {type(r).__name__}")
+        request.rewards.append(proto_message(rollout_pb2.SampleReward, f"rewards[{i}]", prompt_id=p,
+                                             sample_index=index, reward=r))
+    return request
 
 
 def prompt_ids(request: rollout_pb2.SubmitStepRequest) -> list[str]:
@@ -161,9 +212,31 @@ def in_order(samples: list, ids: Sequence[str]) -> list:
 
 
 def logprobs_request(step_id: str, samples) -> rollout_pb2.ReportLogprobsRequest:
-    return rollout_pb2.ReportLogprobsRequest(step_id=step_id, samples=[
-        rollout_pb2.SampleLogprobs(prompt_id=p, sample_index=i, logprobs=[float(x) for x in lp])
-        for p, i, lp in samples])
+    request = proto_message(rollout_pb2.ReportLogprobsRequest, "", step_id=step_id)
+    for i, p, index, lp in _entries(samples, "samples", "(prompt_id, sample_index, logprobs)"):
+        try:
+            logprobs = [float(x) for x in lp]
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"samples[{i}].logprobs: must be a sequence of numbers ({exc})") from None
+        request.samples.append(proto_message(rollout_pb2.SampleLogprobs, f"samples[{i}]", prompt_id=p,
+                                             sample_index=index, logprobs=logprobs))
+    return request
+
+
+def weight_header(version: int, data) -> common_pb2.WeightHeader:
+    """A push's header, checked before its stream opens: an error raised inside the request
+    stream reached the caller as gRPC's UNKNOWN "Exception iterating requests!"."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"data: must be the safetensors payload as bytes, got {type(data).__name__}")
+    return proto_message(common_pb2.WeightHeader, "", version=version, total_bytes=len(data),
+                         sha256=hashlib.sha256(data).hexdigest())
+
+
+def load_request(version: int, path) -> common_pb2.LoadWeightsRequest:
+    """A LoadWeights request; ``path`` a str or an os.PathLike (a pathlib.Path)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    return proto_message(common_pb2.LoadWeightsRequest, "", version=version, path=path)
 
 
 def weight_chunks(version: int, data: bytes, chunk_bytes: int = WEIGHT_CHUNK_BYTES, sha256: str = ""

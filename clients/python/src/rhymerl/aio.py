@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 
@@ -11,7 +10,7 @@ import grpc
 
 from rhymerl import _calls
 from rhymerl.types import Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
-from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc
 
 
 class AsyncStepStream(AsyncIterator[Sample]):
@@ -67,6 +66,7 @@ class AsyncRolloutClient:
                  token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
                  server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S,
                  cancel_on_interrupt: bool = True):
+        _calls.check_client_settings(address, timeout_s, max_retries, retry_window_s, push_timeout_s)
         self.address = address
         self.cancel_on_interrupt = cancel_on_interrupt
         self.timeout_s = timeout_s
@@ -162,7 +162,7 @@ class AsyncRolloutClient:
     async def push_weights(self, version: int, data: bytes, *, timeout_s: float | None = None) -> int:
         """See ``RolloutClient.push_weights`` (bounded by ``timeout_s``, retries included)."""
         deadline = time.monotonic() + (self.push_timeout_s if timeout_s is None else timeout_s)
-        sha256 = hashlib.sha256(data).hexdigest()
+        sha256 = _calls.weight_header(version, data).sha256
         retry = self._retry(deadline)
         while True:
             try:
@@ -177,7 +177,7 @@ class AsyncRolloutClient:
                 await asyncio.sleep(pause)
 
     async def load_weights(self, version: int, path: str) -> int:
-        request = common_pb2.LoadWeightsRequest(version=version, path=path)
+        request = _calls.load_request(version, path)
         return (await self._call(self._stub.LoadWeights, request)).version
 
     async def stats(self) -> ServiceStats:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -10,7 +9,7 @@ import grpc
 
 from rhymerl import _calls
 from rhymerl.types import Mismatch, Prompt, Sample, SamplingParams, ServiceStats, StepResult, StepSummary
-from rhymerl.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from rhymerl.v1 import rollout_pb2, rollout_pb2_grpc
 
 
 class StepStream(Iterator[Sample]):
@@ -94,6 +93,7 @@ class RolloutClient:
                  token: str | None = None, tls: bool = False, root_certificates: bytes | None = None,
                  server_name: str | None = None, push_timeout_s: float = _calls.PUSH_TIMEOUT_S,
                  cancel_on_interrupt: bool = True):
+        _calls.check_client_settings(address, timeout_s, max_retries, retry_window_s, push_timeout_s)
         self.address = address
         self.cancel_on_interrupt = cancel_on_interrupt
         self.timeout_s = timeout_s
@@ -223,7 +223,7 @@ class RolloutClient:
         a push that fails leaves the previous version serving.
         """
         deadline = time.monotonic() + (self.push_timeout_s if timeout_s is None else timeout_s)
-        sha256 = hashlib.sha256(data).hexdigest()
+        sha256 = _calls.weight_header(version, data).sha256
         retry = self._retry(deadline)
         while True:
             try:
@@ -238,7 +238,7 @@ class RolloutClient:
 
     def load_weights(self, version: int, path: str) -> int:
         """Makes every worker load a checkpoint from a path they can all read."""
-        request = common_pb2.LoadWeightsRequest(version=version, path=path)
+        request = _calls.load_request(version, path)
         return self._call(self._stub.LoadWeights, request).version
 
     def stats(self) -> ServiceStats:

@@ -49,10 +49,15 @@ class SamplingParams:
             raise ValueError(f"logprobs_mode: {self.logprobs_mode!r} is not one of {sorted(LOGPROBS_MODES)}")
 
     def to_proto(self) -> common_pb2.SamplingParams:
+        try:
+            stop_token_ids = list(self.stop_token_ids)
+        except TypeError:  # a single id (stop_token_ids=2): "'int' object is not iterable" named nothing
+            raise TypeError(f"sampling.stop_token_ids: must be a sequence of token ids, got "
+                            f"{type(self.stop_token_ids).__name__}") from None
         return proto_message(
             common_pb2.SamplingParams, "sampling",
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids), seed=self.seed,
+            max_tokens=self.max_tokens, stop_token_ids=stop_token_ids, seed=self.seed,
             logprobs=self.logprobs, min_p=self.min_p, min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos, logprobs_mode=LOGPROBS_MODES[self.logprobs_mode])
 

@@ -94,13 +94,19 @@ def checkpoint_sha256(path: str) -> str:
 
 
 def safetensors_files(path: str) -> list[Path]:
-    """The .safetensors files of a checkpoint directory, or the single file given."""
+    """The .safetensors files of a checkpoint directory, or the single file given. A path
+    the system refuses to look at (too long, no permission) is NOT_FOUND naming it too:
+    its OSError was an INTERNAL error, which the scheduler answered UNAVAILABLE (retry)."""
     p = Path(path)
-    if p.is_file() and p.suffix == ".safetensors":
-        return [p]
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        if files:
-            return files
-        raise NotFound(f"no .safetensors file in {path}", "path")
+    try:
+        if p.is_file() and p.suffix == ".safetensors":
+            return [p]
+        if p.is_dir():
+            files = sorted(p.glob("*.safetensors"))
+            if files:
+                return files
+            raise NotFound(f"no .safetensors file in {path}", "path")
+    except OSError as exc:
+        shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path)} characters)"
+        raise NotFound(f"{shown} cannot be read: {exc.strerror or exc}", "path") from None
     raise NotFound(f"{path} does not exist or is not a .safetensors file / checkpoint directory", "path")

@@ -25,8 +25,9 @@ from services.common.security import BearerTokenAuth, parse_tokens
 from services.router.core import SHARD_FAULTS, LatestWeights, Router, Shard, ShardError, merge_mismatch
 from services.router.registry import ShardDirectory
 from services.router.settings import RouterSettings
+from services.scheduler.weight_fanout import check_header
 from services.scheduler.weight_store import WeightStore
-from services.scheduler.intake import check_rewards
+from services.scheduler.intake import check_report_size, check_rewards
 
 log = logging.getLogger(__name__)
 ROLLOUT_SERVICE = "rhymerl.v1.RolloutService"
@@ -49,8 +50,9 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @grpc_errors
     async def ReportRewards(self, request, context):
+        step = self.router.get(request.step_id)  # first, and the report bounded by its size (rewards.py)
+        check_report_size(len(request.rewards), step.num_samples)
         check_rewards(request)
-        step = self.router.get(request.step_id)
         for i, r in enumerate(request.rewards):  # as a scheduler answers (services/scheduler/rewards.py)
             if (r.prompt_id, r.sample_index) not in step.delivered and step.has_sample(r.prompt_id, r.sample_index):
                 raise FailedPrecondition(f"sample ({r.prompt_id!r}, {r.sample_index}) has not finished",
@@ -90,7 +92,8 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
             header, incoming = None, None
             try:
                 async for chunk in request_iterator:
-                    if header is None and chunk.HasField("header"):
+                    if header is None:  # checked as a scheduler checks it, before the store names a file by it
+                        await check_header(chunk)
                         header = chunk.header
                         if self.router.store.path(header.sha256.lower()) is None:
                             incoming = self.router.store.writer(header)

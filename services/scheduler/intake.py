@@ -68,6 +68,14 @@ def split(req: rollout_pb2.SubmitStepRequest, fleet: Fleet) -> Iterator[list[Sam
                for k, seed in enumerate(sample_seeds(step_seed, step_id, pid, req.n))]
 
 
+def check_report_size(num_rewards: int, num_samples: int) -> None:
+    """Each sample is reported at most once: more rewards than the step has samples is
+    INVALID_ARGUMENT naming ``rewards``, whatever the rewards are."""
+    if num_rewards > num_samples:
+        raise InvalidArgument(f"{num_rewards} rewards for a step of {num_samples} samples (each sample at most "
+                              "once)", "rewards")
+
+
 def check_rewards(req: rollout_pb2.ReportRewardsRequest) -> None:
     """Rewards must name a sample, each once, and be numbers: NaN is history's "no reward" marker."""
     check_id(req.step_id, "step_id")

@@ -6,7 +6,7 @@ import pytest
 from services.common.errors import InvalidArgument
 from rhymerl.v1 import common_pb2
 
-from services.common.validation import check_length, check_sampling, check_sampling_values
+from services.common.validation import MAX_STOP_TOKEN_IDS, check_length, check_sampling, check_sampling_values
 
 
 @pytest.mark.parametrize("kw,field", [
@@ -50,3 +50,11 @@ def test_stop_tokens_masking_the_whole_vocabulary_before_min_tokens_are_refused(
     check_sampling(common_pb2.SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=every[1:]), vocab_size=46)
     check_sampling(common_pb2.SamplingParams(max_tokens=4, min_tokens=0, stop_token_ids=every), vocab_size=46)
     check_sampling(common_pb2.SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=every), vocab_size=0)
+
+
+def test_stop_tokens_are_bounded_as_every_chunk_of_every_sample_carries_them():
+    """An unbounded list was copied into every WorkItem: a 600 KB list made a step of 16
+    short samples move 115 MB to the workers."""
+    check_sampling(common_pb2.SamplingParams(max_tokens=4, stop_token_ids=[3] * MAX_STOP_TOKEN_IDS), vocab_size=46)
+    with pytest.raises(InvalidArgument, match=f"^sampling.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} "):
+        check_sampling(common_pb2.SamplingParams(max_tokens=4, stop_token_ids=[3] * (MAX_STOP_TOKEN_IDS + 1)))

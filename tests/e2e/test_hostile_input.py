@@ -115,6 +115,32 @@ def test_rewards_are_checked_before_anything_is_stored(client, cluster, redis_ur
     assert client.report_rewards("rewards", [("p0", 0, 1.0), ("p0", 1, -0.5)]) == 2
 
 
+def test_a_reward_report_is_bounded_by_its_steps_size_before_any_reward_is_looked_at(client, cluster,
+                                                                                      monkeypatch):
+    """The rewards of a report were each checked before its step was even looked up: a
+    report as long as the message limit allows (10 M rewards in 256 MB, for a step that
+    may not exist) held the scheduler's event loop for tens of seconds (2 M: 3.8 s on
+    this machine's CPU). Now the step comes first (NOT_FOUND), and a report with more
+    rewards than the step has samples is INVALID_ARGUMENT naming ``rewards`` before any
+    reward is looked at."""
+    from services.scheduler import intake
+
+    client.rollout("bounded-rewards", prompts(1), n=2, sampling=GREEDY)
+    looked_at = []
+    check = intake.check_rewards
+    monkeypatch.setattr(intake, "check_rewards", lambda req: (looked_at.append(len(req.rewards)), check(req)))
+    with pytest.raises(grpc.RpcError) as err:  # 3 rewards for 2 samples (p0's third does not exist)
+        client.report_rewards("bounded-rewards", [("p0", 0, 1.0), ("p0", 1, 1.0), ("p0", 2, 1.0)])
+    expect_status(err.value, "INVALID_ARGUMENT", "rewards")
+    assert "3 rewards for a step of 2 samples" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # an unknown step: its rewards are not looked at
+        client.report_rewards("never-submitted", [("p0", k, float("nan")) for k in range(1000)])
+    expect_status(err.value, "NOT_FOUND", "step_id")
+    assert looked_at == []
+    assert client.report_rewards("bounded-rewards", [("p0", 0, 1.0), ("p0", 1, -0.5)]) == 2
+    assert looked_at == [2]
+
+
 def test_sdk_does_not_retry_resource_exhausted(cluster):
     """RESOURCE_EXHAUSTED means "over a limit": re-sending the same request cannot fit
     it, and three retries triple the load on a service that is already full."""

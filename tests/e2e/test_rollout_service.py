@@ -314,7 +314,7 @@ _SAMPLES_BY_POLICY: dict = {}
 
 from rhymerl.v1 import rollout_pb2  # noqa: E402
 
-from services.common.validation import MAX_N  # noqa: E402
+from services.common.validation import MAX_N, MAX_STOP_TOKEN_IDS  # noqa: E402
 
 
 def _oversized_submit(address: str) -> grpc.RpcError:
@@ -376,6 +376,8 @@ BAD_SUBMITS = [
     ("top_p nan", dict(sampling=SamplingParams(top_p=float("nan"))), "INVALID_ARGUMENT", "sampling.top_p"),
     ("top_k < 0", dict(sampling=SamplingParams(top_k=-1)), "INVALID_ARGUMENT", "sampling.top_k"),
     ("stop token >= vocab", dict(sampling=SamplingParams(stop_token_ids=(TINY["vocab_size"],))),
+     "INVALID_ARGUMENT", "sampling.stop_token_ids"),
+    ("stop tokens over the limit", dict(sampling=SamplingParams(stop_token_ids=(3,) * (MAX_STOP_TOKEN_IDS + 1))),
      "INVALID_ARGUMENT", "sampling.stop_token_ids"),
     ("policy version not pushed", dict(policy_version=10**6), "FAILED_PRECONDITION", "policy_version"),
 ]

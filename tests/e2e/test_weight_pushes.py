@@ -253,6 +253,30 @@ def test_a_load_from_a_bad_path_fails_at_once_not_after_the_running_step(cluster
     assert not step.error and len(step.samples) == 12
 
 
+def test_a_load_from_a_path_the_system_refuses_to_look_at_is_not_found_naming_it(cluster):
+    """A path the OS refuses to stat (a name over NAME_MAX, a path over PATH_MAX): the
+    worker's OSError was an INTERNAL error (its traceback in the log), which the scheduler
+    turned into UNAVAILABLE, a status the SDK retries. Now NOT_FOUND naming the path, on
+    the worker and through the scheduler, and nothing is loaded."""
+    from rhymerl.v1 import worker_pb2_grpc
+
+    too_long = ["/" + "a" * 300, "/x" * 3000]  # one name over 255 bytes; the whole path over 4096
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        for path in too_long:
+            with pytest.raises(grpc.RpcError) as err:
+                client.load_weights(1, path)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND, (err.value.code(), err.value.details())
+            assert err.value.details().startswith("path:") and "too long" in err.value.details()
+            assert len(err.value.details()) < 500  # the path is not echoed whole
+        assert client.stats().policy_version == 0
+    address = cluster.scheduler.core.workers.workers["w0"].address
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            worker_pb2_grpc.WorkerServiceStub(channel).LoadWeights(
+                common_pb2.LoadWeightsRequest(version=1, path=too_long[0]), timeout=60)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and err.value.details().startswith("path:")
+
+
 def test_a_push_cancelled_while_the_engine_is_busy_changes_neither_weights_nor_version(cluster):
     """A worker's weights and version change together or not at all. A push whose call is
     cancelled (the scheduler gave up on it, the trainer's deadline) after its payload was

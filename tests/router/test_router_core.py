@@ -283,6 +283,54 @@ async def _push_and_report(fleet: Fleet, a: ScriptedShard, b: ScriptedShard, por
 
 
 @run_async
+async def test_a_push_whose_header_no_scheduler_would_take_is_refused_at_the_router_and_reaches_no_shard():
+    """The router named a file of its weight store by the header's SHA-256 before any
+    check: one of 300 characters failed the push INTERNAL (OSError: file name too long,
+    its traceback in the router's log), and one that no payload can match reached every
+    shard. Now INVALID_ARGUMENT naming the field, as a scheduler answers, and no shard
+    sees the push."""
+    a, b = ScriptedShard("a"), ScriptedShard("b")
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            for sha256, field in (("a" * 300, "header.sha256"), ("../" * 21 + "x", "header.sha256"),
+                                  (hashlib.sha256(b"abc").hexdigest(), "header")):
+                async def chunks(sha256=sha256, field=field):
+                    if field == "header":  # data before any header
+                        yield common_pb2.WeightChunk(data=b"abc")
+                    yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(version=1, total_bytes=3,
+                                                                                sha256=sha256))
+                    yield common_pb2.WeightChunk(data=b"abc")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.PushWeights(chunks())
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (err.value.code(), err.value.details())
+                assert err.value.details().startswith(field + ":")
+            assert a.version == b.version == 0 and fleet.router.version == 0
+            assert (await stub.PushWeights(weight_chunks(1, b"abc"))).version == 1  # a good push still goes
+
+
+@run_async
+async def test_a_reward_report_longer_than_its_step_or_for_an_unknown_step_is_refused_before_its_rewards():
+    """As a scheduler answers (services/scheduler/rewards.py): the step first (NOT_FOUND,
+    whatever its rewards hold), then more rewards than it has samples is INVALID_ARGUMENT
+    naming ``rewards``; no shard sees either."""
+    a, b = ScriptedShard("a"), ScriptedShard("b")
+    async with Fleet(a, b) as fleet, fleet.serve_router() as port:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+            _ = [e async for e in stub.SubmitStep(step("done", 2))]  # 4 samples
+            for step_id, k, reward, code, field in (
+                    ("done", 5, 1.0, grpc.StatusCode.INVALID_ARGUMENT, "rewards"),
+                    ("unknown", 1, float("nan"), grpc.StatusCode.NOT_FOUND, "step_id")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ReportRewards(rollout_pb2.ReportRewardsRequest(step_id=step_id, rewards=[
+                        rollout_pb2.SampleReward(prompt_id=f"p{i}", sample_index=0, reward=reward)
+                        for i in range(k)]))
+                assert err.value.code() == code and err.value.details().startswith(field + ":"), err.value.details()
+            assert not a.rewards and not b.rewards
+
+
+@run_async
 async def test_a_reward_for_a_sample_still_running_or_reported_twice_is_refused_as_a_scheduler_does():
     """A held shard's samples have not finished: FAILED_PRECONDITION naming the reward (it
     was NOT_FOUND here and accepted by a scheduler); one sample twice in one report is

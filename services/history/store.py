@@ -1,7 +1,7 @@
 """HistoryStore: the last K epochs of rollouts per prompt, kept in Redis.
 
-Each public call costs one Redis round trip however many prompts it covers:
-one Lua script call per prompt, all of them sent in one pipeline. Lua is what
+Each public call costs one Redis round trip per ``PIPELINE_CALLS`` prompts it covers:
+one Lua script call per prompt, sent in pipelines of that many. Lua is what
 makes one round trip possible: a read must first learn a prompt's epoch list
 before it can fetch the epochs, and a write must check, append and evict
 atomically; both happen inside the script, next to the data. The key layout
@@ -40,6 +40,8 @@ MAX_SAMPLE_INDEX = 2**31 - 1  # an int32, as in the protos and the packed length
 # Rollouts (or rewards) of one prompt in one call: the most samples of a prompt in a step
 # (the scheduler writes a step per call). Each prompt's part of a call is one Lua script.
 MAX_PER_PROMPT = MAX_N
+# Script calls per pipeline: a round trip of a few hundred KB, whatever the step's size.
+PIPELINE_CALLS = 2048
 
 
 class HistoryStore:
@@ -173,12 +175,16 @@ class HistoryStore:
         return results
 
     async def _pipeline(self, script: Script, calls: list[tuple[list, list]]) -> list:
-        if not calls:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        return await self._guarded(pipe.execute(raise_on_error=False))
+        """The calls' replies, in order, sent PIPELINE_CALLS to a round trip: one pipeline
+        of a whole step's prompts (a quarter million) was written and read back as one, past
+        the socket's timeout (a GetHistory of 1,000,000 ids failed with UNAVAILABLE)."""
+        results = []
+        for start in range(0, len(calls), PIPELINE_CALLS):
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in calls[start:start + PIPELINE_CALLS]:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            results += await self._guarded(pipe.execute(raise_on_error=False))
+        return results
 
     async def _guarded(self, awaitable):
         try:

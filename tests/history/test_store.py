@@ -249,6 +249,33 @@ async def test_a_whole_step_is_written_and_read_in_one_round_trip(clean_redis):
 
 
 @run_async
+async def test_a_step_larger_than_a_pipeline_goes_in_round_trips_of_pipeline_calls(clean_redis, monkeypatch):
+    """A whole step's prompts (up to a quarter million) went in one pipeline, written and
+    read back past the socket's timeout (a million ids: UNAVAILABLE): PIPELINE_CALLS
+    script calls to a round trip, the replies in the request's order, a script reload
+    after a restart retrying only the calls that missed it."""
+    from services.history import store as store_module
+
+    monkeypatch.setattr(store_module, "PIPELINE_CALLS", 16)
+    async with open_store(clean_redis, connection_class=CountingConnection) as store:
+        step = [Rollout(f"p{k}", "s1", i, 1, [k, i]) for k in range(50) for i in range(2)]
+        prompt_ids = [f"p{k}" for k in range(60)][::-1]
+        await store.put_rollouts(step[:1])  # loads the scripts and opens the connection
+        await store.get_history(["p0"])
+        CountingConnection.num_sends = 0
+        assert await store.put_rollouts(step) == len(step) - 1
+        assert CountingConnection.num_sends == 4  # 50 prompts: 16 + 16 + 16 + 2
+        CountingConnection.num_sends = 0
+        histories = await store.get_history(prompt_ids)
+        assert CountingConnection.num_sends == 4
+        assert [[[r.tolist() for r in e.responses] for e in h] for h in histories[10:]] == [
+            [[[k, 0], [k, 1]]] for k in range(49, -1, -1)]
+        assert not any(histories[:10])
+        await store.client.script_flush()
+        assert summary(await store.get_history(prompt_ids)) == summary(histories)
+
+
+@run_async
 async def test_lengths_only_read_sends_no_tokens(clean_redis):
     """Breaks if length prediction pays for transferring every stored token."""
     async with open_store(clean_redis) as store:

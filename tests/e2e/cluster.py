@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,15 @@ def expect_status(err, code, field: str) -> None:
     code = getattr(grpc.StatusCode, code) if isinstance(code, str) else code
     assert err.code() == code, (err.code(), err.details())
     assert err.details().startswith(field + ":"), err.details()
+
+
+def wait_until(check, timeout_s: float, what: str) -> None:
+    """Polls ``check`` until it holds; TimeoutError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
 
 
 def prompts(k: int, length: int = 6, offset: int = 0):

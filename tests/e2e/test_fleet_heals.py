@@ -5,13 +5,12 @@ fleet itself, whether the version came as pushed bytes or a path: real processes
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from rhymerl import RolloutClient, SamplingParams
 
 from services.local import LocalCluster
-from tests.e2e.cluster import prompts, save_tiny_model
+from tests.e2e.cluster import prompts, save_tiny_model, wait_until
 from tests.e2e.test_weight_pushes import weights
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -21,14 +20,6 @@ PROMPTS = prompts(4, offset=60)
 
 def tokens(samples) -> dict:
     return {s.key: list(s.token_ids) for s in samples}
-
-
-def wait_until(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("how", ["pushed bytes"])  # "path" works the same way (a slow test: not run twice)

@@ -7,7 +7,6 @@ step log expires during the test; every wait is on a state, bounded."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import redis
@@ -15,19 +14,11 @@ from rhymerl import RolloutClient, SamplingParams
 
 from services.local import LocalCluster
 from services.scheduler.step_log import step_key
-from tests.e2e.cluster import prompts, save_tiny_model
+from tests.e2e.cluster import prompts, save_tiny_model, wait_until
 from tests.e2e.test_weight_pushes import weights
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 PARAMS = SamplingParams(temperature=1.0, max_tokens=16, seed=5, ignore_eos=True)
-
-
-def wait_until(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.1)
 
 
 def test_a_worker_restarted_after_the_step_logs_ttl_is_still_caught_up(tmp_path):

@@ -23,7 +23,6 @@ from services.common.gc_tuning import StepCollector, tune_gc
 from services.common.grpc_server import Server, run_until_signal
 from services.history.breaker import HistoryBreaker
 from services.rollout import weight_receiver
-from services.rollout.weight_receiver import MAX_WEIGHT_BYTES
 from services.rollout.drafter_history import DrafterHistory
 from services.rollout.engine_choice import build_engine
 from services.rollout.engine_loop import AbortedChunk, EngineLoop, ItemFailed
@@ -66,6 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.num_generated_tokens = 0
         self.spec = common_pb2.SpecCounters()
         self._weights_lock = asyncio.Lock()
+        self.max_push_bytes = weight_receiver.max_push_bytes(self.engine.model)
         metrics.weight_version.labels(component=worker_id).set(version)
         # (once: the engine and its cache do not change; every work item is checked against it)
         self.max_model_len = served_length(self.engine, self.config)
@@ -207,7 +207,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         receiving.inc()
         try:
             async with self._weights_lock:
-                payload = await weight_receiver.receive(request_iterator, MAX_WEIGHT_BYTES)
+                payload = await weight_receiver.receive(request_iterator, self.max_push_bytes)
                 current = self.sha256
                 if not current and self._initial and payload.version == self.version:  # a re-push of the start?
                     current = self.sha256 = await asyncio.to_thread(weight_receiver.checkpoint_sha256,

@@ -17,6 +17,22 @@ from rhymerl.v1 import common_pb2
 from services.common.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound
 
 MAX_WEIGHT_BYTES = 1 << 40  # the largest payload a worker takes (and the scheduler forwards)
+# A safetensors header's most bytes (the format's own reference reader refuses larger ones).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def max_push_bytes(model) -> int:
+    """The largest payload that can hold ``model``'s weights: each tensor it expects at 8
+    bytes per value (float64, the widest dtype a push may use), plus one more of its
+    largest tensor (a tied lm_head some checkpoints store), plus a header. A push is
+    buffered whole before it is checked, so a larger one (a wrong file, optimizer state)
+    is refused at its header instead of growing the worker towards an OOM. A model that
+    names no tensors (another engine's): MAX_WEIGHT_BYTES."""
+    expected = getattr(model, "expected_weights", None)
+    if expected is None:
+        return MAX_WEIGHT_BYTES
+    numels = [t.numel() for t in expected().values()] or [0]
+    return min(MAX_WEIGHT_BYTES, 8 * (sum(numels) + max(numels)) + MAX_HEADER_BYTES)
 
 
 @dataclass(frozen=True)

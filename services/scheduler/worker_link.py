@@ -140,15 +140,34 @@ def encode_item(c: Chunk) -> bytes:
         b"\x38", varint(c.max_new_tokens), fixed))
 
 
+# Most bytes of one LinkRequest (a batch, or the batches merged into one message), well
+# under gRPC's message limit (grpc_server.MAX_MESSAGE_BYTES): a larger message fails the
+# stream, the worker is marked lost, and its batch re-queued only to fail again, forever.
+LINK_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
 def encode_batch(policy_version: int, chunks: list[Chunk]) -> bytes:
-    """A LinkRequest of ``chunks``, serialized (what ``send`` puts on the stream)."""
-    parts = []
+    """A LinkRequest of ``chunks``, serialized."""
+    return b"".join(encode_batches(policy_version, chunks, limit=0))
+
+
+def encode_batches(policy_version: int, chunks: list[Chunk], limit: int | None = None) -> list[bytes]:
+    """``chunks`` as serialized LinkRequests of at most ``limit`` bytes each (None:
+    LINK_MESSAGE_BYTES; 0: no limit; one item alone may be larger), what ``send`` puts on
+    the stream."""
+    limit = LINK_MESSAGE_BYTES if limit is None else limit
+    version = b"\x10" + varint(policy_version) if policy_version > 0 else b""
+    batches, parts, size = [], [], len(version)
     for c in chunks:
         item = encode_item(c)
-        parts += (b"\x0a", varint(len(item)), item)  # items
-    if policy_version > 0:
-        parts += (b"\x10", varint(policy_version))
-    return b"".join(parts)
+        header = b"\x0a" + varint(len(item))
+        if limit and parts and size + len(header) + len(item) > limit:
+            batches.append(b"".join((*parts, version)))
+            parts, size = [], len(version)
+        parts += (header, item)  # items
+        size += len(header) + len(item)
+    batches.append(b"".join((*parts, version)))
+    return batches
 
 
 def events_of(response: worker_pb2.LinkResponse) -> list[LinkEvent]:
@@ -186,7 +205,8 @@ class LinkStream:
         self._call = method(self._requests())
 
     def send(self, policy_version: int, chunks: list[Chunk]) -> None:
-        self._outbox.append((policy_version, encode_batch(policy_version, chunks)))
+        for batch in encode_batches(policy_version, chunks):
+            self._outbox.append((policy_version, batch))
         self._ready.set()
 
     def abort(self, dispatch_ids: list[str]) -> None:
@@ -199,8 +219,10 @@ class LinkStream:
             self._ready.clear()
             while self._outbox:  # consecutive batches of one version (and aborts) merge
                 version, batch = self._outbox.popleft()
-                parts = [batch]
-                while self._outbox and self._outbox[0][0] in (version, None):
+                parts, size = [batch], len(batch)
+                while self._outbox and self._outbox[0][0] in (version, None) \
+                        and size + len(self._outbox[0][1]) <= LINK_MESSAGE_BYTES:
+                    size += len(self._outbox[0][1])
                     parts.append(self._outbox.popleft()[1])
                 yield b"".join(parts)
 

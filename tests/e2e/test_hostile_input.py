@@ -69,6 +69,22 @@ def test_oversized_ids_are_invalid_argument(client, cluster, field, change):
     assert not cluster.scheduler.core.steps.get(args["step_id"])
 
 
+def test_too_many_stop_tokens_are_invalid_argument_and_the_step_is_not_run(client, cluster):
+    """Stop tokens travel in every work item of the step: millions of them made every batch
+    to a worker larger than gRPC's message limit, and the step re-queued forever (the worker
+    marked lost each time). They are bounded, the bound naming the field; a step at the
+    bound runs."""
+    from services.common.validation import MAX_STOP_TOKEN_IDS
+
+    too_many = SamplingParams(temperature=1.0, max_tokens=4, stop_token_ids=(50,) * (MAX_STOP_TOKEN_IDS + 1))
+    with pytest.raises(grpc.RpcError) as err:
+        client.rollout("many-stops", prompts(1), n=2, sampling=too_many)
+    expect_status(err.value, grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop_token_ids")
+    assert not cluster.scheduler.core.steps.get("many-stops")
+    at_bound = SamplingParams(temperature=1.0, max_tokens=4, stop_token_ids=(50,) * MAX_STOP_TOKEN_IDS)
+    assert len(client.rollout("bound-stops", prompts(1), n=2, sampling=at_bound).samples) == 2
+
+
 def test_negative_policy_version_is_invalid_argument(client):
     with pytest.raises(grpc.RpcError) as err:
         client.rollout("neg-version", prompts(1), n=1, sampling=GREEDY, policy_version=-1)

@@ -167,7 +167,30 @@ def test_a_worker_stream_that_ends_mid_push_is_torn_down_cleanly(cluster, caplog
 def test_the_scheduler_bounds_a_payload_as_the_workers_do():
     """The scheduler keeps its own copy of the workers' size bound (importing the worker's
     server would load torch into it): they must not drift apart."""
-    from services.rollout.server import MAX_WEIGHT_BYTES
+    from services.rollout.weight_receiver import MAX_WEIGHT_BYTES
     from services.scheduler import weight_fanout
 
     assert weight_fanout.MAX_WEIGHT_BYTES == MAX_WEIGHT_BYTES
+
+
+def test_a_push_larger_than_the_model_can_be_is_refused_at_its_header(cluster):
+    """A worker buffers a push whole before it checks it: a header announcing far more bytes
+    than the model's weights can take (a wrong file, optimizer state) was accepted up to
+    1 TiB, and the worker's memory grew with every chunk (an outside probe: 1.5 GiB streamed
+    for a 349 KB model took its RSS from 425 MiB to 2 GiB, kept after the push failed). The
+    worker refuses it at the header, naming the field; a good push still goes through."""
+    data = weights(seed=2)
+    too_big = 8 * (1 << 30)  # far above what the tiny model's tensors take at 8 bytes per value
+    header = {"version": 1, "total_bytes": too_big, "sha256": hashlib.sha256(data).hexdigest()}
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as err:
+                chunks = [common_pb2.WeightChunk(header=common_pb2.WeightHeader(**header))]
+                chunks += [common_pb2.WeightChunk(data=b"x" * (1 << 20)) for _ in range(8)]
+                stub.PushWeights(iter(chunks), timeout=60)
+            expect_status(err.value, "INVALID_ARGUMENT", "header.total_bytes")
+    with RolloutClient(cluster.address, timeout_s=120, max_retries=0) as client:
+        assert client.stats().policy_version == 0
+        assert client.push_weights(1, data) == 1
+        assert {w.policy_version for w in client.stats().workers} == {1}

@@ -21,7 +21,8 @@ from services.common.grpc_server import Server
 from services.scheduler.policies.base import Request, RequestKey, WorkerState
 from services.scheduler.step import SampleProgress, StepRun
 from services.scheduler.worker_link import (Chunk, ChunkDone, ChunkFailed, GrpcWorkerLink, RunEnded, RunOutcome,
-                                            encode_batch, events_of, outcome, prompt_field, step_fields)
+                                            encode_batch, encode_batches, events_of, outcome, prompt_field,
+                                            step_fields)
 from services.scheduler.workers import WorkerHandle
 from tests.aio import run_async
 
@@ -124,6 +125,39 @@ async def test_batches_queued_together_go_as_one_message_and_come_back_as_one():
         stream.send(0, [chunk("late")])
         (late,), = await drain(stream, 1)
         assert late.dispatch_id == "late" and counts["batches"] == 2
+        stream.close()
+    finally:
+        await link.close()
+        await server.stop(0)
+
+
+@run_async
+async def test_no_link_message_exceeds_the_limit_however_much_is_queued(monkeypatch):
+    """Batches too large for one message go as several, each within LINK_MESSAGE_BYTES
+    (gRPC's own limit is 256 MiB: a larger message failed the stream, and the batch was
+    re-queued to fail again forever; a step with millions of stop tokens hung so), and
+    queued batches merge only up to it; every item arrives, at its version."""
+    from services.scheduler import worker_link
+
+    one = len(encode_batch(2, [chunk("d0", prompt=list(range(1000)))]))
+    limit = 3 * one + 32  # three items (a sample index adds a few bytes to each)
+    monkeypatch.setattr(worker_link, "LINK_MESSAGE_BYTES", limit)
+    batches = encode_batches(2, [chunk(f"d{i}", index=i, prompt=list(range(1000))) for i in range(10)])
+    assert len(batches) == 4 and all(len(b) <= limit for b in batches)
+    requests = [worker_pb2.LinkRequest.FromString(b) for b in batches]
+    assert all(r.policy_version == 2 for r in requests)
+    assert [i.request_id for r in requests for i in r.items] == [f"d{i}" for i in range(10)]
+
+    counts, (server,) = await fake_workers(("only",))
+    link = GrpcWorkerLink()
+    try:
+        w = WorkerHandle("w", f"127.0.0.1:{server.port}", WorkerState(worker_id="w", capacity=64))
+        stream = link.open(w)
+        for first in (0, 10):  # queued before the stream takes any: they would merge
+            stream.send(0, [chunk(f"d{i}", index=i, prompt=list(range(1000))) for i in range(first, first + 10)])
+        batches = await drain(stream, 20)
+        assert counts["items"] == 20 and counts["batches"] >= 7
+        assert sorted(e.dispatch_id for b in batches for e in b) == sorted(f"d{i}" for i in range(20))
         stream.close()
     finally:
         await link.close()

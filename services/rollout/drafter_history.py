@@ -5,7 +5,11 @@ When a step brings a prompt the drafter has not loaded for that step, its earlie
 round trip and loaded into the drafter, newest first (age 0). An epoch whose rewards do
 not match its responses one to one (rewards not reported yet) is loaded with NaN rewards,
 so reward weighting treats it as unscored. The drafter keeps the ``max_prompts`` most
-recently used prompts; older ones are released. This module knows nothing about gRPC.
+recently used prompts, and at most ``max_tokens`` tokens of earlier epochs over all of them
+(each prompt's counted up to the drafter's ``max_tokens_per_prompt``, what its index holds);
+the least recently used are released past either. The count alone let a worker's drafter
+grow to 10,000 prompts at their cap, some 65 GB at about 100 bytes an indexed token. This
+module knows nothing about gRPC.
 
 The lookup is one of the reads a step waits for, so it goes through the worker's
 ``HistoryBreaker`` (shared with its global feed): at most its deadline
@@ -31,6 +35,7 @@ from services.rollout.drafter.compiled import MAX_TOKEN as MAX_TOKEN_ID  # the d
 log = logging.getLogger(__name__)
 
 MAX_PROMPTS_IN_DRAFTER = 10_000
+MAX_HISTORY_TOKENS = 32 * 1024 * 1024  # earlier epochs' tokens over all prompts (about 3 GB indexed)
 
 
 def first_bad_token(tokens) -> int | None:
@@ -46,19 +51,25 @@ def first_bad_token(tokens) -> int | None:
 
 class DrafterHistory:
     def __init__(self, drafter, history, call, max_epochs: int = 4, max_prompts: int = MAX_PROMPTS_IN_DRAFTER,
-                 breaker: HistoryBreaker | None = None):
+                 breaker: HistoryBreaker | None = None, max_tokens: int = MAX_HISTORY_TOKENS):
         """drafter: the engine's drafter; history: a history client; call: runs a function
         on the engine's thread (the drafter is not thread-safe) and returns an awaitable
         of it (the worker's: ``EngineLoop.call_deferred(urgent=True)``, behind the next
         forward's launch when the engine is busy); breaker: bounds the lookups (the
-        worker's, shared with its global feed; None: one of its own, default deadline)."""
+        worker's, shared with its global feed; None: one of its own, default deadline);
+        max_tokens: earlier epochs' tokens kept over all prompts (0: no bound but the count)."""
         self.drafter = drafter
         self.history = history
         self.breaker = breaker if breaker is not None else HistoryBreaker(name="worker")
         self.call = call
         self.max_epochs = max_epochs
         self.max_prompts = max_prompts
+        self.max_tokens = max_tokens
         self._loaded: OrderedDict[str, str] = OrderedDict()  # prompt_id -> step_id whose history is loaded
+        self._tokens: dict[str, int] = {}  # prompt_id -> its earlier epochs' tokens in the drafter
+        self.num_tokens = 0  # their sum
+        config = getattr(drafter, "config", None)
+        self._per_prompt = getattr(config, "max_tokens_per_prompt", None) or float("inf")
 
     async def load(self, items) -> None:
         """Loads earlier epochs of the items' prompts new to their step (one round trip,
@@ -88,8 +99,13 @@ class DrafterHistory:
             self._load_one(prompt_id, responses, ages, rewards)
             self._loaded[prompt_id] = step_id  # (even if refused: the next batch of the step does not retry)
             self._loaded.move_to_end(prompt_id)
-        while len(self._loaded) > self.max_prompts:
+            tokens = int(min(sum(map(len, responses)), self._per_prompt))
+            self.num_tokens += tokens - self._tokens.get(prompt_id, 0)
+            self._tokens[prompt_id] = tokens
+        while len(self._loaded) > self.max_prompts or (
+                self.max_tokens and self.num_tokens > self.max_tokens and len(self._loaded) > 1):
             old, _ = self._loaded.popitem(last=False)
+            self.num_tokens -= self._tokens.pop(old, 0)
             self.drafter.release_prompt(old)
 
     def _load_one(self, prompt_id: str, responses: list, ages: list, rewards: list) -> None:

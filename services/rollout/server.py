@@ -23,7 +23,7 @@ from services.common.gc_tuning import StepCollector, tune_gc
 from services.common.grpc_server import Server, run_until_signal
 from services.history.breaker import HistoryBreaker
 from services.rollout import weight_receiver
-from services.rollout.drafter_history import DrafterHistory
+from services.rollout.drafter_history import MAX_HISTORY_TOKENS, DrafterHistory
 from services.rollout.engine_choice import build_engine
 from services.rollout.engine_loop import AbortedChunk, EngineLoop, ItemFailed
 from services.rollout.global_feed import GlobalFeed
@@ -41,7 +41,7 @@ _CLOSE = object()  # this worker ends its Link streams (its drain is over): what
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, loop: EngineLoop, worker_id: str, model_name: str, version: int, history=None,
                  history_epochs: int = 4, max_num_seqs: int = 256, feed: GlobalFeed | None = None,
-                 history_breaker=None):
+                 history_breaker=None, history_tokens: int = MAX_HISTORY_TOKENS):
         self.loop = loop
         self.engine = loop.engine
         self.config = loop.engine.model.config
@@ -55,7 +55,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # (the history reads a batch waits for share one breaker: the feed's unless given)
         breaker = history_breaker if history_breaker is not None else getattr(feed, "breaker", None)
         self.drafter_history = DrafterHistory(self.engine.drafter, history, load, history_epochs,
-                                              breaker=breaker) if (
+                                              breaker=breaker, max_tokens=history_tokens) if (
             history is not None and self.engine.drafter is not None) else None
         self.max_num_seqs = max_num_seqs
         self.feed = feed  # the drafter's global index: finished samples + the history stream
@@ -339,7 +339,8 @@ async def start_worker(settings: WorkerSettings, engine=None):
                           settings.global_recent_tokens, chunk_tokens=max(1, settings.feed_tokens_per_step // 2),
                           worker_id=worker_id, breaker=breaker)
     servicer = WorkerServicer(loop, worker_id, settings.model_path, settings.initial_version, history,
-                              settings.history_epochs, settings.max_num_seqs, feed, history_breaker=breaker)
+                              settings.history_epochs, settings.max_num_seqs, feed, history_breaker=breaker,
+                              history_tokens=settings.history_tokens)
     server = Server([(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
                     ["rhymerl.v1.WorkerService"], tls=settings.tls(), health_port=settings.health_port)
     port = await server.start(settings.host, settings.port)

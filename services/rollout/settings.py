@@ -80,6 +80,11 @@ class WorkerSettings(TLSSettings):
     history_address: str = Field(
         "", description="HistoryService for drafts from earlier epochs; empty: siblings and prompt only.")
     history_epochs: int = Field(4, ge=0, description="Earlier epochs of a prompt the drafter reads.")
+    history_tokens: int = Field(
+        32 * 1024 * 1024, ge=0, description="Tokens of earlier epochs the drafter keeps over all prompts (about 100 "
+                                            "bytes each in its index; each prompt's counted up to its index's cap): "
+                                            "past it, or past 10,000 prompts, the least recently used prompts are "
+                                            "released. 0: the prompt count only.")
     history_timeout_s: float = Field(
         2.0, ge=0.05, le=30.0, description="A new prompt's earlier epochs and a new step's recent responses are read "
                                            "from history before the items run: each read waits at most this long. "

@@ -65,6 +65,28 @@ def test_keeps_only_the_most_recently_used_prompts():
     assert drafter.released == ["b"]
 
 
+def test_keeps_at_most_max_tokens_of_earlier_epochs_over_all_prompts():
+    """Breaks if only the prompt count bounds the drafter's memory (10,000 prompts at their
+    index's cap: tens of GB): past max_tokens the least recently used prompts are released,
+    each counted up to the drafter's max_tokens_per_prompt, and the newest is always kept."""
+    from services.rollout.drafter.config import DrafterConfig
+
+    drafter = _Drafter()
+    drafter.config = DrafterConfig(max_tokens_per_prompt=64)
+    epochs = {p: [_epoch("s0", [[1] * 30, [2] * 30], [0.0, 1.0])] for p in "abcd"}  # 60 tokens each
+    epochs["e"] = [_epoch("s0", [[3] * 100] * 3, [0.0] * 3)]  # 300 tokens, 64 indexed
+    loader = DrafterHistory(drafter, _History(epochs), _call, max_tokens=150)
+    for prompt_id in "abc":
+        asyncio.run(loader.load([_item(prompt_id, "s1")]))
+    assert drafter.released == ["a"] and loader.num_tokens == 120
+    asyncio.run(loader.load([_item("b", "s2")]))  # b used again: c is the oldest now
+    asyncio.run(loader.load([_item("e", "s2")]))
+    assert drafter.released == ["a", "c"] and loader.num_tokens == 60 + 64
+    one = DrafterHistory(_Drafter(), _History(epochs), _call, max_tokens=10)
+    asyncio.run(one.load([_item("d", "s1")]))
+    assert one.drafter.released == [] and one.num_tokens == 60  # a prompt over the bound alone is kept
+
+
 def test_a_failed_lookup_loads_nothing():
     class _Down:
         async def get_history(self, *a, **k):

@@ -155,18 +155,25 @@ def encode_batches(policy_version: int, chunks: list[Chunk], limit: int | None =
     """``chunks`` as serialized LinkRequests of at most ``limit`` bytes each (None:
     LINK_MESSAGE_BYTES; 0: no limit; one item alone may be larger), what ``send`` puts on
     the stream."""
-    limit = LINK_MESSAGE_BYTES if limit is None else limit
-    version = b"\x10" + varint(policy_version) if policy_version > 0 else b""
-    batches, parts, size = [], [], len(version)
+    limit = (LINK_MESSAGE_BYTES if limit is None else limit) or float("inf")
+    parts = []
     for c in chunks:
         item = encode_item(c)
-        header = b"\x0a" + varint(len(item))
-        if limit and parts and size + len(header) + len(item) > limit:
-            batches.append(b"".join((*parts, version)))
-            parts, size = [], len(version)
-        parts += (header, item)  # items
-        size += len(header) + len(item)
-    batches.append(b"".join((*parts, version)))
+        parts += (b"\x0a", varint(len(item)), item)  # items
+    version = b"\x10" + varint(policy_version) if policy_version > 0 else b""
+    parts.append(version)
+    whole = b"".join(parts)
+    if len(whole) <= limit:
+        return [whole]
+    batches, batch, size = [], [], len(version)  # (rare: split between items)
+    for k in range(0, len(parts) - 1, 3):
+        n = len(parts[k + 1]) + len(parts[k + 2]) + 1
+        if batch and size + n > limit:
+            batches.append(b"".join(batch) + version)
+            batch, size = [], len(version)
+        batch += parts[k:k + 3]
+        size += n
+    batches.append(b"".join(batch) + version)
     return batches
 
 

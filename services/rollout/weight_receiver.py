@@ -26,8 +26,8 @@ def max_push_bytes(model) -> int:
     bytes per value (float64, the widest dtype a push may use), plus one more of its
     largest tensor (a tied lm_head some checkpoints store), plus a header. A push is
     buffered whole before it is checked, so a larger one (a wrong file, optimizer state)
-    is refused at its header instead of growing the worker towards an OOM. A model that
-    names no tensors (another engine's): MAX_WEIGHT_BYTES."""
+    is refused at its header (the rest read and dropped) instead of growing the worker
+    towards an OOM. A model that names no tensors (another engine's): MAX_WEIGHT_BYTES."""
     expected = getattr(model, "expected_weights", None)
     if expected is None:
         return MAX_WEIGHT_BYTES
@@ -53,10 +53,19 @@ async def receive(chunks: AsyncIterator[common_pb2.WeightChunk], max_bytes: int)
     if first is None or not first.HasField("header"):
         raise InvalidArgument("the first message must be a header", "header")
     header = first.header
+    refusal = None
     if header.total_bytes <= 0 or header.total_bytes > max_bytes:
-        raise InvalidArgument(f"must be in [1, {max_bytes}], got {header.total_bytes}", "header.total_bytes")
-    if len(header.sha256) != 64:
-        raise InvalidArgument("must be a hex SHA-256 (64 characters)", "header.sha256")
+        refusal = InvalidArgument(f"must be in [1, {max_bytes}], got {header.total_bytes}", "header.total_bytes")
+    elif len(header.sha256) != 64:
+        refusal = InvalidArgument("must be a hex SHA-256 (64 characters)", "header.sha256")
+    if refusal is not None:
+        # The rest is read and dropped (nothing kept) before the refusal: a call its server
+        # ends while the sender still streams may reach the sender as gRPC's INTERNAL
+        # "Internal error from Core", not this status (the scheduler then answered the
+        # trainer UNAVAILABLE, which the SDK retries).
+        async for _ in chunks:
+            pass
+        raise refusal
     buf, digest = bytearray(), hashlib.sha256()
     async for chunk in chunks:
         if chunk.HasField("header"):

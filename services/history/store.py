@@ -37,6 +37,9 @@ from services.history.scripts import GET_HISTORY, PUT_REWARDS, PUT_ROLLOUTS, Scr
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids are int32s >= 0 (what the workers' drafters take)
 MAX_SAMPLE_INDEX = 2**31 - 1  # an int32, as in the protos and the packed lengths
+# Tokens of one rollout: above any context a policy samples to today (a 20M-token rollout
+# was stored, and every later read of its prompt carried it to the workers' drafters).
+MAX_ROLLOUT_TOKENS = 1 << 21
 # Rollouts (or rewards) of one prompt in one call: the most samples of a prompt in a step
 # (the scheduler writes a step per call). Each prompt's part of a call is one Lua script.
 MAX_PER_PROMPT = MAX_N
@@ -210,7 +213,8 @@ def _count(per_prompt: dict[str, int], prompt_id: str, where: str, what: str) ->
 
 def _packed_tokens(field: str, token_ids) -> bytes:
     """Token ids packed as little-endian int32; InvalidArgument naming the first one out of
-    [0, MAX_TOKEN_ID] (``field[i]``): a worker's drafter refuses such a response."""
+    [0, MAX_TOKEN_ID] (``field[i]``): a worker's drafter refuses such a response; or
+    naming ``field`` past MAX_ROLLOUT_TOKENS."""
     try:
         arr = np.asarray(token_ids)
         if arr.dtype.kind not in "iu":  # [] (float64), or Python ints past int64: refused below
@@ -218,6 +222,8 @@ def _packed_tokens(field: str, token_ids) -> bytes:
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgument(f"token ids must be integers ({exc})", field=field) from None
     arr = arr.reshape(-1)
+    if arr.size > MAX_ROLLOUT_TOKENS:
+        raise InvalidArgument(f"at most {MAX_ROLLOUT_TOKENS} tokens, got {arr.size}", field=field)
     if arr.size and (arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
         n = int(np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))[0])
         raise InvalidArgument(f"token id {int(arr[n])} is out of range [0, {MAX_TOKEN_ID}]", field=f"{field}[{n}]")

@@ -352,6 +352,8 @@ async def test_a_reward_sent_before_its_rollout_is_kept(clean_redis):
     (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, [0, 2**31])]), "rollouts[0].token_ids[1]"),
     (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, [1, 2**80])]), "rollouts[0].token_ids"),
     (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, ["a"])]), "rollouts[0].token_ids"),
+    (lambda s: s.put_rollouts([Rollout("p", "s", 0, 0, [1]), Rollout("q", "s", 0, 0, np.zeros(2**21 + 1, np.int32))]),
+     "rollouts[1].token_ids"),
 ])
 @run_async
 async def test_invalid_arguments_name_the_field_and_write_nothing(clean_redis, call, field):

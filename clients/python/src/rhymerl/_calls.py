@@ -239,11 +239,11 @@ def load_request(version: int, path) -> common_pb2.LoadWeightsRequest:
     return proto_message(common_pb2.LoadWeightsRequest, "", version=version, path=path)
 
 
-def weight_chunks(version: int, data: bytes, chunk_bytes: int = WEIGHT_CHUNK_BYTES, sha256: str = ""
-                  ) -> Iterator[common_pb2.WeightChunk]:
-    """A header (version, size, SHA-256: computed unless given) followed by the payload in chunks."""
-    yield common_pb2.WeightChunk(header=common_pb2.WeightHeader(
-        version=version, total_bytes=len(data), sha256=sha256 or hashlib.sha256(data).hexdigest()))
+def weight_chunks(version: int, data: bytes, chunk_bytes: int = WEIGHT_CHUNK_BYTES,
+                  header: common_pb2.WeightHeader | None = None) -> Iterator[common_pb2.WeightChunk]:
+    """A header (``weight_header``'s, unless given: a retried push reuses its SHA-256)
+    followed by the payload in chunks."""
+    yield common_pb2.WeightChunk(header=header if header is not None else weight_header(version, data))
     view = memoryview(data)
     for start in range(0, len(data), chunk_bytes):
         yield common_pb2.WeightChunk(data=bytes(view[start:start + chunk_bytes]))

@@ -162,11 +162,11 @@ class AsyncRolloutClient:
     async def push_weights(self, version: int, data: bytes, *, timeout_s: float | None = None) -> int:
         """See ``RolloutClient.push_weights`` (bounded by ``timeout_s``, retries included)."""
         deadline = time.monotonic() + (self.push_timeout_s if timeout_s is None else timeout_s)
-        sha256 = _calls.weight_header(version, data).sha256
+        header = _calls.weight_header(version, data)
         retry = self._retry(deadline)
         while True:
             try:
-                chunks = _calls.weight_chunks(version, data, sha256=sha256)
+                chunks = _calls.weight_chunks(version, data, header=header)
                 response = await self._stub.PushWeights(chunks, timeout=_calls.remaining_s(deadline),
                                                         metadata=self._metadata)
                 return response.version

@@ -223,11 +223,11 @@ class RolloutClient:
         a push that fails leaves the previous version serving.
         """
         deadline = time.monotonic() + (self.push_timeout_s if timeout_s is None else timeout_s)
-        sha256 = _calls.weight_header(version, data).sha256
+        header = _calls.weight_header(version, data)
         retry = self._retry(deadline)
         while True:
             try:
-                chunks = _calls.weight_chunks(version, data, sha256=sha256)
+                chunks = _calls.weight_chunks(version, data, header=header)
                 return self._stub.PushWeights(chunks, timeout=_calls.remaining_s(deadline),
                                               metadata=self._metadata).version
             except grpc.RpcError as err:

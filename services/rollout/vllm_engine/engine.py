@@ -46,15 +46,16 @@ def check_logprobs_mode(req: EngineRequest, vocab_size: int) -> None:
         return
     topk = 0 < req.top_k < vocab_size
     topp = req.top_p < 1.0
+    filtered = topk or topp or req.min_p > 0
     if req.temperature == 0:
         # greedy: T' = 1; vLLM returns log softmax(logits) over the whole vocabulary (it
         # samples greedy requests without the filters): rhymerl's raw, not its processed
-        if req.logprobs_mode == "processed" and (topk or topp or req.min_p > 0):
+        if req.logprobs_mode == "processed" and filtered:
             raise ValueError("logprobs_mode: processed logprobs of greedy samples with top_k / top_p / min_p are "
                              "not available on a vLLM worker (it returns them over the whole vocabulary); ask "
                              "for raw or drop the filters")
         return
-    if req.logprobs_mode == "raw" and (topk or topp or req.min_p > 0):
+    if req.logprobs_mode == "raw" and filtered:
         raise ValueError("logprobs_mode: raw logprobs with top_k / top_p / min_p are not available on a vLLM "
                          "worker (its logprobs mode is engine-wide); ask for processed or drop the filters")
     if req.logprobs_mode == "processed" and req.min_p > 0 and (topk or topp):

@@ -22,6 +22,7 @@ from services.common import metrics
 from services.common.errors import FailedPrecondition, SettingError, Unavailable, grpc_errors
 from services.common.grpc_server import Server, run_until_signal
 from services.common.security import BearerTokenAuth, parse_tokens
+from services.common.validation import check_id
 from services.router.core import SHARD_FAULTS, LatestWeights, Router, Shard, ShardError, merge_mismatch
 from services.router.registry import ShardDirectory
 from services.router.settings import RouterSettings
@@ -50,7 +51,8 @@ class RouterServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @grpc_errors
     async def ReportRewards(self, request, context):
-        step = self.router.get(request.step_id)  # first, and the report bounded by its size (rewards.py)
+        check_id(request.step_id, "step_id")  # then the step, and the report bounded by its size (rewards.py)
+        step = self.router.get(request.step_id)
         check_report_size(len(request.rewards), step.num_samples)
         check_rewards(request)
         for i, r in enumerate(request.rewards):  # as a scheduler answers (services/scheduler/rewards.py)

@@ -48,24 +48,29 @@ async def receive(chunks: AsyncIterator[common_pb2.WeightChunk], max_bytes: int)
     The checksum is computed chunk by chunk as they arrive, and the payload is not copied
     at the end: hashing a whole model (538 MB for SmolLM2) in one go blocked the worker's
     event loop for seconds under load, long enough for the scheduler's health poll to time
-    out and mark the worker unhealthy in the middle of the push (docs/smollm2.md)."""
+    out and mark the worker unhealthy in the middle of the push (docs/smollm2.md).
+
+    A push refused before its end has the rest read and dropped (nothing kept) before the
+    refusal: a call its server ends while the sender still streams may reach the sender as
+    gRPC's INTERNAL "Internal error from Core", not this status (the scheduler then answered
+    the trainer UNAVAILABLE, which the SDK retries)."""
+    try:
+        return await _receive(chunks, max_bytes)
+    except InvalidArgument:
+        async for _ in chunks:
+            pass
+        raise
+
+
+async def _receive(chunks: AsyncIterator[common_pb2.WeightChunk], max_bytes: int) -> Payload:
     first = await anext(aiter(chunks), None)
     if first is None or not first.HasField("header"):
         raise InvalidArgument("the first message must be a header", "header")
     header = first.header
-    refusal = None
     if header.total_bytes <= 0 or header.total_bytes > max_bytes:
-        refusal = InvalidArgument(f"must be in [1, {max_bytes}], got {header.total_bytes}", "header.total_bytes")
-    elif len(header.sha256) != 64:
-        refusal = InvalidArgument("must be a hex SHA-256 (64 characters)", "header.sha256")
-    if refusal is not None:
-        # The rest is read and dropped (nothing kept) before the refusal: a call its server
-        # ends while the sender still streams may reach the sender as gRPC's INTERNAL
-        # "Internal error from Core", not this status (the scheduler then answered the
-        # trainer UNAVAILABLE, which the SDK retries).
-        async for _ in chunks:
-            pass
-        raise refusal
+        raise InvalidArgument(f"must be in [1, {max_bytes}], got {header.total_bytes}", "header.total_bytes")
+    if len(header.sha256) != 64:
+        raise InvalidArgument("must be a hex SHA-256 (64 characters)", "header.sha256")
     buf, digest = bytearray(), hashlib.sha256()
     async for chunk in chunks:
         if chunk.HasField("header"):
